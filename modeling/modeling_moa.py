@@ -1,0 +1,827 @@
+"""Mixture-of-Attentions (MoA) drafter for speculative decoding (Zimmer et al., ICLR 2025, arXiv 2410.03804).
+
+Per drafting cycle (the target has verified tokens 0..n-1 and cached keys/values for 0..n-2):
+  1. LSA: for each newly verified token, attention across the target's L layers over that layer's cached key/value,
+     mean over layers, projection -> one context vector per token; CA keys/values of it are appended to the CA cache.
+  2. per drafted token: embedding -> SA (causal, own KV cache) -> CA (queries attend to verified context only)
+     -> [TLI: the target's last N layers with the target's own cache] -> the target's LM head.
+
+This file ships inside every Hub repo as remote code: it imports only torch, transformers and its sibling files.
+"""
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache, GenerationConfig, GenerationMixin, LogitsProcessorList, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.modeling_outputs import ModelOutput
+from transformers.models.llama.modeling_llama import rotate_half
+
+from .configuration_moa import MoADrafterConfig, target_signature, unsupported_target_reason
+
+__all__ = [
+    "MoADrafterModel",
+    "MoAPreTrainedModel",
+    "MoADrafterCache",
+    "MoADrafterOutput",
+    "SpeculationStats",
+    "cycle_starts_from_restarts",
+    "gather_target_kv",
+]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------------------------------
+class MoARMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()  # norms in fp32
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MoARotaryEmbedding(nn.Module):
+    """Plain RoPE: cos/sin for integer positions."""
+
+    def __init__(self, dim: int, theta: float):
+        super().__init__()
+        self.dim, self.theta = dim, theta
+        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
+
+    def compute_inv_freq(self) -> torch.Tensor:
+        return 1.0 / (self.theta ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
+
+    @torch.no_grad()
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq  # [..., T, dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [..., T, dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, H, T, hd]; cos/sin [B, T, hd] or [T, hd]
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    return x * cos + rotate_half(x) * sin
+
+
+class MoAMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act_fn = ACT2FN[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoAAttention(nn.Module):
+    """Grouped-query attention whose queries and keys/values may come from different streams (self or cross)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
+        return _rope(q, cos, sin)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, _ = x.shape
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
+        return _rope(k, cos, sin), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        # q [B, H, Tq, hd], k/v [B, Hkv, Tk, hd], mask bool [B or 1, 1, Tq, Tk] (True = visible) or None (all visible)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        B, H, T, hd = y.shape
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))  # [B, T, H*hd] -> [B, T, d]
+
+
+class MoADecoderLayer(nn.Module):
+    """Pre-norm decoder layer (attention + gated MLP). Used for SA (causal) and LSA (across target layers)."""
+
+    def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, eps, act):
+        super().__init__()
+        self.input_layernorm = MoARMSNorm(hidden_size, eps)
+        self.self_attn = MoAAttention(hidden_size, num_heads, num_kv_heads, head_dim)
+        self.post_attention_layernorm = MoARMSNorm(hidden_size, eps)
+        self.mlp = MoAMLP(hidden_size, intermediate_size, act)
+
+    def forward(self, h, cos, sin, mask=None, cache: "MoADrafterCache | None" = None):
+        x = self.input_layernorm(h)
+        q = self.self_attn.queries(x, cos, sin)
+        k, v = self.self_attn.keys_values(x, cos, sin)
+        if cache is not None:
+            k, v = cache.append_self(k, v)
+        h = h + self.self_attn.attend(q, k, v, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MoACrossAttentionLayer(nn.Module):
+    """CA: queries from the SA stream, keys/values from the context vectors of verified tokens.
+
+    One RMSNorm (same weights) normalises both streams, as in the authors' code. A learned null key/value is always
+    visible, so a query with no verified context yet (the very first draft) still has a well-defined attention.
+    """
+
+    def __init__(self, config: MoADrafterConfig):
+        super().__init__()
+        d, hkv, hd = config.hidden_size, config.num_key_value_heads, config.head_dim
+        self.input_layernorm = MoARMSNorm(d, config.rms_norm_eps)
+        self.attn = MoAAttention(d, config.num_attention_heads, hkv, hd)
+        self.null_key = nn.Parameter(torch.zeros(hkv, 1, hd))
+        self.null_value = nn.Parameter(torch.zeros(hkv, 1, hd))
+        self.post_attention_layernorm = MoARMSNorm(d, config.rms_norm_eps)
+        self.mlp = MoAMLP(d, config.intermediate_size, config.hidden_act)
+
+    def context_keys_values(self, context, cos, sin):
+        return self.attn.keys_values(self.input_layernorm(context), cos, sin)
+
+    def forward(self, h, cos, sin, ctx_k, ctx_v, mask=None):
+        # h [B, T, d]; ctx_k/ctx_v [B, Hkv, M, hd]; mask bool [B, 1, T, M] or None (all M visible)
+        B, T, _ = h.shape
+        q = self.attn.queries(self.input_layernorm(h), cos, sin)
+        k = torch.cat([self.null_key.to(ctx_k.dtype).expand(B, -1, -1, -1), ctx_k], dim=2)  # [B, Hkv, 1+M, hd]
+        v = torch.cat([self.null_value.to(ctx_v.dtype).expand(B, -1, -1, -1), ctx_v], dim=2)
+        if mask is not None:
+            mask = torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], dim=-1)  # [B, 1, T, 1+M]
+        h = h + self.attn.attend(q, k, v, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Caches, outputs, statistics
+# ----------------------------------------------------------------------------------------------------------------------
+def gather_target_kv(target_cache, start: int, end: int) -> torch.Tensor:
+    """The target's cached key and value of every layer for positions [start, end): [B, end-start, L, 2*Hkv*hd].
+
+    Keys are taken as the cache holds them (after RoPE); key and value are joined per KV head.
+    """
+    per_layer = []
+    for layer in target_cache.layers:
+        kv = torch.cat([layer.keys[:, :, start:end], layer.values[:, :, start:end]], dim=-1)  # [B, Hkv, T, 2*hd]
+        per_layer.append(kv.transpose(1, 2).flatten(2))  # [B, T, Hkv*2*hd]
+    return torch.stack(per_layer, dim=2)  # [B, T, L, 2*Hkv*hd]
+
+
+def cycle_starts_from_restarts(restart: torch.Tensor) -> torch.Tensor:
+    """start(i) = the last restart position <= i, for a bool [B, T] tensor of restart points (position 0 included).
+
+    A position i may read the target's state of tokens j < start(i) only (at inference, a cycle starts at the
+    token the target has just produced, whose own target state does not exist yet).
+    """
+    B, T = restart.shape
+    pos = torch.arange(T, device=restart.device).expand(B, T)
+    marks = torch.where(restart, pos, torch.zeros_like(pos))
+    return torch.cummax(marks, dim=1).values  # [B, T]
+
+
+class MoADrafterCache:
+    """Everything the drafter keeps between drafting calls; all of it rolls back to any length with `crop`.
+
+    - SA keys/values of every token fed so far (positions 0..seq_length-1).
+    - CA memory: CA keys/values of the context vectors of verified tokens (positions 0..context_length-1).
+    - TLI (N > 0): a cache for the target's last N layers: the target's own keys/values for verified positions,
+      followed by the ones computed from drafted positions.
+    """
+
+    def __init__(self):
+        self.tokens = None  # [B, T] the tokens whose SA keys/values are cached
+        self.sa_keys = self.sa_values = None  # [B, Hkv, T, hd]
+        self.ca_keys = self.ca_values = None  # [B, Hkv, M, hd]
+        self.tli: DynamicCache | None = None
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.sa_keys is None else self.sa_keys.shape[2]
+
+    @property
+    def context_length(self) -> int:
+        return 0 if self.ca_keys is None else self.ca_keys.shape[2]
+
+    def common_prefix(self, input_ids: torch.Tensor) -> int:
+        """Length of the longest prefix of `input_ids` that the cached SA keys/values were computed from."""
+        if self.tokens is None:
+            return 0
+        n = min(self.tokens.shape[1], input_ids.shape[1])
+        differ = (self.tokens[:, :n] != input_ids[:, :n]).any(0).nonzero()
+        return int(differ[0]) if differ.numel() else n
+
+    def append_self(self, k, v):
+        if self.sa_keys is not None:
+            k, v = torch.cat([self.sa_keys, k], dim=2), torch.cat([self.sa_values, v], dim=2)
+        self.sa_keys, self.sa_values = k, v
+        return k, v
+
+    def append_context(self, k, v):
+        if self.ca_keys is not None:
+            k, v = torch.cat([self.ca_keys, k], dim=2), torch.cat([self.ca_values, v], dim=2)
+        self.ca_keys, self.ca_values = k, v
+
+    def crop(self, length: int) -> None:
+        """Keep positions < `length`; a negative value removes that many tokens (transformers' convention)."""
+        if length < 0:
+            length = max(0, self.get_seq_length() + length)
+        if self.sa_keys is not None:
+            self.sa_keys, self.sa_values = self.sa_keys[:, :, :length], self.sa_values[:, :, :length]
+            self.tokens = self.tokens[:, :length]
+        if self.ca_keys is not None:
+            self.ca_keys, self.ca_values = self.ca_keys[:, :, :length], self.ca_values[:, :, :length]
+        if self.tli is not None and self.tli.get_seq_length() > length:
+            self.tli.crop(length - self.tli.get_seq_length())
+
+
+@dataclass
+class MoADrafterOutput(ModelOutput):
+    """`logits`: [B, T, V] (None if not asked); `hidden_states`: the drafter's feature [B, T, d] (the predicted
+    post-norm final hidden state of the target, or with TLI N > 0 the predicted activation after layer L-N);
+    `final_hidden_states`: with N > 0, the target's final-norm output after its last N layers."""
+
+    logits: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+    final_hidden_states: torch.Tensor | None = None
+    past_key_values: MoADrafterCache | None = None
+
+
+@dataclass
+class SpeculationStats:
+    """What happened in the drafter's last `generate` session.
+
+    `accepted_lengths[i]`: tokens the target added in cycle i, counting its own token (plain decoding = 1.0).
+    """
+
+    accepted_lengths: list[int] = field(default_factory=list)
+    target_calls: int = 0
+    drafted_tokens: int = 0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return sum(self.accepted_lengths) / max(1, len(self.accepted_lengths))
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(self.accepted_lengths)
+
+    def as_dict(self) -> dict:
+        return {
+            "accepted_lengths": list(self.accepted_lengths),
+            "mean_accepted_length": self.mean_accepted_length,
+            "target_calls": self.target_calls,
+            "drafted_tokens": self.drafted_tokens,
+            "generated_tokens": self.generated_tokens,
+            "draft_time_s": self.draft_time_s,
+            "verify_time_s": self.verify_time_s,
+        }
+
+
+class _TargetTap:
+    """Forward hooks on the target: the cache of its latest call, and how many calls / how long they took.
+
+    The drafter reads from that cache only the positions the target has verified (see `MoADrafterModel._sync`).
+    """
+
+    def __init__(self):
+        self.cache = None
+        self.calls = 0
+        self.seconds = 0.0
+        self._t0 = 0.0
+
+    def pre_hook(self, module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        if cache is not None:
+            self.cache = cache
+        self.calls += 1
+        self._t0 = time.perf_counter()
+
+    def post_hook(self, module, args, kwargs, output):
+        self.seconds += time.perf_counter() - self._t0
+
+
+@dataclass
+class _Attachment:
+    """References to the target's modules the drafter borrows (plain references: not submodules, never saved)."""
+
+    target: nn.Module
+    embed: nn.Module
+    lm_head: nn.Module
+    tli_layers: list
+    final_norm: nn.Module | None
+    rotary: nn.Module | None
+    tap: _TargetTap
+    handles: list
+
+
+@dataclass
+class _Session:
+    """Book-keeping of one `target.generate` call (a new session starts when the assistant cache is None)."""
+
+    calls: list = field(default_factory=list)  # (input length, target calls so far) at each drafting call
+    tap_calls0: int = 0
+    tap_seconds0: float = 0.0
+    drafted_tokens: int = 0
+    draft_time_s: float = 0.0
+    context_reads: list = field(default_factory=list)  # (start, end) target positions read, per cycle
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------------------------------
+class MoAPreTrainedModel(PreTrainedModel):
+    config_class = MoADrafterConfig
+    config: MoADrafterConfig
+    base_model_prefix = "moa"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["MoADecoderLayer", "MoACrossAttentionLayer"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            module.weight.normal_(0.0, std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, std)
+        elif isinstance(module, MoARMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, MoACrossAttentionLayer):
+            module.null_key.normal_(0.0, std)
+            module.null_value.zero_()
+        elif isinstance(module, MoARotaryEmbedding):
+            module.inv_freq.copy_(module.compute_inv_freq())
+
+
+class MoADrafterModel(MoAPreTrainedModel, GenerationMixin):
+    """The MoA drafter. Attach it to its target, then pass it as `assistant_model` to `target.generate`.
+
+    ```python
+    drafter = MoADrafterModel.from_pretrained(path).attach(target)
+    out = target.generate(**inputs, assistant_model=drafter)
+    print(drafter.speculation_stats.mean_accepted_length)
+    ```
+    """
+
+    def __init__(self, config: MoADrafterConfig):
+        super().__init__(config)
+        c = config
+        self.self_attention = MoADecoderLayer(
+            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size,
+            c.rms_norm_eps, c.hidden_act,
+        )
+        self.cross_attention = MoACrossAttentionLayer(c)
+        lsa_head_dim = c.lsa_hidden_size // c.lsa_num_attention_heads
+        self.lsa_in_proj = (
+            nn.Linear(c.target_kv_width, c.lsa_hidden_size, bias=False)
+            if c.lsa_hidden_size != c.target_kv_width
+            else None
+        )
+        self.layer_self_attention = MoADecoderLayer(
+            c.lsa_hidden_size, c.lsa_num_attention_heads, c.lsa_num_key_value_heads, lsa_head_dim,
+            c.lsa_intermediate_size, c.rms_norm_eps, c.hidden_act,
+        )
+        self.Ekv2E = nn.Linear(c.lsa_hidden_size, c.hidden_size, bias=True)  # authors' name for the LSA projection
+        self.rotary_emb = MoARotaryEmbedding(c.head_dim, c.rope_theta)
+        self.lsa_rotary_emb = MoARotaryEmbedding(lsa_head_dim, 10000.0)
+        if c.own_embeddings:
+            self.embed_tokens = nn.Embedding(c.vocab_size, c.target_hidden_size)
+            self.lm_head = nn.Linear(c.target_hidden_size, c.vocab_size, bias=False)
+        self._attachment: _Attachment | None = None
+        self._session: _Session | None = None
+        self.post_init()
+        self.generation_config = self.default_generation_config(self.generation_config)
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Speculation defaults
+    # ------------------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def default_generation_config(generation_config: GenerationConfig | None = None) -> GenerationConfig:
+        """Speculation defaults read by transformers' assisted generation (override any of them per call or here).
+
+        - `num_assistant_tokens`: the most tokens drafted per cycle.
+        - `num_assistant_tokens_schedule`: "constant" keeps it; "heuristic" grows it by 2 after a fully accepted
+          draft and shrinks it by 1 otherwise (and writes it back into this config).
+        - `assistant_confidence_threshold`: stop drafting early once the drafter's probability of its own token
+          falls below this value (0 drafts always `num_assistant_tokens`).
+        """
+        gc = generation_config if generation_config is not None else GenerationConfig()
+        gc.num_assistant_tokens = 5
+        gc.num_assistant_tokens_schedule = "constant"
+        gc.assistant_confidence_threshold = 0.3
+        return gc
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Attaching to the target
+    # ------------------------------------------------------------------------------------------------------------------
+    def attach(self, target: PreTrainedModel, allow_other_target: bool = False) -> "MoADrafterModel":
+        """Borrow the target's embedding, LM head (and last N layers) and install hooks that expose its cache.
+
+        Nothing on the target is modified: two forward hooks are registered and removed again by `detach`.
+        """
+        if self._attachment is not None:
+            if self._attachment.target is target:
+                return self
+            self.detach()
+        self.check_target(target, allow_other_target=allow_other_target)
+        n = self.config.target_layer_inference
+        decoder = _decoder_of(target)
+        tli_layers = list(decoder.layers[len(decoder.layers) - n :]) if n > 0 else []
+        tap = _TargetTap()
+        handles = [
+            target.register_forward_pre_hook(tap.pre_hook, with_kwargs=True),
+            target.register_forward_hook(tap.post_hook, with_kwargs=True),
+        ]
+        self._attachment = _Attachment(
+            target=target,
+            embed=target.get_input_embeddings(),
+            lm_head=target.get_output_embeddings(),
+            tli_layers=tli_layers,
+            final_norm=getattr(decoder, "norm", None) if n > 0 else None,
+            rotary=getattr(decoder, "rotary_emb", None) if n > 0 else None,
+            tap=tap,
+            handles=handles,
+        )
+        return self
+
+    def detach(self) -> "MoADrafterModel":
+        """Remove every hook from the target and drop the borrowed modules."""
+        if self._attachment is not None:
+            for handle in self._attachment.handles:
+                handle.remove()
+        self._attachment = None
+        self._session = None
+        return self
+
+    @contextlib.contextmanager
+    def attached(self, target: PreTrainedModel, allow_other_target: bool = False):
+        """`with drafter.attached(target): ...`: attached inside, detached on leaving (also on an exception)."""
+        self.attach(target, allow_other_target=allow_other_target)
+        try:
+            yield self
+        finally:
+            self.detach()
+
+    @property
+    def is_attached(self) -> bool:
+        return self._attachment is not None
+
+    def check_target(self, target: PreTrainedModel, allow_other_target: bool = False) -> None:
+        """Raise a `ValueError` saying what is wrong if this drafter cannot serve `target`."""
+        reason = unsupported_target_reason(target.config)
+        if reason is not None:
+            raise ValueError(f"This target cannot be served by a MoA drafter: {reason}.")
+        sig = target_signature(target.config)
+        head = target.get_output_embeddings()
+        if head is not None and hasattr(head, "weight"):
+            sig["vocab_size"] = head.weight.shape[0]
+        diffs = [
+            f"{key}: drafter {value} != target {sig[key]}"
+            for key, value in self.config.signature().items()
+            if sig.get(key) != value
+        ]
+        if diffs:
+            raise ValueError(
+                "The target's signature does not match the one this drafter was built for ("
+                + "; ".join(diffs)
+                + "). Use a drafter trained for this target, or build one with "
+                "`MoADrafterConfig.from_target_config(target.config)`."
+            )
+        expected = self.config.target_name_or_path
+        actual = getattr(target.config, "name_or_path", "") or ""
+        if expected and actual and not allow_other_target and _short_name(expected) != _short_name(actual):
+            raise ValueError(
+                f"This drafter was trained for target '{expected}' but is being attached to '{actual}'. Their "
+                "signatures match, so it will run, but its acceptance may be poor. Pass `allow_other_target=True` "
+                "to attach anyway."
+            )
+        n = self.config.target_layer_inference
+        if n > 0:
+            decoder = _decoder_of(target)
+            for attr in ("layers", "norm", "rotary_emb"):
+                if not hasattr(decoder, attr):
+                    raise ValueError(
+                        f"target_layer_inference={n} needs the target's decoder to expose `{attr}` "
+                        f"({type(decoder).__name__} does not). Use target_layer_inference=0 for this target."
+                    )
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Borrowed or own embedding / head
+    # ------------------------------------------------------------------------------------------------------------------
+    def get_input_embeddings(self):
+        if self.config.own_embeddings:
+            return self.embed_tokens
+        return self._attachment.embed if self._attachment is not None else None
+
+    def get_output_embeddings(self):
+        if self.config.own_embeddings:
+            return self.lm_head
+        return self._attachment.lm_head if self._attachment is not None else None
+
+    def _require(self, what: str):
+        if not self.config.own_embeddings and self._attachment is None:
+            raise RuntimeError(
+                f"The drafter needs the target's {what}: call `drafter.attach(target)` first (or use "
+                "`moa_hf.attached(drafter, target)`), or build the drafter with `own_embeddings=True`."
+            )
+
+    def copy_embeddings_from(self, target: PreTrainedModel) -> None:
+        """Copy the target's embedding and LM head into the drafter's own (`own_embeddings=True`)."""
+        if not self.config.own_embeddings:
+            raise ValueError("copy_embeddings_from needs a drafter built with `own_embeddings=True`.")
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+            self.lm_head.weight.copy_(target.get_output_embeddings().weight)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self._require("embedding")
+        return self.get_input_embeddings()(input_ids).to(self.dtype)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        self._require("LM head")
+        head = self.get_output_embeddings()
+        return head(hidden.to(head.weight.dtype)).float()
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # The three attentions
+    # ------------------------------------------------------------------------------------------------------------------
+    def compute_context(self, target_kv: torch.Tensor) -> torch.Tensor:
+        """LSA: [B, T, L, 2*Hkv*hd] target keys/values per layer -> [B, T, d] one context vector per token."""
+        B, T, L, W = target_kv.shape
+        x = target_kv.to(self.dtype).reshape(B * T, L, W)  # each token is a sequence over the target's layers
+        if self.lsa_in_proj is not None:
+            x = self.lsa_in_proj(x)  # [B*T, L, lsa_hidden]
+        cos, sin = self.lsa_rotary_emb(torch.arange(L, device=x.device), x.dtype)  # position = layer index
+        x = self.layer_self_attention(x, cos, sin, mask=None)  # no mask across layers
+        return self.Ekv2E(x.mean(dim=1)).view(B, T, -1)  # mean over layers -> [B, T, d]
+
+    def _tli(self, h, positions, tli_cache, mask=None):
+        """Run the target's last N layers (with `tli_cache` holding their keys/values) and final norm on h."""
+        att = self._attachment
+        if att is None:
+            raise RuntimeError("target_layer_inference > 0 runs the target's last layers: attach the drafter first.")
+        dtype = att.tli_layers[0].parameters().__next__().dtype
+        x = h.to(dtype)
+        position_ids = positions.expand(h.shape[0], -1)
+        cos_sin = att.rotary(x, position_ids)
+        for layer in att.tli_layers:
+            x = layer(x, attention_mask=mask, position_ids=position_ids, past_key_values=tli_cache,
+                      use_cache=True, position_embeddings=cos_sin)
+            x = x[0] if isinstance(x, tuple) else x
+        return att.final_norm(x).to(h.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        target_kv: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
+        cycle_starts: torch.LongTensor | None = None,
+        sa_mask: torch.Tensor | None = None,
+        target_tli_kv: list | None = None,
+        return_logits: bool = True,
+        **kwargs,
+    ) -> MoADrafterOutput:
+        """Training-time (parallel) forward over whole sequences with simulated drafting cycles.
+
+        Args:
+            input_ids: [B, T] tokens.
+            target_kv: [B, T, L, 2*Hkv*hd] the target's keys/values per layer (see `gather_target_kv`), or
+            context: [B, T, d] precomputed context vectors.
+            cycle_starts: [B, T] start(i); position i reads the context of tokens j < start(i) only. Default: i
+                (every position is the first of its cycle: all earlier tokens verified).
+            sa_mask: optional bool [B, T, T] SA mask (default causal).
+            target_tli_kv: with N > 0, a list of N (key, value) pairs [B, Hkv, T, hd] from the target's last N
+                layers; position i sees them for j < start(i) and the drafted ones for start(i) <= j <= i.
+        """
+        B, T = input_ids.shape
+        device = input_ids.device
+        pos = torch.arange(T, device=device)
+        if cycle_starts is None:
+            cycle_starts = pos.expand(B, T)
+        if context is None:
+            if target_kv is None:
+                raise ValueError("forward needs `target_kv` (the target's per-layer keys/values) or `context`.")
+            context = self.compute_context(target_kv)
+        h = self.embed(input_ids)  # [B, T, d]
+        cos, sin = self.rotary_emb(pos, h.dtype)
+        causal = pos[None, :] <= pos[:, None]  # [T, T]
+        mask = causal[None, None] if sa_mask is None else (sa_mask & causal)[:, None]
+        h = self.self_attention(h, cos, sin, mask=mask)
+        ctx_k, ctx_v = self.cross_attention.context_keys_values(context.to(h.dtype), cos, sin)
+        ca_mask = pos[None, None, :] < cycle_starts[:, :, None]  # [B, T, T]: j < start(i)
+        h = self.cross_attention(h, cos, sin, ctx_k, ctx_v, mask=ca_mask[:, None])
+        final = None
+        if self.config.target_layer_inference > 0:
+            if target_tli_kv is None:
+                raise ValueError("target_layer_inference > 0: pass `target_tli_kv` (the last N layers' keys/values).")
+            tli = DynamicCache()
+            first = self.config.target_num_hidden_layers - self.config.target_layer_inference
+            for i, (k, v) in enumerate(target_tli_kv):
+                tli.update(k, v, first + i)
+            # keys: [target j < start(i) | drafted start(i) <= j <= i]
+            drafted = causal[None] & (pos[None, None, :] >= cycle_starts[:, :, None])  # [B, T, T]
+            visible = torch.cat([ca_mask, drafted], dim=-1)[:, None]  # [B, 1, T, 2T]
+            dtype = self._attachment.tli_layers[0].parameters().__next__().dtype
+            additive = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(
+                ~visible, torch.finfo(dtype).min
+            )
+            final = self._tli(h, pos[None], tli, mask=additive)
+        logits = self.head(final if final is not None else h) if return_logits else None
+        return MoADrafterOutput(logits=logits, hidden_states=h, final_hidden_states=final)
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # Inference: one drafting call of assisted generation
+    # ------------------------------------------------------------------------------------------------------------------
+    def _sync(self, cache: MoADrafterCache, num_verified: int) -> None:
+        """Append CA memory (and the TLI cache) for target positions that are verified and not yet read."""
+        att = self._attachment
+        target_cache = att.tap.cache if att is not None else None
+        if target_cache is None or target_cache.get_seq_length() == 0:
+            return
+        end = min(target_cache.get_seq_length(), num_verified)
+        start = cache.context_length
+        if end <= start:
+            return
+        self.extend_context(cache, self.compute_context(gather_target_kv(target_cache, start, end)))
+        if self._session is not None:
+            self._session.context_reads.append((start, end))
+        if self.config.target_layer_inference > 0:
+            if cache.tli is None:
+                cache.tli = DynamicCache()
+            tli_len = cache.tli.get_seq_length()
+            if tli_len > start:  # drop keys/values computed from drafted positions
+                cache.tli.crop(start - tli_len)
+            first = self.config.target_num_hidden_layers - self.config.target_layer_inference
+            for idx in range(first, self.config.target_num_hidden_layers):
+                layer = target_cache.layers[idx]
+                cache.tli.update(layer.keys[:, :, start:end], layer.values[:, :, start:end], idx)
+
+    def extend_context(self, cache: MoADrafterCache, context: torch.Tensor) -> None:
+        """Append context vectors [B, T, d] of the next verified positions to the CA memory of `cache`.
+
+        (A client that receives context vectors from a server, see `moa_hf.serving`, calls this directly.)
+        """
+        start = cache.context_length
+        context = context.to(self.dtype)
+        cos, sin = self.rotary_emb(torch.arange(start, start + context.shape[1], device=context.device), context.dtype)
+        cache.append_context(*self.cross_attention.context_keys_values(context, cos, sin))
+
+    def draft_step(self, new_ids: torch.Tensor, cache: MoADrafterCache) -> torch.Tensor:
+        """Public form of one drafting step: feed `new_ids` [B, T] (tokens not yet in the SA cache), get the
+        logits [B, V] for the next token given the CA memory in `cache`."""
+        return self._decode(new_ids, cache)
+
+    def _decode(self, new_ids: torch.Tensor, cache: MoADrafterCache) -> torch.Tensor:
+        """Feed the tokens not yet in the SA cache; logits [B, V] for the token after the last one."""
+        past = cache.get_seq_length()
+        T = new_ids.shape[1]
+        pos = torch.arange(past, past + T, device=new_ids.device)
+        h = self.embed(new_ids)  # [B, T, d]
+        cos, sin = self.rotary_emb(pos, h.dtype)
+        mask = None
+        if T > 1:  # causal among the new tokens, all cached ones visible
+            mask = torch.arange(past + T, device=h.device)[None, :] <= pos[:, None]  # [T, past+T]
+        h = self.self_attention(h, cos, sin, mask=mask, cache=cache)[:, -1:]
+        cache.tokens = new_ids if cache.tokens is None else torch.cat([cache.tokens, new_ids], dim=1)  # only the last position drafts
+        if cache.ca_keys is None:
+            B, hkv, hd = h.shape[0], self.config.num_key_value_heads, self.config.head_dim
+            cache.ca_keys = cache.ca_values = h.new_zeros(B, hkv, 0, hd)
+        h = self.cross_attention(h, cos[-1:], sin[-1:], cache.ca_keys, cache.ca_values)
+        if self.config.target_layer_inference > 0:
+            if cache.tli is None:
+                cache.tli = DynamicCache()
+            h = self._tli(h, pos[-1:][None], cache.tli)
+        return self.head(h)[:, -1]  # [B, V] float32
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.LongTensor,
+        generation_config: GenerationConfig | None = None,
+        logits_processor=None,
+        past_key_values: MoADrafterCache | None = None,
+        max_new_tokens: int | None = None,
+        min_new_tokens: int | None = None,
+        **kwargs,
+    ) -> GenerateDecoderOnlyOutput:
+        """Draft tokens after `input_ids` (all verified). Called by transformers' `AssistedCandidateGenerator`.
+
+        Returns the sequences, the processed scores of every drafted token (so speculative sampling is exact) and
+        the drafter's cache. A call without `past_key_values` starts a new session.
+        """
+        t0 = time.perf_counter()
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"The MoA drafter drafts for one sequence at a time (got batch size {input_ids.shape[0]}); "
+                "transformers' assisted generation supports batch size 1 only. Loop over the prompts."
+            )
+        gc = generation_config if generation_config is not None else self.generation_config
+        if max_new_tokens is None:
+            max_new_tokens = gc.max_new_tokens if gc.max_new_tokens is not None else gc.num_assistant_tokens
+        min_new_tokens = min_new_tokens or 0
+        processors = LogitsProcessorList(logits_processor or [])
+        threshold = getattr(gc, "assistant_confidence_threshold", None) or 0.0
+        eos = gc.eos_token_id if gc.eos_token_id is not None else self.config.eos_token_id
+        eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), device=input_ids.device)
+        if past_key_values is None:
+            past_key_values = MoADrafterCache()
+            self._start_session()
+        session = self._session
+        num_verified = input_ids.shape[1]
+        if session is not None:
+            session.calls.append((num_verified, self._attachment.tap.calls if self._attachment else 0))
+        # keep SA state only for the tokens it was computed from, and never for the last one (its output drafts)
+        past_key_values.crop(min(past_key_values.common_prefix(input_ids), num_verified - 1))
+        self._sync(past_key_values, num_verified)
+
+        ids, new_ids, scores = input_ids, input_ids[:, past_key_values.get_seq_length() :], []
+        for step in range(max_new_tokens):
+            logits = self._decode(new_ids, past_key_values)  # [1, V]
+            if processors:
+                logits = processors(ids, logits)
+            if step < min_new_tokens and eos.numel():
+                logits[:, eos] = -float("inf")
+            probs = None
+            if gc.do_sample:
+                probs = logits.softmax(-1)
+                token = torch.multinomial(probs, 1)  # [1, 1]
+            else:
+                token = logits.argmax(-1, keepdim=True)  # [1, 1]
+            scores.append(logits)
+            ids, new_ids = torch.cat([ids, token], dim=-1), token
+            if eos.numel() and bool(torch.isin(token, eos)):
+                break
+            if threshold > 0 and step + 1 >= min_new_tokens:
+                probs = logits.softmax(-1) if probs is None else probs
+                if probs[0, token[0, 0]] < threshold:
+                    break
+        if session is not None:
+            session.drafted_tokens += len(scores)
+            session.draft_time_s += time.perf_counter() - t0
+        return GenerateDecoderOnlyOutput(sequences=ids, scores=tuple(scores), past_key_values=past_key_values)
+
+    def _start_session(self) -> None:
+        tap = self._attachment.tap if self._attachment is not None else None
+        if tap is not None:
+            tap.cache = None  # the target's cache of an earlier generate call is stale
+        self._session = _Session(tap_calls0=tap.calls if tap else 0, tap_seconds0=tap.seconds if tap else 0.0)
+
+    @property
+    def speculation_stats(self) -> SpeculationStats:
+        """Statistics of the last `generate` session (see `SpeculationStats`)."""
+        s, att = self._session, self._attachment
+        if s is None or att is None:
+            return SpeculationStats()
+        tap = att.tap
+        accepted = [b[0] - a[0] for a, b in zip(s.calls, s.calls[1:])]
+        if s.calls and tap.cache is not None:
+            final_len = tap.cache.get_seq_length() + 1  # the target cache holds all verified tokens but the last
+            last_len, last_calls = s.calls[-1]
+            extra_calls = tap.calls - last_calls
+            if extra_calls > 0 and final_len > last_len:
+                accepted.append(final_len - last_len - (extra_calls - 1))
+                accepted.extend([1] * (extra_calls - 1))
+        return SpeculationStats(
+            accepted_lengths=accepted,
+            target_calls=tap.calls - s.tap_calls0,
+            drafted_tokens=s.drafted_tokens,
+            draft_time_s=s.draft_time_s,
+            verify_time_s=tap.seconds - s.tap_seconds0,
+        )
+
+
+def _decoder_of(target: nn.Module) -> nn.Module:
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", target)
+    if not hasattr(decoder, "layers"):
+        raise ValueError(
+            f"Cannot find the decoder layers of {type(target).__name__} (expected `.get_decoder().layers`)."
+        )
+    return decoder
+
+
+def _short_name(name_or_path: str) -> str:
+    return str(name_or_path).rstrip("/").split("/")[-1].lower()
+
+
+MoADrafterConfig.register_for_auto_class()
+MoADrafterModel.register_for_auto_class("AutoModel")
