@@ -210,6 +210,7 @@ class MoADrafterCache:
         self.sa_keys = self.sa_values = None  # [B, Hkv, T, hd]
         self.ca_keys = self.ca_values = None  # [B, Hkv, M, hd]
         self.tli: DynamicCache | None = None
+        self.tli_verified = 0  # the TLI cache holds the target's own keys/values for positions < tli_verified
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0 if self.sa_keys is None else self.sa_keys.shape[2]
@@ -225,6 +226,11 @@ class MoADrafterCache:
         n = min(self.tokens.shape[1], input_ids.shape[1])
         differ = (self.tokens[:, :n] != input_ids[:, :n]).any(0).nonzero()
         return int(differ[0]) if differ.numel() else n
+
+    @property
+    def tli_length(self) -> int:
+        # the TLI cache only fills the target's last N layer slots, so ask the last one
+        return self.tli.layers[-1].get_seq_length() if self.tli is not None and self.tli.layers else 0
 
     def append_self(self, k, v):
         if self.sa_keys is not None:
@@ -246,8 +252,9 @@ class MoADrafterCache:
             self.tokens = self.tokens[:, :length]
         if self.ca_keys is not None:
             self.ca_keys, self.ca_values = self.ca_keys[:, :, :length], self.ca_values[:, :, :length]
-        if self.tli is not None and self.tli.get_seq_length() > length:
-            self.tli.crop(length - self.tli.get_seq_length())
+        if self.tli_length > length:
+            self.tli.crop(length - self.tli_length)
+        self.tli_verified = min(self.tli_verified, length)
 
 
 @dataclass
@@ -660,21 +667,26 @@ class MoADrafterModel(MoAPreTrainedModel, GenerationMixin):
             return
         end = min(target_cache.get_seq_length(), num_verified)
         start = cache.context_length
-        if end <= start:
-            return
-        self.extend_context(cache, self.compute_context(gather_target_kv(target_cache, start, end)))
-        if self._session is not None:
-            self._session.context_reads.append((start, end))
+        if end > start:
+            self.extend_context(cache, self.compute_context(gather_target_kv(target_cache, start, end)))
+            if self._session is not None:
+                self._session.context_reads.append((start, end))
         if self.config.target_layer_inference > 0:
-            if cache.tli is None:
-                cache.tli = DynamicCache()
-            tli_len = cache.tli.get_seq_length()
-            if tli_len > start:  # drop keys/values computed from drafted positions
-                cache.tli.crop(start - tli_len)
-            first = self.config.target_num_hidden_layers - self.config.target_layer_inference
-            for idx in range(first, self.config.target_num_hidden_layers):
-                layer = target_cache.layers[idx]
-                cache.tli.update(layer.keys[:, :, start:end], layer.values[:, :, start:end], idx)
+            self._sync_tli(cache, target_cache, end)
+
+    def _sync_tli(self, cache: MoADrafterCache, target_cache, end: int) -> None:
+        """TLI cache = the target's own keys/values of its last N layers for verified positions < end (keys/values
+        computed from drafted positions are dropped)."""
+        if cache.tli is None:
+            cache.tli = DynamicCache()
+        if cache.tli_length > cache.tli_verified:
+            cache.tli.crop(cache.tli_verified - cache.tli_length)
+        start = cache.tli_verified
+        first = self.config.target_num_hidden_layers - self.config.target_layer_inference
+        for idx in range(first, self.config.target_num_hidden_layers):
+            layer = target_cache.layers[idx]
+            cache.tli.update(layer.keys[:, :, start:end], layer.values[:, :, start:end], idx)
+        cache.tli_verified = end
 
     def extend_context(self, cache: MoADrafterCache, context: torch.Tensor) -> None:
         """Append context vectors [B, T, d] of the next verified positions to the CA memory of `cache`.

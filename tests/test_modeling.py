@@ -1,0 +1,242 @@
+"""Foundation: shapes, cache consistency, no leakage, TLI, save/load round trips, clear errors."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import make_target
+from transformers import AutoModel, DynamicCache, GenerationConfig
+
+import moa_hf
+from moa_hf import MoADrafterCache, MoADrafterConfig, MoADrafterModel, gather_target_kv
+
+
+def _target_kv(target, ids):
+    out = target(ids, use_cache=True, past_key_values=DynamicCache(config=target.config))
+    return gather_target_kv(out.past_key_values, 0, ids.shape[1]), out.past_key_values
+
+
+def _tli_kv(drafter, cache):
+    c = drafter.config
+    first = c.target_num_hidden_layers - c.target_layer_inference
+    return [(cache.layers[i].keys, cache.layers[i].values) for i in range(first, c.target_num_hidden_layers)]
+
+
+def _random_starts(T, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    restart = torch.rand(1, T, generator=g) < 0.3
+    restart[:, 0] = True
+    return moa_hf.cycle_starts_from_restarts(restart)
+
+
+def test_shapes_and_dtypes(family):
+    target = make_target(family)
+    drafter = moa_hf.build_drafter(target).eval()
+    ids = torch.randint(3, 128, (2, 11))
+    target_kv, _ = _target_kv(target, ids)
+    c = drafter.config
+    assert target_kv.shape == (2, 11, c.target_num_hidden_layers, c.target_kv_width)
+    with drafter.attached(target):
+        out = drafter(ids, target_kv=target_kv, cycle_starts=_random_starts(11).expand(2, -1))
+        assert out.logits.shape == (2, 11, c.vocab_size) and out.logits.dtype == torch.float32
+        assert out.hidden_states.shape == (2, 11, c.hidden_size)
+        assert drafter.compute_context(target_kv).shape == (2, 11, c.hidden_size)
+        drafter_bf16 = moa_hf.build_drafter(target.to(torch.bfloat16)).to(torch.bfloat16).attach(target)
+        out = drafter_bf16(ids, target_kv=target_kv.to(torch.bfloat16))
+        assert out.hidden_states.dtype == torch.bfloat16 and out.logits.dtype == torch.float32
+        assert torch.isfinite(out.logits).all()
+    # one SA and one CA layer at the target's width (the paper's defaults)
+    assert c.hidden_size == target.config.hidden_size
+    assert c.num_hidden_layers == 1
+
+
+@pytest.mark.parametrize("tli", [0, 1, 2])
+def test_incremental_equals_parallel(tli):
+    """Caches + incremental drafting give the logits of a from-scratch parallel pass with the same cycles (fp32)."""
+    target = make_target("llama")
+    drafter = moa_hf.build_drafter(target, target_layer_inference=tli).eval().attach(target)
+    T = 24
+    ids = torch.randint(3, 128, (1, T))
+    starts = _random_starts(T, seed=tli)
+    target_kv, tcache = _target_kv(target, ids)
+    with torch.no_grad():
+        ref = drafter(ids, target_kv=target_kv, cycle_starts=starts, target_tli_kv=_tli_kv(drafter, tcache)).logits
+        context = drafter.compute_context(target_kv)
+        cache = MoADrafterCache()
+        for i in range(T):
+            s = int(starts[0, i])
+            if i == s:  # a new cycle: roll back to the verified length and read the newly verified context
+                cache.crop(s)
+                drafter.extend_context(cache, context[:, cache.context_length : s])
+                if tli:
+                    drafter._sync_tli(cache, tcache, s)
+            logits = drafter.draft_step(ids[:, cache.get_seq_length() : i + 1], cache)
+            torch.testing.assert_close(logits, ref[:, i], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tli", [0, 1])
+def test_generate_uses_verified_context_only(tli):
+    """The drafting call of assisted generation sees exactly the target's state of verified tokens 0..n-2."""
+    target = make_target("qwen2")
+    drafter = moa_hf.build_drafter(target, target_layer_inference=tli).eval().attach(target)
+    n, k = 9, 4
+    ids = torch.randint(3, 128, (1, n))
+    target(ids[:, :-1], use_cache=True, past_key_values=DynamicCache(config=target.config))  # hook captures it
+    gc = GenerationConfig(do_sample=False, assistant_confidence_threshold=0.0)
+    out = drafter.generate(ids, generation_config=gc, past_key_values=MoADrafterCache(), max_new_tokens=k)
+    full = out.sequences
+    assert full.shape[1] == n + k
+    target_kv, tcache = _target_kv(target, full)
+    starts = torch.arange(n + k).clamp(max=n - 1)[None]  # drafted positions: cycle starts at the bonus token
+    ref = drafter(full, target_kv=target_kv, cycle_starts=starts, target_tli_kv=_tli_kv(drafter, tcache)).logits
+    torch.testing.assert_close(torch.stack(out.scores, 1), ref[:, n - 1 : n - 1 + k], atol=1e-4, rtol=1e-4)
+
+
+def test_no_leakage_from_unverified_positions():
+    target = make_target("mistral")
+    drafter = moa_hf.build_drafter(target, target_layer_inference=1).eval().attach(target)
+    T = 20
+    ids = torch.randint(3, 128, (1, T))
+    starts = _random_starts(T, seed=3)
+    target_kv, tcache = _target_kv(target, ids)
+    tli_kv = _tli_kv(drafter, tcache)
+    with torch.no_grad():
+        base = drafter(ids, target_kv=target_kv, cycle_starts=starts, target_tli_kv=tli_kv).logits
+        for p in range(T):
+            kv2 = target_kv.clone()
+            kv2[:, p] += 5.0 * torch.randn_like(kv2[:, p])
+            tli2 = [(k.clone(), v.clone()) for k, v in tli_kv]
+            for k, v in tli2:
+                k[:, :, p] += 3.0
+                v[:, :, p] -= 3.0
+            out = drafter(ids, target_kv=kv2, cycle_starts=starts, target_tli_kv=tli2).logits
+            unaffected = starts[0] <= p  # positions whose cycle starts at or before p must not see p's state
+            torch.testing.assert_close(out[:, unaffected], base[:, unaffected], atol=1e-5, rtol=1e-5)
+            assert not torch.allclose(out[:, ~unaffected], base[:, ~unaffected]) or not (~unaffected).any()
+
+
+def test_save_and_load_native(tmp_path):
+    target = make_target("llama")
+    drafter = moa_hf.build_drafter(target).eval()
+    drafter.save_pretrained(tmp_path)
+    files = sorted(os.listdir(tmp_path))
+    assert "model.safetensors" in files and "configuration_moa.py" in files and "modeling_moa.py" in files
+    assert "generation_config.json" in files
+    loaded = AutoModel.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, MoADrafterModel)
+    assert loaded.config.auto_map["AutoModel"] == "modeling_moa.MoADrafterModel"
+    for (n1, p1), (n2, p2) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2)
+    # the target's embedding/head are borrowed, not saved
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    assert not any("embed" in k or "lm_head" in k for k in keys)
+    assert loaded.generation_config.num_assistant_tokens == drafter.generation_config.num_assistant_tokens
+
+
+def test_own_embeddings_saved_and_standalone(tmp_path):
+    target = make_target("llama")
+    drafter = moa_hf.build_drafter(target, own_embeddings=True).eval()
+    assert torch.equal(drafter.embed_tokens.weight, target.get_input_embeddings().weight)
+    drafter.save_pretrained(tmp_path)
+    loaded = AutoModel.from_pretrained(tmp_path).eval()
+    assert torch.equal(loaded.lm_head.weight, target.lm_head.weight)
+    cache = MoADrafterCache()
+    logits = loaded.draft_step(torch.tensor([[5, 6, 7]]), cache)  # no target attached
+    assert logits.shape == (1, 128) and cache.get_seq_length() == 3
+
+
+REMOTE_SCRIPT = textwrap.dedent(
+    """
+    import sys, importlib.abc
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "moa_hf" or name.startswith("moa_hf."):
+                raise ImportError("moa_hf is blocked in this test")
+    sys.meta_path.insert(0, Block())
+    try:
+        import moa_hf  # noqa
+        raise SystemExit("moa_hf should not be importable here")
+    except ImportError:
+        pass
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+    target = AutoModelForCausalLM.from_pretrained(sys.argv[2]).eval()
+    drafter = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+    assert type(drafter).__module__.startswith("transformers_modules"), type(drafter).__module__
+    drafter.attach(target)
+    ids = torch.tensor([[5, 9, 17, 33, 2 + 60]])
+    ref = target.generate(ids, max_new_tokens=20, do_sample=False)
+    out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=drafter)
+    assert torch.equal(ref, out), (ref, out)
+    assert drafter.speculation_stats.target_calls > 0
+    drafter.detach()
+    assert not target._forward_pre_hooks and not target._forward_hooks
+    print("REMOTE-OK", drafter.speculation_stats.mean_accepted_length)
+    """
+)
+
+
+def test_remote_code_without_moa_hf(tmp_path):
+    target = make_target("llama")
+    target.generation_config.eos_token_id = None
+    drafter = moa_hf.build_drafter(target).eval()
+    drafter.save_pretrained(tmp_path / "drafter")
+    target.save_pretrained(tmp_path / "tiny-random-llama")  # the name the drafter was built for
+    script = tmp_path / "remote.py"
+    script.write_text(REMOTE_SCRIPT)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "drafter"), str(tmp_path / "tiny-random-llama")],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "REMOTE-OK" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------- unsupported targets
+def test_sliding_window_target_is_refused():
+    target = make_target("mistral", sliding_window=16)
+    with pytest.raises(ValueError, match="sliding"):
+        MoADrafterConfig.from_target_config(target.config)
+
+
+def test_hybrid_target_is_refused():
+    from transformers import Gemma2Config
+
+    cfg = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="full-attention"):
+        MoADrafterConfig.from_target_config(cfg)
+
+
+def test_signature_and_vocab_mismatch_are_refused():
+    drafter = moa_hf.build_drafter(make_target("llama"))
+    with pytest.raises(ValueError, match="vocab_size: drafter 128 != target 256"):
+        drafter.attach(make_target("llama", vocab_size=256))
+    with pytest.raises(ValueError, match="target_num_hidden_layers"):
+        drafter.attach(make_target("llama", num_hidden_layers=4))
+    assert not drafter.is_attached
+
+
+def test_wrong_target_for_saved_drafter_needs_opt_in():
+    target = make_target("llama")
+    drafter = moa_hf.build_drafter(target)
+    assert drafter.config.target_name_or_path == "tiny-random-llama"
+    other = make_target("llama", seed=1)
+    other.config.name_or_path = "someone/another-model"
+    with pytest.raises(ValueError, match="allow_other_target=True"):
+        drafter.attach(other)
+    assert not other._forward_pre_hooks
+    drafter.attach(other, allow_other_target=True).detach()
+
+
+def test_drafter_without_target_says_attach():
+    drafter = moa_hf.build_drafter(make_target("llama"))
+    with pytest.raises(RuntimeError, match="attach"):
+        drafter.draft_step(torch.tensor([[3, 4]]), MoADrafterCache())
