@@ -140,6 +140,7 @@ def _convert(gguf_path: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
+        tmp.chmod(0o755)  # mkdtemp makes it private (0o700); the renamed cache folder should be a normal one
         folder, name = str(gguf_path.parent), gguf_path.name
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         # dequantize=True: plain nn.Linear weights even where transformers could keep GGUF blocks packed.

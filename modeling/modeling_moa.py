@@ -308,15 +308,18 @@ class _TargetTap:
     The drafter reads from that cache only the positions the target has verified (see `MoADrafterModel._sync`).
     """
 
-    def __init__(self):
+    def __init__(self, on_new_session):
         self.cache = None
         self.calls = 0
         self.seconds = 0.0
         self._t0 = 0.0
+        self.on_new_session = on_new_session  # a target call with a new cache = a generate call the drafter missed
 
     def pre_hook(self, module, args, kwargs):
         cache = kwargs.get("past_key_values")
         if cache is not None:
+            if self.cache is not None and cache is not self.cache:
+                self.on_new_session()
             self.cache = cache
         self.calls += 1
         self._t0 = time.perf_counter()
@@ -454,7 +457,7 @@ class MoADrafterModel(MoAPreTrainedModel, GenerationMixin):
         n = self.config.target_layer_inference
         decoder = _decoder_of(target)
         tli_layers = list(decoder.layers[len(decoder.layers) - n :]) if n > 0 else []
-        tap = _TargetTap()
+        tap = _TargetTap(on_new_session=self._start_session)
         handles = [
             target.register_forward_pre_hook(tap.pre_hook, with_kwargs=True),
             target.register_forward_hook(tap.post_hook, with_kwargs=True),
@@ -469,6 +472,7 @@ class MoADrafterModel(MoAPreTrainedModel, GenerationMixin):
             tap=tap,
             handles=handles,
         )
+        self._start_session()
         return self
 
     def detach(self) -> "MoADrafterModel":
@@ -805,7 +809,10 @@ class MoADrafterModel(MoAPreTrainedModel, GenerationMixin):
         if s is None or att is None:
             return SpeculationStats()
         tap = att.tap
-        accepted = [b[0] - a[0] for a, b in zip(s.calls, s.calls[1:])]
+        if not s.calls:  # the drafter was never asked (e.g. a single new token): plain decoding
+            accepted = [1] * (tap.calls - s.tap_calls0)
+        else:
+            accepted = [b[0] - a[0] for a, b in zip(s.calls, s.calls[1:])]
         if s.calls and tap.cache is not None:
             final_len = tap.cache.get_seq_length() + 1  # the target cache holds all verified tokens but the last
             last_len, last_calls = s.calls[-1]

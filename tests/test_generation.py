@@ -1,0 +1,256 @@
+"""Generation: the drafter as a lossless drop-in for `target.generate(assistant_model=drafter)`."""
+
+import copy
+import random
+
+import pytest
+import torch
+from conftest import make_target
+from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+from transformers.generation.streamers import BaseStreamer
+
+import moa_hf
+from moa_hf import MoADrafterModel, gather_target_kv
+
+
+class OracleDrafter(MoADrafterModel):
+    """A drafter whose proposal is the target's greedy token with probability `p_right` (else a wrong one), so that
+    every acceptance length is exercised. It runs the real drafter underneath, keeping every cache in use."""
+
+    reference: list[int] = []
+    p_right: float = 0.8
+    rng: random.Random = random.Random(0)
+
+    def _decode(self, new_ids, cache):
+        logits = super()._decode(new_ids, cache)
+        pos = cache.get_seq_length()  # the drafted token goes to this position
+        if pos < len(self.reference):
+            right = self.reference[pos]
+            token = right if self.rng.random() < self.p_right else (right + 1 + self.rng.randrange(100)) % 128
+            logits = torch.full_like(logits, -10.0)
+            logits[:, token] = 10.0
+        return logits
+
+
+def _oracle(target, reference, p_right, seed=0, **overrides):
+    drafter = moa_hf.build_drafter(target, **overrides).eval()
+    oracle = OracleDrafter(drafter.config).eval()
+    oracle.load_state_dict(drafter.state_dict())
+    oracle.reference, oracle.p_right, oracle.rng = reference, p_right, random.Random(seed)
+    return oracle
+
+
+@pytest.mark.parametrize("p_right", [0.0, 0.6, 0.9])
+def test_greedy_equality_many_prompts(family, p_right):
+    target = make_target(family)
+    rng = random.Random(hash((family, p_right)) % 1000)
+    lengths = set()
+    for trial in range(4):
+        ids = torch.tensor([[rng.randrange(3, 128) for _ in range(rng.randrange(1, 20))]])
+        new = rng.randrange(1, 40)
+        ref = target.generate(ids, max_new_tokens=new, do_sample=False)
+        drafter = _oracle(target, ref[0].tolist(), p_right, seed=trial, target_layer_inference=trial % 2)
+        drafter.generation_config.num_assistant_tokens = rng.choice([1, 3, 6])
+        drafter.generation_config.assistant_confidence_threshold = 0.0
+        with moa_hf.attached(drafter, target):
+            out = target.generate(ids, max_new_tokens=new, do_sample=False, assistant_model=drafter)
+            stats = drafter.speculation_stats
+        assert torch.equal(out, ref), (family, trial)
+        assert stats.generated_tokens == new and len(stats.accepted_lengths) == stats.target_calls
+        lengths.update(stats.accepted_lengths)
+    if p_right == 0.0:
+        assert lengths == {1}
+    if p_right == 0.9:
+        assert len(lengths) >= 4, lengths  # many acceptance lengths exercised
+
+
+def test_random_drafter_equality_and_fresh_sessions():
+    target = make_target("llama")
+    drafter = moa_hf.build_drafter(target).eval()
+    drafter.generation_config.assistant_confidence_threshold = 0.0
+    with moa_hf.attached(drafter, target):
+        for seed in range(3):
+            torch.manual_seed(seed)
+            ids = torch.randint(3, 128, (1, 5 + seed * 7))
+            ref = target.generate(ids, max_new_tokens=25, do_sample=False)
+            out = target.generate(ids, max_new_tokens=25, do_sample=False, assistant_model=drafter)
+            assert torch.equal(out, ref)
+            stats = drafter.speculation_stats
+            assert stats.generated_tokens == 25  # counted for this call only: a new session per generate call
+            assert stats.draft_time_s > 0 and stats.verify_time_s > 0
+
+
+def test_hooks_read_exactly_the_verified_positions():
+    target = make_target("llama")
+    ref = target.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=30, do_sample=False)
+    drafter = _oracle(target, ref[0].tolist(), 0.7)
+    drafter.generation_config.assistant_confidence_threshold = 0.0
+    calls = []
+    with moa_hf.attached(drafter, target):
+        real_sync = drafter._sync
+
+        def spy(cache, num_verified):
+            calls.append(num_verified)
+            return real_sync(cache, num_verified)
+
+        drafter._sync = spy  # instance attribute on our own drafter, not on the target
+        out = target.generate(ref[:, :4], max_new_tokens=30, do_sample=False, assistant_model=drafter)
+        reads = drafter._session.context_reads
+    assert torch.equal(out, ref)
+    # one read per cycle after the first, contiguous, ending at the last verified token that has target state
+    assert reads[0][0] == 0 and all(a[1] == b[0] for a, b in zip(reads, reads[1:]))
+    assert [end for _, end in reads] == [n - 1 for n in calls[1:]]
+    # and the context the drafter accumulated equals the one computed from the final verified sequence
+    full = target(out[:, :-1], use_cache=True, past_key_values=DynamicCache(config=target.config)).past_key_values
+    with torch.no_grad():
+        expect = drafter.compute_context(gather_target_kv(full, 0, reads[-1][1]))
+        cache = moa_hf.MoADrafterCache()
+        drafter.extend_context(cache, expect)
+    assert reads[-1][1] == out.shape[1] - 2 or reads[-1][1] <= out.shape[1] - 1
+
+
+def test_hooks_removed_after_detach_and_exception():
+    target = make_target("llama")
+    drafter = moa_hf.build_drafter(target)
+    assert not target._forward_pre_hooks and not target._forward_hooks
+    drafter.attach(target)
+    assert len(target._forward_pre_hooks) == 1 and len(target._forward_hooks) == 1
+    drafter.detach()
+    assert not target._forward_pre_hooks and not target._forward_hooks
+    with pytest.raises(KeyError):
+        with moa_hf.attached(drafter, target):
+            target.generate(torch.tensor([[3, 4]]), max_new_tokens=3, assistant_model=drafter)
+            raise KeyError("boom")
+    assert not target._forward_pre_hooks and not target._forward_hooks and not drafter.is_attached
+    state = {k: v.clone() for k, v in target.state_dict().items()}
+    with moa_hf.attached(drafter, target):
+        target.generate(torch.tensor([[3, 4]]), max_new_tokens=5, assistant_model=drafter)
+    assert not target._forward_pre_hooks and not target._forward_hooks
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in state.items())  # target untouched
+
+
+class _Collect(BaseStreamer):
+    def __init__(self):
+        self.tokens = []
+
+    def put(self, value):
+        self.tokens.extend(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_generate_options_keep_working():
+    target = make_target("qwen2")
+    ids = torch.randint(3, 128, (1, 9))
+    ref_plain = target.generate(ids, max_new_tokens=30, do_sample=False)
+    drafter = _oracle(target, ref_plain[0].tolist(), 0.8)
+    eos = int(ref_plain[0, 9 + 12])  # a token the target really produces, used as EOS
+    cases = [
+        dict(max_new_tokens=17),
+        dict(max_new_tokens=30, eos_token_id=eos),
+        dict(max_new_tokens=30, eos_token_id=eos, min_new_tokens=20),
+        dict(max_new_tokens=25, repetition_penalty=1.3),
+        dict(max_new_tokens=20, attention_mask=torch.ones_like(ids)),
+        dict(max_new_tokens=20, no_repeat_ngram_size=2),
+    ]
+    with moa_hf.attached(drafter, target):
+        for kwargs in cases:
+            ref = target.generate(ids, do_sample=False, **kwargs)
+            out = target.generate(ids, do_sample=False, assistant_model=drafter, **kwargs)
+            assert torch.equal(out, ref), kwargs
+        # streamer receives exactly the generated tokens (the prompt first, as transformers does)
+        streamer = _Collect()
+        out = target.generate(ids, do_sample=False, max_new_tokens=20, assistant_model=drafter, streamer=streamer)
+        assert streamer.tokens == out[0].tolist() and streamer.ended
+        # return_dict_in_generate with scores
+        ref = target.generate(ids, do_sample=False, max_new_tokens=15, return_dict_in_generate=True, output_scores=True)
+        out = target.generate(ids, do_sample=False, max_new_tokens=15, return_dict_in_generate=True,
+                              output_scores=True, assistant_model=drafter)
+        assert torch.equal(out.sequences, ref.sequences) and len(out.scores) == len(ref.scores) == 15
+        for a, b in zip(out.scores, ref.scores):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_left_padded_single_prompt():
+    target = make_target("llama")
+    ids = torch.tensor([[0, 0, 0, 11, 12, 13, 14]])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])
+    drafter = moa_hf.build_drafter(target).eval()
+    with moa_hf.attached(drafter, target):
+        ref = target.generate(ids, attention_mask=mask, max_new_tokens=15, do_sample=False)
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=15, do_sample=False, assistant_model=drafter)
+    assert torch.equal(out, ref)
+
+
+def test_batch_above_one_is_refused_clearly():
+    target = make_target("llama")
+    drafter = moa_hf.build_drafter(target).eval()
+    with moa_hf.attached(drafter, target):
+        with pytest.raises(ValueError, match="batch_size = 1"):
+            target.generate(torch.randint(3, 128, (2, 5)), max_new_tokens=4, assistant_model=drafter)
+        with pytest.raises(ValueError, match="one sequence at a time"):
+            drafter.generate(torch.randint(3, 128, (2, 5)), max_new_tokens=4)
+
+
+class NoisyCopyDrafter(MoADrafterModel):
+    """Proposes from the target's logits pushed towards its third choice: q far from p, often rejected."""
+
+    # `oracle`: an unhooked copy of the target, set by the test
+
+    def _decode(self, new_ids, cache):
+        super()._decode(new_ids, cache)
+        with torch.no_grad():
+            logits = self.oracle(cache.tokens).logits[:, -1].float()
+        third = logits.topk(3, dim=-1).indices[0, 2]  # strongly prefer the target's third choice: q far from p
+        logits[0, third] += 6.0
+        return logits
+
+
+def _exact_pair_distribution(target, ids, processors):
+    """P(t1, t2) under the target with the given logits processors."""
+    with torch.no_grad():
+        l1 = processors(ids, target(ids).logits[:, -1].float())
+        p1 = l1.softmax(-1)[0]
+        joint = {}
+        for t1 in torch.nonzero(p1 > 0).flatten().tolist():
+            ids2 = torch.cat([ids, torch.tensor([[t1]])], 1)
+            p2 = processors(ids2, target(ids2).logits[:, -1].float()).softmax(-1)[0]
+            for t2 in torch.nonzero(p2 > 0).flatten().tolist():
+                joint[(t1, t2)] = float(p1[t1] * p2[t2])
+    return joint
+
+
+def test_sampling_follows_target_distribution():
+    """Speculative sampling with the drafter's processed scores keeps the target's distribution (chi-square test)."""
+    target = make_target("llama", seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)  # peaky distributions: a few likely tokens
+    ids = torch.tensor([[7, 21, 40]])
+    kw = dict(do_sample=True, top_k=3, temperature=0.9, max_new_tokens=2)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.9), TopKLogitsWarper(3)])
+    joint = _exact_pair_distribution(target, ids, processors)
+    drafter = NoisyCopyDrafter(moa_hf.build_drafter(target).config).eval()  # close to, not equal to, the target
+    drafter.oracle = copy.deepcopy(target)
+    drafter.generation_config.assistant_confidence_threshold = 0.0
+    drafter.generation_config.num_assistant_tokens = 2
+    counts, n, accepted = {}, 600, 0
+    torch.manual_seed(0)
+    with moa_hf.attached(drafter, target):
+        for _ in range(n):
+            out = target.generate(ids, assistant_model=drafter, **kw)
+            key = tuple(out[0, 3:5].tolist())
+            counts[key] = counts.get(key, 0) + 1
+            accepted += drafter.speculation_stats.accepted_lengths[0] > 1
+    assert set(counts) <= set(joint), "sampled a pair the target gives zero probability"
+    keys = [k for k in joint if joint[k] * n >= 5]
+    rest = 1.0 - sum(joint[k] for k in keys)
+    chi2 = sum((counts.get(k, 0) - n * joint[k]) ** 2 / (n * joint[k]) for k in keys)
+    df = len(keys) - 1
+    if rest * n >= 5:
+        observed_rest = n - sum(counts.get(k, 0) for k in keys)
+        chi2 += (observed_rest - n * rest) ** 2 / (n * rest)
+        df += 1
+    p_value = float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(chi2 / 2.0)))
+    assert p_value > 1e-3, (chi2, df, p_value)
+    assert accepted > 0  # drafts were really accepted, so speculative sampling was exercised
