@@ -1,0 +1,21 @@
+"""Model cards for MoA drafter repos on the Hugging Face Hub (template: `drafter_card.md`)."""
+
+from .card import (
+    HUB_LICENSES,
+    REQUIRED_TAGS,
+    TEMPLATE_NAME,
+    load_benchmark,
+    load_training_info,
+    render_card,
+    validate_card_metadata,
+)
+
+__all__ = [
+    "HUB_LICENSES",
+    "REQUIRED_TAGS",
+    "TEMPLATE_NAME",
+    "load_benchmark",
+    "load_training_info",
+    "render_card",
+    "validate_card_metadata",
+]

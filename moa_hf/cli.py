@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             register = ep.load()
         except ModuleNotFoundError as err:  # an optional part that is not installed (e.g. training extras)
-            if err.name and err.name.split(".")[0] in ("datasets", "peft"):
+            if err.name and (err.name.split(".")[0] in ("datasets", "peft") or ep.value.startswith(err.name)):
                 continue
             raise
         register(sub)  # each entry point adds its subparser(s) and sets `func`

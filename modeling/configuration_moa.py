@@ -142,7 +142,9 @@ class MoADrafterConfig(PreTrainedConfig):
             heads = getattr(self, f"{prefix}num_attention_heads")
             kv = getattr(self, f"{prefix}num_key_value_heads")
             if heads % kv != 0:
-                raise ValueError(f"{prefix}num_attention_heads ({heads}) must be a multiple of {prefix}num_key_value_heads ({kv})")
+                raise ValueError(
+                    f"{prefix}num_attention_heads ({heads}) must be a multiple of {prefix}num_key_value_heads ({kv})"
+                )
         if self.lsa_hidden_size % self.lsa_num_attention_heads != 0:
             raise ValueError(
                 f"lsa_hidden_size ({self.lsa_hidden_size}) must be a multiple of lsa_num_attention_heads "
@@ -150,7 +152,8 @@ class MoADrafterConfig(PreTrainedConfig):
             )
         if not 0 <= self.target_layer_inference <= self.target_num_hidden_layers:
             raise ValueError(
-                f"target_layer_inference must be in [0, {self.target_num_hidden_layers}], got {self.target_layer_inference}"
+                f"target_layer_inference must be in [0, {self.target_num_hidden_layers}], "
+                f"got {self.target_layer_inference}"
             )
 
     @property

@@ -35,9 +35,9 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------------------------
 # Building blocks
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 class MoARMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -169,9 +169,9 @@ class MoACrossAttentionLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------------------------
 # Caches, outputs, statistics
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 def gather_target_kv(target_cache, start: int, end: int) -> torch.Tensor:
     """The target's cached key and value of every layer for positions [start, end): [B, end-start, L, 2*Hkv*hd].
 
@@ -354,9 +354,9 @@ class _Session:
     context_reads: list = field(default_factory=list)  # (start, end) target positions read, per cycle
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------------------------
 # The model
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 class MoAPreTrainedModel(PreTrainedModel):
     config_class = MoADrafterConfig
     config: MoADrafterConfig
@@ -397,8 +397,13 @@ class MoADrafterModel(MoAPreTrainedModel, GenerationMixin):
         super().__init__(config)
         c = config
         self.self_attention = MoADecoderLayer(
-            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size,
-            c.rms_norm_eps, c.hidden_act,
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.intermediate_size,
+            c.rms_norm_eps,
+            c.hidden_act,
         )
         self.cross_attention = MoACrossAttentionLayer(c)
         lsa_head_dim = c.lsa_hidden_size // c.lsa_num_attention_heads
@@ -408,8 +413,13 @@ class MoADrafterModel(MoAPreTrainedModel, GenerationMixin):
             else None
         )
         self.layer_self_attention = MoADecoderLayer(
-            c.lsa_hidden_size, c.lsa_num_attention_heads, c.lsa_num_key_value_heads, lsa_head_dim,
-            c.lsa_intermediate_size, c.rms_norm_eps, c.hidden_act,
+            c.lsa_hidden_size,
+            c.lsa_num_attention_heads,
+            c.lsa_num_key_value_heads,
+            lsa_head_dim,
+            c.lsa_intermediate_size,
+            c.rms_norm_eps,
+            c.hidden_act,
         )
         self.Ekv2E = nn.Linear(c.lsa_hidden_size, c.hidden_size, bias=True)  # authors' name for the LSA projection
         self.rotary_emb = MoARotaryEmbedding(c.head_dim, c.rope_theta)
@@ -422,9 +432,9 @@ class MoADrafterModel(MoAPreTrainedModel, GenerationMixin):
         self.post_init()
         self.generation_config = self.default_generation_config(self.generation_config)
 
-    # ------------------------------------------------------------------------------------------------------------------
+    # ----------------------------------------------------------------------------------------------------------------
     # Speculation defaults
-    # ------------------------------------------------------------------------------------------------------------------
+    # -----------------------------------------------------------------------------------------------------------------
     @staticmethod
     def default_generation_config(generation_config: GenerationConfig | None = None) -> GenerationConfig:
         """Speculation defaults read by transformers' assisted generation (override any of them per call or here).
@@ -441,9 +451,9 @@ class MoADrafterModel(MoAPreTrainedModel, GenerationMixin):
         gc.assistant_confidence_threshold = 0.3
         return gc
 
-    # ------------------------------------------------------------------------------------------------------------------
+    # ----------------------------------------------------------------------------------------------------------------
     # Attaching to the target
-    # ------------------------------------------------------------------------------------------------------------------
+    # -----------------------------------------------------------------------------------------------------------------
     def attach(self, target: PreTrainedModel, allow_other_target: bool = False) -> "MoADrafterModel":
         """Borrow the target's embedding, LM head (and last N layers) and install hooks that expose its cache.
 
@@ -536,9 +546,9 @@ class MoADrafterModel(MoAPreTrainedModel, GenerationMixin):
                         f"({type(decoder).__name__} does not). Use target_layer_inference=0 for this target."
                     )
 
-    # ------------------------------------------------------------------------------------------------------------------
+    # ----------------------------------------------------------------------------------------------------------------
     # Borrowed or own embedding / head
-    # ------------------------------------------------------------------------------------------------------------------
+    # -----------------------------------------------------------------------------------------------------------------
     def get_input_embeddings(self):
         if self.config.own_embeddings:
             return self.embed_tokens
@@ -573,9 +583,9 @@ class MoADrafterModel(MoAPreTrainedModel, GenerationMixin):
         head = self.get_output_embeddings()
         return head(hidden.to(head.weight.dtype)).float()
 
-    # ------------------------------------------------------------------------------------------------------------------
+    # ----------------------------------------------------------------------------------------------------------------
     # The three attentions
-    # ------------------------------------------------------------------------------------------------------------------
+    # -----------------------------------------------------------------------------------------------------------------
     def compute_context(self, target_kv: torch.Tensor) -> torch.Tensor:
         """LSA: [B, T, L, 2*Hkv*hd] target keys/values per layer -> [B, T, d] one context vector per token."""
         B, T, L, W = target_kv.shape
@@ -596,8 +606,14 @@ class MoADrafterModel(MoAPreTrainedModel, GenerationMixin):
         position_ids = positions.expand(h.shape[0], -1)
         cos_sin = att.rotary(x, position_ids)
         for layer in att.tli_layers:
-            x = layer(x, attention_mask=mask, position_ids=position_ids, past_key_values=tli_cache,
-                      use_cache=True, position_embeddings=cos_sin)
+            x = layer(
+                x,
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=tli_cache,
+                use_cache=True,
+                position_embeddings=cos_sin,
+            )
             x = x[0] if isinstance(x, tuple) else x
         return att.final_norm(x).to(h.dtype)
 
@@ -660,9 +676,9 @@ class MoADrafterModel(MoAPreTrainedModel, GenerationMixin):
         logits = self.head(final if final is not None else h) if return_logits else None
         return MoADrafterOutput(logits=logits, hidden_states=h, final_hidden_states=final)
 
-    # ------------------------------------------------------------------------------------------------------------------
+    # ----------------------------------------------------------------------------------------------------------------
     # Inference: one drafting call of assisted generation
-    # ------------------------------------------------------------------------------------------------------------------
+    # -----------------------------------------------------------------------------------------------------------------
     def _sync(self, cache: MoADrafterCache, num_verified: int) -> None:
         """Append CA memory (and the TLI cache) for target positions that are verified and not yet read."""
         att = self._attachment
@@ -718,7 +734,9 @@ class MoADrafterModel(MoAPreTrainedModel, GenerationMixin):
         if T > 1:  # causal among the new tokens, all cached ones visible
             mask = torch.arange(past + T, device=h.device)[None, :] <= pos[:, None]  # [T, past+T]
         h = self.self_attention(h, cos, sin, mask=mask, cache=cache)[:, -1:]
-        cache.tokens = new_ids if cache.tokens is None else torch.cat([cache.tokens, new_ids], dim=1)  # only the last position drafts
+        cache.tokens = (
+            new_ids if cache.tokens is None else torch.cat([cache.tokens, new_ids], dim=1)
+        )  # only the last position drafts
         if cache.ca_keys is None:
             B, hkv, hd = h.shape[0], self.config.num_key_value_heads, self.config.head_dim
             cache.ca_keys = cache.ca_values = h.new_zeros(B, hkv, 0, hd)

@@ -164,9 +164,17 @@ def test_generate_options_keep_working():
         out = target.generate(ids, do_sample=False, max_new_tokens=20, assistant_model=drafter, streamer=streamer)
         assert streamer.tokens == out[0].tolist() and streamer.ended
         # return_dict_in_generate with scores
-        ref = target.generate(ids, do_sample=False, max_new_tokens=15, return_dict_in_generate=True, output_scores=True)
-        out = target.generate(ids, do_sample=False, max_new_tokens=15, return_dict_in_generate=True,
-                              output_scores=True, assistant_model=drafter)
+        ref = target.generate(
+            ids, do_sample=False, max_new_tokens=15, return_dict_in_generate=True, output_scores=True
+        )
+        out = target.generate(
+            ids,
+            do_sample=False,
+            max_new_tokens=15,
+            return_dict_in_generate=True,
+            output_scores=True,
+            assistant_model=drafter,
+        )
         assert torch.equal(out.sequences, ref.sequences) and len(out.scores) == len(ref.scores) == 15
         for a, b in zip(out.scores, ref.scores):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -193,7 +193,11 @@ def test_remote_code_without_moa_hf(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
     proc = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "drafter"), str(tmp_path / "tiny-random-llama")],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "REMOTE-OK" in proc.stdout
@@ -209,8 +213,15 @@ def test_sliding_window_target_is_refused():
 def test_hybrid_target_is_refused():
     from transformers import Gemma2Config
 
-    cfg = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    cfg = Gemma2Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     with pytest.raises(ValueError, match="full-attention"):
         MoADrafterConfig.from_target_config(cfg)
 

@@ -1,0 +1,386 @@
+"""Model cards for MoA drafter repos on the Hugging Face Hub.
+
+The card is rendered from `drafter_card.md` (Jinja, shipped as package data) with `huggingface_hub.ModelCard`. Every
+number in it comes from the drafter's config, a `training_info` dict/JSON and a benchmark JSON written by `moa bench`;
+without a benchmark the card says that no measurement is available.
+
+`training_info` (all keys optional): {"data": str, "datasets": [Hub dataset ids], "language": str | [str],
+"tokens": int, "steps": int, "wall_time_s": float, "hardware": str, ...}; other keys are listed as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+
+from ..modeling import MoADrafterConfig, MoADrafterModel
+
+__all__ = [
+    "HUB_LICENSES",
+    "REQUIRED_TAGS",
+    "TEMPLATE_NAME",
+    "load_benchmark",
+    "load_training_info",
+    "render_card",
+    "validate_card_metadata",
+]
+
+TEMPLATE_NAME = "drafter_card.md"
+REQUIRED_TAGS = ("speculative-decoding", "mixture-of-attentions", "drafter", "moa-hf")
+METHOD = "moa"  # the benchmark method whose numbers describe this drafter
+# License identifiers the Hub accepts in card metadata (https://huggingface.co/docs/hub/repositories-licenses).
+HUB_LICENSES = frozenset(
+    """apache-2.0 mit openrail bigscience-openrail-m creativeml-openrail-m bigscience-bloom-rail-1.0 bigcode-openrail-m
+    afl-3.0 artistic-2.0 bsl-1.0 bsd bsd-2-clause bsd-3-clause bsd-3-clause-clear c-uda cc cc0-1.0 cc-by-2.0
+    cc-by-2.5 cc-by-3.0 cc-by-4.0 cc-by-sa-3.0 cc-by-sa-4.0 cc-by-nc-2.0 cc-by-nc-3.0 cc-by-nc-4.0 cc-by-nd-4.0
+    cc-by-nc-nd-3.0 cc-by-nc-nd-4.0 cc-by-nc-sa-2.0 cc-by-nc-sa-3.0 cc-by-nc-sa-4.0 cdla-sharing-1.0
+    cdla-permissive-1.0 cdla-permissive-2.0 wtfpl ecl-2.0 epl-1.0 epl-2.0 etalab-2.0 eupl-1.1 eupl-1.2 agpl-3.0 gfdl
+    gpl gpl-2.0 gpl-3.0 lgpl lgpl-2.1 lgpl-3.0 isc h-research intel-research lppl-1.3c ms-pl apple-ascl apple-amlr
+    mpl-2.0 odc-by odbl openmdw-1.0 openrail++ osl-3.0 postgresql ofl-1.1 ncsa unlicense zlib pddl lgpl-lr
+    deepfloyd-if-license fair-noncommercial-research-license llama2 llama3 llama3.1 llama3.2 llama3.3 llama4 gemma
+    unknown other""".split()
+)
+_BENCH_KEYS = ("acceptance_length", "tokens_per_s", "speedup", "theoretical_speedup")
+_YAML_BLOCK = re.compile(r"\A\s*---\s*\n(.*?)\n---\s*\n", re.DOTALL)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------------------------------
+def _load_json(source: str | os.PathLike | dict | None, what: str) -> dict | None:
+    if source is None or isinstance(source, dict):
+        return source
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"The {what} file {path} does not exist; pass the path of the JSON file.")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"The {what} file {path} is not valid JSON ({err}).") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"The {what} file {path} must hold a JSON object, got {type(data).__name__}.")
+    return data
+
+
+def load_benchmark(benchmark: str | os.PathLike | dict | None) -> dict | None:
+    """Read and check a benchmark JSON written by `moa bench` (path or dict); None stays None."""
+    bench = _load_json(benchmark, "benchmark")
+    if bench is None:
+        return None
+    problems = []
+    hardware = bench.get("hardware")
+    if not isinstance(hardware, dict) or not hardware:
+        problems.append("'hardware' must be a non-empty object (cpu, cores, torch, device)")
+    methods = bench.get("methods")
+    if not isinstance(methods, dict) or METHOD not in methods:
+        found = sorted(methods) if isinstance(methods, dict) else None
+        problems.append(f"'methods' must contain '{METHOD}' (found {found})")
+    else:
+        overall = (methods[METHOD] or {}).get("overall")
+        for key in ("acceptance_length", "speedup"):
+            if not isinstance(overall, dict) or not _is_number(overall.get(key)):
+                problems.append(f"methods['{METHOD}']['overall']['{key}'] must be a number")
+    if problems:
+        raise ValueError(
+            "The benchmark JSON does not have the format written by `moa bench`: " + "; ".join(problems) + ". "
+            "Pass the JSON file that `moa bench` wrote for this drafter."
+        )
+    return bench
+
+
+def load_training_info(training_info: str | os.PathLike | dict | None) -> dict | None:
+    """Read a training-info JSON (path or dict); None stays None."""
+    info = _load_json(training_info, "training info")
+    if info is None:
+        return None
+    datasets = info.get("datasets")
+    if datasets is not None and (
+        not isinstance(datasets, list) or not all(isinstance(d, str) and d for d in datasets)
+    ):
+        raise ValueError(f"training_info['datasets'] must be a list of Hub dataset ids, got {datasets!r}.")
+    return info
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _short_name(name: str) -> str:
+    return str(name).rstrip("/").split("/")[-1].lower()
+
+
+def _check_repo_id(repo_id: str, what: str, fix: str) -> None:
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise ValueError(f"{what} {repo_id!r} is not a valid Hub repo id ({err}). {fix}") from err
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Template values
+# ---------------------------------------------------------------------------------------------------------------------
+def _fmt_count(n: int) -> str:
+    if n >= 1_000_000_000:
+        return f"{n / 1e9:.2f} B"
+    if n >= 100_000:
+        return f"{n / 1e6:.1f} M"
+    return f"{n:,}"
+
+
+def _fmt(key: str, value: Any) -> str:
+    if not _is_number(value):
+        return "–"
+    if key in ("speedup", "theoretical_speedup"):
+        return f"{value:.2f}×"
+    if key == "tokens_per_s":
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def _fmt_duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds:.0f} s"
+
+
+def _architecture(drafter_or_config: MoADrafterModel | MoADrafterConfig) -> tuple[MoADrafterConfig, dict]:
+    if isinstance(drafter_or_config, torch.nn.Module):
+        config, model = drafter_or_config.config, drafter_or_config
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    elif getattr(drafter_or_config, "model_type", None) == MoADrafterConfig.model_type:
+        config = drafter_or_config
+        with torch.device("meta"):  # counts parameters without allocating them
+            model = MoADrafterModel(MoADrafterConfig.from_dict(config.to_dict()))
+        dtype = str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
+    else:
+        raise TypeError(
+            f"render_card needs a MoA drafter (MoADrafterModel) or its config, got {type(drafter_or_config).__name__}."
+        )
+    if getattr(config, "model_type", None) != MoADrafterConfig.model_type:
+        raise TypeError(f"render_card needs a MoA drafter, got a model of type {config.model_type!r}.")
+    total = sum(p.numel() for p in model.parameters())
+    own = bool(config.own_embeddings)
+    if own:
+        emb = sum(
+            p.numel() for name, p in model.named_parameters() if name.split(".")[0] in ("embed_tokens", "lm_head")
+        )
+        parameters = f"{_fmt_count(total)} ({_fmt_count(total - emb)} without its embedding and LM head copies)"
+        embeddings_row = "own copies, saved in this repo (usable without the target's weights for those two layers)"
+        embeddings_sentence = "keeps its own copy of the target's token embedding and LM head."
+    else:
+        parameters = f"{_fmt_count(total)} (the embedding and LM head are the target's and not counted)"
+        embeddings_row = "borrowed from the target when attached (not stored in this repo)"
+        embeddings_sentence = "borrows the target's token embedding and LM head when attached."
+    gen = getattr(drafter_or_config, "generation_config", None) or MoADrafterModel.default_generation_config()
+    arch = {
+        "target_model_type": config.target_model_type or "decoder-only",
+        "target_layers": config.target_num_hidden_layers,
+        "target_hidden_size": config.target_hidden_size,
+        "target_kv_heads": config.target_num_key_value_heads,
+        "target_head_dim": config.target_head_dim,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "lsa_hidden_size": config.lsa_hidden_size,
+        "tli": config.target_layer_inference,
+        "own_embeddings": own,
+        "parameters": parameters,
+        "embeddings_row": embeddings_row,
+        "embeddings_sentence": embeddings_sentence,
+        "dtype": dtype,
+        "num_assistant_tokens": getattr(gen, "num_assistant_tokens", None),
+        "confidence_threshold": getattr(gen, "assistant_confidence_threshold", None),
+    }
+    return config, arch
+
+
+def _training_rows(info: dict | None) -> list[tuple[str, str]]:
+    if not info:
+        return []
+    rows = []
+    known = {
+        "data": ("Data", str),
+        "datasets": ("Datasets", lambda v: ", ".join(f"[`{d}`](https://huggingface.co/datasets/{d})" for d in v)),
+        "tokens": ("Training tokens", lambda v: f"{v:,}" if _is_number(v) else str(v)),
+        "steps": ("Optimizer steps", lambda v: f"{v:,}" if _is_number(v) else str(v)),
+        "wall_time_s": ("Wall time", lambda v: _fmt_duration(v) if _is_number(v) else str(v)),
+        "hardware": ("Hardware", str),
+    }
+    for key, (label, fmt) in known.items():
+        if info.get(key) not in (None, "", []):
+            rows.append((label, fmt(info[key])))
+    for key, value in info.items():
+        if key not in known and key != "language" and value not in (None, "", []):
+            text = json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+            rows.append((key.replace("_", " ").capitalize(), text.replace("|", "\\|")))
+    return rows
+
+
+def _hardware_text(hardware: dict) -> str:
+    parts = []
+    device = hardware.get("device")
+    if device:
+        parts.append(str(device))
+    cpu, cores = hardware.get("cpu"), hardware.get("cores")
+    if cpu or cores:
+        parts.append("CPU " + ", ".join(str(x) for x in (cpu, f"{cores} cores" if cores else None) if x))
+    if hardware.get("torch"):
+        parts.append(f"torch {hardware['torch']}")
+    parts += [f"{k} {v}" for k, v in hardware.items() if k not in ("device", "cpu", "cores", "torch") and v]
+    return "; ".join(parts)
+
+
+def _bench_rows(method: dict, per_category: bool) -> list[dict]:
+    rows = [{"name": "**overall**", **{k: _fmt(k, method["overall"].get(k)) for k in _BENCH_KEYS}}]
+    if per_category:
+        for cat, values in (method.get("per_category") or {}).items():
+            rows.append({"name": str(cat), **{k: _fmt(k, (values or {}).get(k)) for k in _BENCH_KEYS}})
+    return rows
+
+
+def _bench_values(bench: dict | None, base_model: str) -> dict | None:
+    if bench is None:
+        return None
+    measured = bench.get("target")
+    if measured and _short_name(measured) != _short_name(base_model):
+        raise ValueError(
+            f"The benchmark was measured with target '{measured}', but this drafter serves '{base_model}'. Pass the "
+            "benchmark JSON that `moa bench` wrote for this drafter and its target."
+        )
+    moa_rows = _bench_rows(bench["methods"][METHOD], per_category=True)
+    others = [
+        {**_bench_rows(method, per_category=False)[0], "name": f"`{name}`"}
+        for name, method in bench["methods"].items()
+        if name != METHOD and isinstance(method, dict) and isinstance(method.get("overall"), dict)
+    ]
+    return {
+        "hardware": _hardware_text(bench["hardware"]),
+        "date": bench.get("date"),
+        "target": measured or base_model,
+        "dtype": bench.get("dtype", "the default dtype"),
+        "max_new_tokens": bench.get("max_new_tokens", "–"),
+        "moa_rows": moa_rows,
+        "other_rows": [{**moa_rows[0], "name": f"`{METHOD}`"}, *others] if others else [],  # a comparison, if any
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Rendering and validation
+# ---------------------------------------------------------------------------------------------------------------------
+def render_card(
+    drafter_or_config: MoADrafterModel | MoADrafterConfig,
+    benchmark: str | os.PathLike | dict | None = None,
+    training_info: str | os.PathLike | dict | None = None,
+    *,
+    repo_id: str,
+    base_model: str | None = None,
+    license: str = "apache-2.0",
+) -> ModelCard:
+    """The README.md of a drafter repo, as a `huggingface_hub.ModelCard` (validated with `validate_card_metadata`).
+
+    `base_model` defaults to the drafter's `config.target_name_or_path`; it must be a Hub repo id.
+    """
+    _check_repo_id(repo_id, "repo_id", "Use ORG/NAME, e.g. 'my-org/smollm2-moa-drafter'.")
+    config, arch = _architecture(drafter_or_config)
+    base_model = base_model or config.target_name_or_path
+    if not base_model:
+        raise ValueError(
+            "The drafter does not record its target (config.target_name_or_path is empty); pass base_model='ORG/NAME' "
+            "(the Hub id of the target model)."
+        )
+    _check_repo_id(
+        base_model, "The target", "Pass base_model='ORG/NAME' with the Hub id of the target model (not a local path)."
+    )
+    bench = load_benchmark(benchmark)
+    info = load_training_info(training_info)
+    card_data = ModelCardData(
+        base_model=base_model,
+        library_name="transformers",  # no pipeline_tag: the drafter is not a stand-alone text-generation model
+        license=license,
+        tags=list(REQUIRED_TAGS),
+        datasets=list(info["datasets"]) if info and info.get("datasets") else None,
+        language=info.get("language") if info else None,
+    )
+    with resources.as_file(resources.files(__package__) / TEMPLATE_NAME) as template:
+        card = ModelCard.from_template(
+            card_data,
+            template_path=str(template),
+            title=repo_id.split("/")[-1],
+            repo_id=repo_id,
+            arch=arch,
+            training_rows=_training_rows(info),
+            bench=_bench_values(bench, base_model),
+        )
+    validate_card_metadata(card)
+    return card
+
+
+def validate_card_metadata(card: ModelCard | str) -> dict:
+    """Parse the card's YAML header back and check the keys and types the Hub expects; returns the metadata.
+
+    `ModelCard.validate` asks the Hub, so this checks offline what this package writes. Raises `ValueError`.
+    """
+    text = card.content if isinstance(card, ModelCard) else str(card)
+    match = _YAML_BLOCK.match(text)
+    if match is None:
+        raise ValueError("The model card has no YAML metadata block ('---' lines) at its top.")
+    meta = yaml.safe_load(match.group(1))
+    if not isinstance(meta, dict):
+        raise ValueError(f"The model card metadata must be a YAML mapping, got {type(meta).__name__}.")
+    problems = []
+    if isinstance(card, ModelCard) and card.data.to_dict() != meta:
+        problems.append("card.data does not match the YAML block")
+    if meta.get("library_name") != "transformers":
+        problems.append(f"library_name must be 'transformers', got {meta.get('library_name')!r}")
+    base = meta.get("base_model")
+    if not isinstance(base, str):
+        problems.append(f"base_model must be the target's Hub id (a string), got {base!r}")
+    else:
+        try:
+            validate_repo_id(base)
+        except HFValidationError as err:
+            problems.append(f"base_model {base!r} is not a Hub repo id ({err})")
+    tags = meta.get("tags")
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        problems.append(f"tags must be a list of strings, got {tags!r}")
+    elif missing := [t for t in REQUIRED_TAGS if t not in tags]:
+        problems.append(f"tags lack {missing}")
+    lic = meta.get("license")
+    if lic not in HUB_LICENSES:
+        problems.append(f"license must be a Hub license id (e.g. 'apache-2.0'), got {lic!r}")
+    elif lic == "other" and not (
+        isinstance(meta.get("license_name"), str) and isinstance(meta.get("license_link"), str)
+    ):
+        problems.append("license 'other' needs license_name and license_link")
+    datasets = meta.get("datasets")
+    if datasets is not None:
+        if not isinstance(datasets, list) or not all(isinstance(d, str) for d in datasets):
+            problems.append(f"datasets must be a list of Hub dataset ids, got {datasets!r}")
+        else:
+            for d in datasets:
+                try:
+                    validate_repo_id(d)
+                except HFValidationError:
+                    problems.append(f"dataset {d!r} is not a Hub dataset id")
+    language = meta.get("language")
+    if language is not None and not (
+        isinstance(language, str) or (isinstance(language, list) and all(isinstance(x, str) for x in language))
+    ):
+        problems.append(f"language must be a string or a list of strings, got {language!r}")
+    if "pipeline_tag" in meta and not isinstance(meta["pipeline_tag"], str):
+        problems.append(f"pipeline_tag must be a string, got {meta['pipeline_tag']!r}")
+    if problems:
+        raise ValueError("Invalid model card metadata: " + "; ".join(problems) + ".")
+    return meta

@@ -1,0 +1,372 @@
+"""Publish MoA drafters as Hugging Face Hub repos: `moa publish DRAFTER --repo-id ORG/NAME --out FOLDER [--push]`.
+
+A repo folder holds everything `AutoModel.from_pretrained(repo_id, trust_remote_code=True)` needs without `moa_hf`:
+`config.json` (with `auto_map`), the remote code (`configuration_moa.py`, `modeling_moa.py`), `model.safetensors`,
+`generation_config.json` and the model card `README.md` (plus the benchmark / training-info JSON the card quotes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+from transformers import GenerationConfig
+
+from .modeling import MoADrafterConfig, MoADrafterModel
+
+__all__ = [
+    "AUTO_MAP",
+    "REMOTE_CODE_FILES",
+    "build_repo_folder",
+    "check_repo_folder",
+    "load_drafter",
+    "publish",
+    "push_folder",
+    "register",
+]
+
+REMOTE_CODE_FILES = ("configuration_moa.py", "modeling_moa.py")
+AUTO_MAP = {"AutoConfig": "configuration_moa.MoADrafterConfig", "AutoModel": "modeling_moa.MoADrafterModel"}
+BENCHMARK_FILE = "moa_benchmark.json"
+TRAINING_INFO_FILE = "training_info.json"
+REQUIRED_FILES = ("config.json", *REMOTE_CODE_FILES, "model.safetensors", "generation_config.json", "README.md")
+_EMBEDDING_MODULES = ("embed_tokens", "lm_head")
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading the drafter
+# ---------------------------------------------------------------------------------------------------------------------
+def load_drafter(spec: str | os.PathLike | MoADrafterModel) -> MoADrafterModel:
+    """A drafter model from a model, a saved drafter folder, or `"default"` (moa_hf's default drafter)."""
+    if isinstance(spec, MoADrafterModel) or (
+        hasattr(spec, "config") and getattr(spec.config, "model_type", None) == MoADrafterConfig.model_type
+    ):
+        return spec  # also a drafter loaded as remote code (a class from `transformers_modules`)
+    if str(spec) == "default":
+        import moa_hf
+
+        loader = getattr(moa_hf, "load_default_drafter", None)
+        if loader is None:
+            raise RuntimeError(
+                "This moa_hf installation has no default drafter (moa_hf.load_default_drafter is missing). Pass the "
+                "folder of a saved drafter instead (one written by `drafter.save_pretrained(folder)`)."
+            )
+        drafter = loader()
+        return drafter[0] if isinstance(drafter, tuple) else drafter
+    path = Path(spec)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path} is not a saved drafter folder (no config.json). Pass a folder written by "
+            "`drafter.save_pretrained(folder)`, or `default`."
+        )
+    model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
+    if model_type != MoADrafterConfig.model_type:
+        raise ValueError(
+            f"{path} holds a model of type {model_type!r}, not a MoA drafter ({MoADrafterConfig.model_type!r})."
+        )
+    return MoADrafterModel.from_pretrained(path, dtype="auto")
+
+
+def _with_embeddings(drafter: MoADrafterModel, own_embeddings: bool) -> MoADrafterModel:
+    """The drafter with (own_embeddings=True) or without its own embedding and LM head copies."""
+    has_own = bool(drafter.config.own_embeddings)
+    if own_embeddings == has_own:
+        return drafter
+    if own_embeddings:
+        raise ValueError(
+            "own_embeddings=True, but this drafter has no embedding and LM head of its own (it borrows the target's). "
+            "Copy them first with `drafter.copy_embeddings_from(target)` and pass that drafter, or publish with "
+            "own_embeddings=False."
+        )
+    logger.warning(
+        "Publishing without the drafter's own embedding and LM head copies (it will borrow the target's); pass "
+        "own_embeddings=True (--own-embeddings) to keep them."
+    )
+    config = copy.deepcopy(drafter.config)
+    config.own_embeddings = False
+    param = next(drafter.parameters())
+    lean = type(drafter)(config).to(device=param.device, dtype=param.dtype)
+    state = {k: v for k, v in drafter.state_dict().items() if k.split(".")[0] not in _EMBEDDING_MODULES}
+    lean.load_state_dict(state, strict=True)
+    lean.generation_config = copy.deepcopy(drafter.generation_config)
+    return lean
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Building the repo folder
+# ---------------------------------------------------------------------------------------------------------------------
+def _package_file(name: str) -> bytes:
+    return (resources.files("moa_hf.modeling") / name).read_bytes()
+
+
+def _complete_remote_code(folder: Path) -> None:
+    """Add the remote code and `auto_map` if missing (`save_pretrained` writes them for auto-registered classes)."""
+    for name in REMOTE_CODE_FILES:
+        if not (folder / name).is_file():  # a class that was not registered with `register_for_auto_class`
+            (folder / name).write_bytes(_package_file(name))
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if config.get("auto_map") != AUTO_MAP or config.get("architectures") != ["MoADrafterModel"]:
+        config["auto_map"] = AUTO_MAP
+        config["architectures"] = ["MoADrafterModel"]
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if not (folder / "generation_config.json").is_file():
+        MoADrafterModel.default_generation_config(GenerationConfig()).save_pretrained(folder)
+
+
+def _prepare_out_dir(out_dir: Path, source: Path | None, overwrite: bool) -> None:
+    if source is not None and source.resolve() == out_dir.resolve():
+        raise ValueError(f"--out {out_dir} is the drafter's own folder; choose another output folder.")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        config = out_dir / "config.json"
+        is_build = config.is_file() and json.loads(config.read_text(encoding="utf-8")).get("auto_map") == AUTO_MAP
+        if not overwrite:
+            raise FileExistsError(
+                f"{out_dir} already exists and is not empty. Choose another folder, or pass overwrite=True "
+                "(--overwrite) to replace an earlier repo folder."
+            )
+        if not is_build:
+            raise FileExistsError(
+                f"{out_dir} is not empty and does not look like a drafter repo folder built by `moa publish`; "
+                "refusing to replace it. Choose another output folder."
+            )
+
+
+def build_repo_folder(
+    drafter_path_or_model: str | os.PathLike | MoADrafterModel,
+    repo_id: str,
+    out_dir: str | os.PathLike,
+    benchmark: str | os.PathLike | dict | None = None,
+    training_info: str | os.PathLike | dict | None = None,
+    own_embeddings: bool = False,
+    *,
+    base_model: str | None = None,
+    license: str = "apache-2.0",
+    overwrite: bool = False,
+) -> Path:
+    """Write the complete Hub repo folder of a drafter to `out_dir` and return it.
+
+    `own_embeddings=False` publishes the drafter without embedding/LM-head copies (they are borrowed from the target
+    on `attach`); True keeps the drafter's own copies (it must have them). `base_model` defaults to the target the
+    drafter records (`config.target_name_or_path`).
+    """
+    from moa_hf.hub_cards import load_benchmark, load_training_info, render_card
+
+    out_dir = Path(out_dir)
+    is_path = isinstance(drafter_path_or_model, (str, os.PathLike)) and str(drafter_path_or_model) != "default"
+    source = Path(drafter_path_or_model) if is_path else None
+    _prepare_out_dir(out_dir, source, overwrite)
+    drafter = _with_embeddings(load_drafter(drafter_path_or_model), own_embeddings)
+    bench = load_benchmark(benchmark)
+    info = load_training_info(training_info)
+    card = render_card(drafter, bench, info, repo_id=repo_id, base_model=base_model, license=license)  # fails early
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))  # renamed into place when complete
+    try:
+        drafter.save_pretrained(tmp)
+        _complete_remote_code(tmp)
+        card.save(tmp / "README.md")
+        if bench is not None:
+            (tmp / BENCHMARK_FILE).write_text(json.dumps(bench, indent=2) + "\n", encoding="utf-8")
+        if info is not None:
+            (tmp / TRAINING_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+        check_repo_folder(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out_dir
+
+
+def check_repo_folder(folder: str | os.PathLike) -> list[str]:
+    """Check that a repo folder is complete (files, `auto_map`, card metadata); returns its file names."""
+    from moa_hf.hub_cards import validate_card_metadata
+
+    folder = Path(folder)
+    missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
+    if missing:
+        raise ValueError(f"The repo folder {folder} lacks {missing}; rebuild it with `moa publish`.")
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if config.get("auto_map") != AUTO_MAP:
+        raise ValueError(f"{folder}/config.json has auto_map {config.get('auto_map')}, expected {AUTO_MAP}.")
+    if config.get("model_type") != MoADrafterConfig.model_type:
+        raise ValueError(
+            f"{folder}/config.json is not a MoA drafter config (model_type {config.get('model_type')!r})."
+        )
+    validate_card_metadata((folder / "README.md").read_text(encoding="utf-8"))
+    return sorted(p.name for p in folder.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Uploading
+# ---------------------------------------------------------------------------------------------------------------------
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """Connection errors of the HTTP clients huggingface_hub may use (requests' are OSErrors already)."""
+    errors: list[type[BaseException]] = [OSError]
+    for module in ("httpx", "httpx2"):
+        if importlib.util.find_spec(module) is not None:
+            errors.append(importlib.import_module(module).TransportError)
+    return tuple(errors)
+
+
+_LOGIN_HINT = "Log in with `hf auth login`, set the HF_TOKEN environment variable, or pass --token (token=...)"
+
+
+def push_folder(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    token: str | None = None,
+) -> str:
+    """Upload a repo folder to the Hub (creating the repo and branch if needed); returns the commit URL.
+
+    Raises `RuntimeError` with what to do when offline, unauthenticated or refused by the Hub.
+    """
+    from huggingface_hub import constants, create_branch, create_repo, get_token, upload_folder
+    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
+
+    where = f"The repo folder is ready at {folder}; upload it later with `hf upload {repo_id} {folder}`."
+    offline = (
+        f"Cannot upload to the Hugging Face Hub: {{}}. Unset HF_HUB_OFFLINE and check that huggingface.co "
+        f"({constants.ENDPOINT}) can be reached. {where}"
+    )
+    if constants.HF_HUB_OFFLINE:
+        raise RuntimeError(offline.format("offline mode is enabled (HF_HUB_OFFLINE=1)"))
+    token = token or get_token()
+    if not token:
+        raise RuntimeError(f"Cannot upload to the Hugging Face Hub: not authenticated. {_LOGIN_HINT}. {where}")
+    try:
+        create_repo(repo_id, token=token, private=private, exist_ok=True)
+        if revision and revision != constants.DEFAULT_REVISION:
+            create_branch(repo_id, branch=revision, token=token, exist_ok=True)
+        info = upload_folder(
+            repo_id=repo_id,
+            folder_path=str(folder),
+            revision=revision,
+            commit_message=commit_message or "Upload MoA drafter with moa-hf",
+            token=token,
+        )
+    except OfflineModeIsEnabled as err:
+        raise RuntimeError(offline.format("offline mode is enabled (HF_HUB_OFFLINE=1)")) from err
+    except LocalTokenNotFoundError as err:
+        raise RuntimeError(
+            f"Cannot upload to the Hugging Face Hub: not authenticated. {_LOGIN_HINT}. {where}"
+        ) from err
+    except HfHubHTTPError as err:
+        status = getattr(getattr(err, "response", None), "status_code", None)
+        if status in (401, 403):
+            raise RuntimeError(
+                f"The Hugging Face Hub refused the upload to {repo_id} (HTTP {status}): not authenticated, or the "
+                f"token may not write to this namespace. {_LOGIN_HINT} with a token that has write access. {where}"
+            ) from err
+        raise RuntimeError(f"The Hugging Face Hub refused the upload to {repo_id}: {err}. {where}") from err
+    except _network_errors() as err:
+        raise RuntimeError(offline.format(f"no connection ({type(err).__name__}: {err})")) from err
+    return str(getattr(info, "commit_url", info))
+
+
+def publish(
+    drafter_path_or_model: str | os.PathLike | MoADrafterModel,
+    repo_id: str,
+    out_dir: str | os.PathLike,
+    *,
+    benchmark: str | os.PathLike | dict | None = None,
+    training_info: str | os.PathLike | dict | None = None,
+    own_embeddings: bool = False,
+    base_model: str | None = None,
+    license: str = "apache-2.0",
+    overwrite: bool = False,
+    push: bool = False,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    token: str | None = None,
+) -> Path | str:
+    """Build the repo folder; with `push=True` also upload it. Returns the folder, or the commit URL when pushed."""
+    folder = build_repo_folder(
+        drafter_path_or_model,
+        repo_id,
+        out_dir,
+        benchmark=benchmark,
+        training_info=training_info,
+        own_embeddings=own_embeddings,
+        base_model=base_model,
+        license=license,
+        overwrite=overwrite,
+    )
+    if not push:
+        return folder
+    return push_folder(folder, repo_id, private=private, revision=revision, commit_message=commit_message, token=token)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------------------
+def _run(args: argparse.Namespace) -> int:
+    try:
+        result = publish(
+            args.drafter,
+            args.repo_id,
+            args.out,
+            benchmark=args.benchmark,
+            training_info=args.training_info,
+            own_embeddings=args.own_embeddings,
+            base_model=args.base_model,
+            license=args.license,
+            overwrite=args.overwrite,
+            push=args.push,
+            private=args.private,
+            revision=args.revision,
+            commit_message=args.commit_message,
+            token=args.token,
+        )
+    except (RuntimeError, ValueError, FileNotFoundError, FileExistsError) as err:
+        raise SystemExit(f"moa publish: error: {err}") from err
+    if args.push:
+        print(f"Uploaded {args.repo_id}: {result}")
+    else:
+        print(f"Repo folder for {args.repo_id} written to {result}. Upload it with --push (or `hf upload`).")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `moa publish`."""
+    p = subparsers.add_parser(
+        "publish",
+        help="build (and upload) a Hugging Face Hub repo for a drafter",
+        description="Build a Hub repo folder for a MoA drafter (weights, remote code, config, model card) and "
+        "optionally upload it.",
+    )
+    p.add_argument("drafter", metavar="DRAFTER", help="a saved drafter folder, or `default`")
+    p.add_argument("--repo-id", required=True, metavar="ORG/NAME", help="the Hub repo id")
+    p.add_argument("--out", required=True, metavar="FOLDER", help="where to write the repo folder")
+    p.add_argument("--benchmark", metavar="JSON", help="benchmark JSON from `moa bench` (speed numbers of the card)")
+    p.add_argument("--training-info", metavar="JSON", help="training info JSON (data, tokens, steps, wall time...)")
+    p.add_argument("--own-embeddings", action="store_true", help="keep the drafter's own embedding/LM head copies")
+    p.add_argument(
+        "--base-model", metavar="ORG/NAME", help="Hub id of the target (default: the one the drafter records)"
+    )
+    p.add_argument("--license", default="apache-2.0", help="Hub license id of the card (default: apache-2.0)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier repo folder at --out")
+    p.add_argument("--push", action="store_true", help="upload the folder to the Hub")
+    p.add_argument("--private", action="store_true", help="create the repo as private (with --push)")
+    p.add_argument("--revision", help="branch to upload to (created if needed; default: main)")
+    p.add_argument("--commit-message", help="commit message of the upload")
+    p.add_argument("--token", help="Hub token (default: HF_TOKEN or the token saved by `hf auth login`)")
+    p.set_defaults(func=_run)

@@ -1,0 +1,417 @@
+"""Hub repo folders for drafters: model card, folder contents, `moa publish`, upload failures, target checks."""
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import textwrap
+from importlib import resources
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import make_target
+from safetensors.torch import load_file
+
+import moa_hf
+from moa_hf import MoADrafterModel, hub_cards, target_signature
+from moa_hf.hub import AUTO_MAP, REMOTE_CODE_FILES, build_repo_folder, check_repo_folder, load_drafter, register
+
+TARGET_ID = "moa-test/tiny-random-llama"
+REPO_ID = "moa-test/tiny-moa-drafter"
+render_card, validate_card_metadata = hub_cards.render_card, hub_cards.validate_card_metadata
+
+
+@pytest.fixture(scope="module")
+def target():
+    model = make_target("llama")
+    model.config.name_or_path = TARGET_ID
+    return model
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    torch.manual_seed(0)
+    return moa_hf.build_drafter(target)
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(drafter, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("saved") / "drafter"
+    drafter.save_pretrained(path)
+    return path
+
+
+def _metrics(rng: random.Random) -> dict:
+    return {
+        "acceptance_length": rng.uniform(1.0, 6.0),
+        "tokens_per_s": rng.uniform(10.0, 500.0),
+        "speedup": rng.uniform(0.5, 4.0),
+        "theoretical_speedup": rng.uniform(1.0, 6.0),
+    }
+
+
+def _benchmark(seed: int = 0, target: str = TARGET_ID) -> dict:
+    """A benchmark JSON in `moa bench`'s format with arbitrary numbers (the card must quote them as they are)."""
+    rng = random.Random(seed)
+    return {
+        "hardware": {
+            "cpu": f"Test CPU {rng.randint(100, 999)}",
+            "cores": rng.randint(2, 64),
+            "torch": "2.x",
+            "device": f"Test GPU {rng.randint(100, 999)}",
+        },
+        "target": target,
+        "dtype": "bfloat16",
+        "max_new_tokens": 256,
+        "methods": {
+            "moa": {"overall": _metrics(rng), "per_category": {"coding": _metrics(rng), "math": _metrics(rng)}},
+            "baseline": {"overall": _metrics(rng)},
+        },
+        "date": "2025-06-01",
+    }
+
+
+TRAINING_INFO = {
+    "data": "UltraChat prompts answered by the target",
+    "datasets": ["HuggingFaceH4/ultrachat_200k"],
+    "tokens": 123_456_789,
+    "steps": 4321,
+    "wall_time_s": 7200.0,
+    "hardware": "1x H100 80GB",
+}
+
+
+def _yaml_header(text: str) -> dict:
+    return yaml.safe_load(re.match(r"\A---\n(.*?)\n---\n", text, re.DOTALL).group(1))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model card
+# ---------------------------------------------------------------------------------------------------------------------
+def test_card_metadata_and_measured_numbers(drafter):
+    bench = _benchmark(seed=1)
+    card = render_card(drafter, bench, TRAINING_INFO, repo_id=REPO_ID)
+    meta = validate_card_metadata(card)
+    assert meta == _yaml_header(card.content) == card.data.to_dict()
+    assert meta["base_model"] == drafter.config.target_name_or_path == TARGET_ID
+    assert meta["library_name"] == "transformers"
+    assert set(hub_cards.REQUIRED_TAGS) <= set(meta["tags"])
+    assert meta["license"] == "apache-2.0"
+    assert meta["datasets"] == TRAINING_INFO["datasets"]
+    assert "pipeline_tag" not in meta  # a drafter is no stand-alone text-generation model
+
+    text = card.text
+    hw = bench["hardware"]
+    for value in (hw["cpu"], f"{hw['cores']} cores", hw["device"], bench["date"], bench["dtype"]):
+        assert str(value) in text
+    moa = bench["methods"]["moa"]
+    for name, metrics in [("overall", moa["overall"]), *moa["per_category"].items()]:
+        row = next(line for line in text.splitlines() if line.startswith("|") and name in line)
+        assert f"{metrics['acceptance_length']:.2f}" in row
+        assert f"{metrics['speedup']:.2f}×" in row
+        assert f"{metrics['tokens_per_s']:.1f}" in row
+    baseline_row = next(line for line in text.splitlines() if "`baseline`" in line)
+    assert f"{bench['methods']['baseline']['overall']['speedup']:.2f}×" in baseline_row
+    assert f"{TRAINING_INFO['tokens']:,}" in text and f"{TRAINING_INFO['steps']:,}" in text
+    assert "2.0 h" in text and TRAINING_INFO["hardware"] in text
+    # the usage snippet names this repo and the target
+    assert f'drafter_id = "{REPO_ID}"' in text and f'target_id = "{TARGET_ID}"' in text
+    assert "trust_remote_code=True" in text and "assistant_model=drafter" in text
+
+
+def test_card_without_benchmark_says_no_measurement(drafter):
+    card = render_card(drafter.config, repo_id=REPO_ID)  # from a config only
+    validate_card_metadata(card)
+    speed = card.text.split("## Speed", 1)[1].split("##", 1)[0]
+    assert "No measurement is available" in speed
+    assert not re.search(r"\d", speed)  # no number at all where measurements would be
+    assert "×" not in card.text
+    assert "No training information" in card.text
+    assert "datasets" not in card.data.to_dict()
+
+
+def test_card_rejects_inconsistent_inputs(drafter, tmp_path):
+    with pytest.raises(ValueError, match="'moa'"):
+        bench = _benchmark()
+        del bench["methods"]["moa"]
+        render_card(drafter, bench, repo_id=REPO_ID)
+    with pytest.raises(ValueError, match="measured with target 'other-org/other-model'"):
+        render_card(drafter, _benchmark(target="other-org/other-model"), repo_id=REPO_ID)
+    with pytest.raises(ValueError, match="license"):
+        render_card(drafter, repo_id=REPO_ID, license="my-own-license")
+    with pytest.raises(ValueError, match="base_model"):
+        render_card(drafter, repo_id=REPO_ID, base_model=str(tmp_path / "local" / "target"))
+    with pytest.raises(ValueError, match="repo_id"):
+        render_card(drafter, repo_id="not a repo id")
+    with pytest.raises(FileNotFoundError, match="benchmark"):
+        render_card(drafter, tmp_path / "missing.json", repo_id=REPO_ID)
+    text = render_card(drafter, repo_id=REPO_ID).content
+    with pytest.raises(ValueError, match="tags lack"):
+        validate_card_metadata(text.replace("- drafter\n", "", 1))
+    with pytest.raises(ValueError, match="library_name"):
+        validate_card_metadata(text.replace("library_name: transformers", "library_name: timm", 1))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Repo folder
+# ---------------------------------------------------------------------------------------------------------------------
+def test_build_repo_folder_contents(drafter, drafter_dir, target, tmp_path):
+    bench_path = tmp_path / "bench.json"
+    bench_path.write_text(json.dumps(_benchmark(seed=2)))
+    info_path = tmp_path / "training_info.json"
+    info_path.write_text(json.dumps(TRAINING_INFO))
+    out = build_repo_folder(drafter_dir, REPO_ID, tmp_path / "repo", benchmark=bench_path, training_info=info_path)
+
+    names = {p.name for p in out.iterdir()}
+    assert names == {
+        "config.json",
+        "configuration_moa.py",
+        "modeling_moa.py",
+        "model.safetensors",
+        "generation_config.json",
+        "README.md",
+        "moa_benchmark.json",
+        "training_info.json",
+    }
+    assert check_repo_folder(out) == sorted(names)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "repo", "training_info.json"]  # no temp left
+    for name in REMOTE_CODE_FILES:  # the package's own files, as save_pretrained copied them
+        assert (out / name).read_bytes() == (resources.files("moa_hf.modeling") / name).read_bytes()
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"] == AUTO_MAP
+    assert config["architectures"] == ["MoADrafterModel"]
+    assert config["target_name_or_path"] == TARGET_ID  # the drafter records its target ...
+    for key, value in target_signature(target.config).items():  # ... and the target's signature
+        assert config[key] == value, key
+    weights = load_file(out / "model.safetensors")
+    state = drafter.state_dict()
+    assert weights.keys() == state.keys()
+    assert all(torch.equal(weights[k], state[k]) for k in state)
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["num_assistant_tokens"] == drafter.generation_config.num_assistant_tokens
+    assert json.loads((out / "moa_benchmark.json").read_text()) == _benchmark(seed=2)
+    card = (out / "README.md").read_text()
+    assert validate_card_metadata(card)["base_model"] == TARGET_ID
+    assert f"{_benchmark(seed=2)['methods']['moa']['overall']['acceptance_length']:.2f}" in card
+
+
+def test_build_copies_remote_code_for_unregistered_class(drafter, tmp_path):
+    class UnregisteredDrafter(MoADrafterModel):  # a class `save_pretrained` does not write remote code for
+        _auto_class = None
+
+    plain = UnregisteredDrafter(drafter.config)
+    plain.load_state_dict(drafter.state_dict())
+    plain.save_pretrained(tmp_path / "plain")
+    assert not (tmp_path / "plain" / "modeling_moa.py").exists()  # so build_repo_folder must add it
+    out = build_repo_folder(plain, REPO_ID, tmp_path / "repo")
+    for name in REMOTE_CODE_FILES:
+        assert (out / name).read_bytes() == (resources.files("moa_hf.modeling") / name).read_bytes()
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"] == AUTO_MAP and config["architectures"] == ["MoADrafterModel"]
+
+
+def test_build_own_embeddings(target, drafter, tmp_path):
+    standalone = moa_hf.build_drafter(target, own_embeddings=True)
+    emb = {"embed_tokens.weight", "lm_head.weight"}
+    kept = build_repo_folder(standalone, REPO_ID, tmp_path / "kept", own_embeddings=True)
+    assert emb <= load_file(kept / "model.safetensors").keys()
+    assert json.loads((kept / "config.json").read_text())["own_embeddings"] is True
+    lean = build_repo_folder(standalone, REPO_ID, tmp_path / "lean", own_embeddings=False)
+    lean_weights = load_file(lean / "model.safetensors")
+    assert not emb & lean_weights.keys()
+    assert all(torch.equal(lean_weights[k], v) for k, v in standalone.state_dict().items() if k not in emb)
+    assert json.loads((lean / "config.json").read_text())["own_embeddings"] is False
+    with pytest.raises(ValueError, match="copy_embeddings_from"):
+        build_repo_folder(drafter, REPO_ID, tmp_path / "none", own_embeddings=True)
+
+
+def test_build_refuses_to_clobber(drafter, drafter_dir, tmp_path):
+    other = tmp_path / "precious"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    for overwrite in (False, True):
+        with pytest.raises(FileExistsError):
+            build_repo_folder(drafter, REPO_ID, other, overwrite=overwrite)
+    assert (other / "notes.txt").read_text() == "keep me"
+    out = build_repo_folder(drafter, REPO_ID, tmp_path / "repo")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        build_repo_folder(drafter, REPO_ID, out)
+    (out / "stale.bin").write_text("from an earlier build")
+    build_repo_folder(drafter, REPO_ID, out, overwrite=True)
+    assert not (out / "stale.bin").exists()
+    with pytest.raises(ValueError, match="own folder"):
+        build_repo_folder(drafter_dir, REPO_ID, drafter_dir, overwrite=True)
+
+
+def test_default_drafter_missing_is_clear():
+    if hasattr(moa_hf, "load_default_drafter"):
+        pytest.skip("moa_hf ships a default drafter")
+    with pytest.raises(RuntimeError, match="no default drafter"):
+        load_drafter("default")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------------------
+def _publish_cli(argv: list[str]) -> int:
+    """`moa publish ...` through this module's `register`, as moa_hf.cli does."""
+    parser = argparse.ArgumentParser(prog="moa")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_publish(drafter_dir, tmp_path, capsys):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps(_benchmark(seed=3)))
+    out = tmp_path / "repo"
+    assert (
+        _publish_cli(
+            [
+                "publish",
+                str(drafter_dir),
+                "--repo-id",
+                REPO_ID,
+                "--out",
+                str(out),
+                "--benchmark",
+                str(bench),
+                "--license",
+                "mit",
+            ]
+        )
+        == 0
+    )
+    assert str(out) in capsys.readouterr().out
+    assert validate_card_metadata((out / "README.md").read_text())["license"] == "mit"
+    with pytest.raises(SystemExit, match="not a saved drafter folder"):
+        _publish_cli(["publish", str(tmp_path / "nowhere"), "--repo-id", REPO_ID, "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="already exists"):
+        _publish_cli(["publish", str(drafter_dir), "--repo-id", REPO_ID, "--out", str(out)])
+
+
+@pytest.mark.skipif(
+    not any(ep.name == "hub" for ep in entry_points(group="moa_hf.commands")),
+    reason="the `moa_hf.commands` entry points are not installed: run `pip install -e .`",
+)
+def test_moa_cli_has_publish(drafter_dir, tmp_path):
+    from moa_hf.cli import main
+
+    assert main(["publish", str(drafter_dir), "--repo-id", REPO_ID, "--out", str(tmp_path / "repo")]) == 0
+    check_repo_folder(tmp_path / "repo")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Uploading without a Hub: clear failures, no hang (huggingface_hub reads HF_HUB_OFFLINE/HF_ENDPOINT at import, hence
+# fresh processes)
+# ---------------------------------------------------------------------------------------------------------------------
+_CLI = (
+    "import argparse, sys; from moa_hf.hub import register; p = argparse.ArgumentParser(prog='moa'); "
+    "register(p.add_subparsers(dest='command', required=True)); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"
+)
+
+
+def _hub_env(tmp_path: Path, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}  # no token from here
+    env.update(
+        HF_HOME=str(tmp_path / "hf_home"),
+        HF_HUB_ETAG_TIMEOUT="5",
+        HF_HUB_DOWNLOAD_TIMEOUT="5",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        OMP_NUM_THREADS="1",
+        **extra,
+    )
+    return env
+
+
+def test_push_offline_fails_cleanly(drafter_dir, tmp_path):
+    out = tmp_path / "repo"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _CLI,
+            "publish",
+            str(drafter_dir),
+            "--repo-id",
+            REPO_ID,
+            "--out",
+            str(out),
+            "--push",
+            "--token",
+            "hf_not_a_real_token",
+        ],
+        env=_hub_env(tmp_path, HF_HUB_OFFLINE="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "offline mode is enabled" in proc.stderr and "Unset HF_HUB_OFFLINE" in proc.stderr
+    assert f"hf upload {REPO_ID} {out}" in proc.stderr  # says how to upload the folder it built
+    check_repo_folder(out)
+
+
+_PUSH = textwrap.dedent(
+    """
+    import json, sys
+    from moa_hf.hub import push_folder
+    messages = {}
+    for case, token in (("no_token", None), ("no_network", "hf_not_a_real_token")):
+        try:
+            push_folder(sys.argv[1], sys.argv[2], token=token)
+            messages[case] = None
+        except RuntimeError as err:
+            messages[case] = str(err)
+    print(json.dumps(messages))
+    """
+)
+
+
+def test_push_unauthenticated_or_unreachable_fails_cleanly(drafter, tmp_path):
+    out = build_repo_folder(drafter, REPO_ID, tmp_path / "repo")
+    # a closed local port stands in for an unreachable huggingface.co, so nothing leaves this machine
+    env = _hub_env(tmp_path, HF_HUB_OFFLINE="0", HF_ENDPOINT="http://127.0.0.1:9")
+    proc = subprocess.run(
+        [sys.executable, "-c", _PUSH, str(out), REPO_ID], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    messages = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "not authenticated" in messages["no_token"] and "hf auth login" in messages["no_token"]
+    assert "HF_TOKEN" in messages["no_token"]
+    assert "no connection" in messages["no_network"] and "http://127.0.0.1:9" in messages["no_network"]
+    assert f"hf upload {REPO_ID} {out}" in messages["no_network"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The saved drafter serves the target it records
+# ---------------------------------------------------------------------------------------------------------------------
+def test_attach_to_other_target_needs_matching_signature_and_opt_in(drafter_dir, target):
+    drafter = MoADrafterModel.from_pretrained(drafter_dir)
+    assert drafter.config.target_name_or_path == TARGET_ID
+
+    renamed = make_target("llama", seed=1)  # same signature, another model
+    renamed.config.name_or_path = "someone/llama-finetune"
+    with pytest.raises(ValueError, match="allow_other_target=True"):
+        drafter.attach(renamed)
+    assert not drafter.is_attached
+    ids = torch.tensor([[1, 5, 9, 77, 3, 40]])
+    with drafter.attached(renamed, allow_other_target=True):
+        out = renamed.generate(ids, assistant_model=drafter, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, renamed.generate(ids, max_new_tokens=12, do_sample=False))
+
+    other_shape = make_target("llama", num_hidden_layers=2)
+    other_shape.config.name_or_path = TARGET_ID  # even under the recorded name
+    for allow in (False, True):
+        with pytest.raises(ValueError, match="signature"):
+            drafter.attach(other_shape, allow_other_target=allow)
+    drafter.attach(target)  # the recorded target itself
+    assert drafter.is_attached
+    drafter.detach()
