@@ -43,14 +43,14 @@ def _oracle(target, reference, p_right, seed=0, **overrides):
 @pytest.mark.parametrize("p_right", [0.0, 0.6, 0.9])
 def test_greedy_equality_many_prompts(family, p_right):
     target = make_target(family)
-    rng = random.Random(hash((family, p_right)) % 1000)
+    rng = random.Random(f"{family}-{p_right}")  # deterministic (str hashing is salted per process)
     lengths = set()
-    for trial in range(4):
+    for trial in range(5):
         ids = torch.tensor([[rng.randrange(3, 128) for _ in range(rng.randrange(1, 20))]])
         new = rng.randrange(1, 40)
         ref = target.generate(ids, max_new_tokens=new, do_sample=False)
         drafter = _oracle(target, ref[0].tolist(), p_right, seed=trial, target_layer_inference=trial % 2)
-        drafter.generation_config.num_assistant_tokens = rng.choice([1, 3, 6])
+        drafter.generation_config.num_assistant_tokens = rng.choice([1, 4, 6, 8])
         drafter.generation_config.assistant_confidence_threshold = 0.0
         with moa_hf.attached(drafter, target):
             out = target.generate(ids, max_new_tokens=new, do_sample=False, assistant_model=drafter)
