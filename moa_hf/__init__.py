@@ -28,6 +28,7 @@ __all__ = [
     "build_drafter",
     "cycle_starts_from_restarts",
     "gather_target_kv",
+    "load_default_drafter",
     "load_default_target",
     "target_signature",
     "unsupported_target_reason",
@@ -45,7 +46,7 @@ def attached(drafter: MoADrafterModel, target, allow_other_target: bool = False)
 
 
 def build_drafter(target, *, own_embeddings: bool = False, **overrides) -> MoADrafterModel:
-    """A freshly initialised drafter with the paper's defaults for `target` (a model), in the target's dtype."""
+    """A freshly initialised fp32 drafter with the paper's defaults for `target` (a model), on its device."""
     config = MoADrafterConfig.from_target_config(target.config, own_embeddings=own_embeddings, **overrides)
     drafter = MoADrafterModel(config).to(device=target.device)
     if own_embeddings:
@@ -58,3 +59,22 @@ def load_default_target(*args, **kwargs):
     from .default_target import load_default_target as _load
 
     return _load(*args, **kwargs)
+
+
+def default_drafter_path():
+    """Folder of the trained default drafter for SmolLM2-135M-Instruct shipped inside this package."""
+    from pathlib import Path
+
+    return Path(__file__).parent / "default_drafter"
+
+
+def load_default_drafter(dtype=None) -> MoADrafterModel:
+    """The trained default MoA drafter for SmolLM2-135M-Instruct (attach it to `load_default_target()`)."""
+    path = default_drafter_path()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"No trained default drafter at {path}. Train one with `moa data` + `moa train --target default` "
+            "(see README) and save it there."
+        )
+    drafter = MoADrafterModel.from_pretrained(path)
+    return (drafter.to(dtype) if dtype is not None else drafter).eval()

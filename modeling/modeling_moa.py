@@ -177,10 +177,11 @@ def gather_target_kv(target_cache, start: int, end: int) -> torch.Tensor:
 
     Keys are taken as the cache holds them (after RoPE); key and value are joined per KV head.
     """
-    per_layer = []
+    per_layer, device = [], None
     for layer in target_cache.layers:
         kv = torch.cat([layer.keys[:, :, start:end], layer.values[:, :, start:end]], dim=-1)  # [B, Hkv, T, 2*hd]
-        per_layer.append(kv.transpose(1, 2).flatten(2))  # [B, T, Hkv*2*hd]
+        device = device or kv.device  # a target split over devices: gather on the first layer's
+        per_layer.append(kv.transpose(1, 2).flatten(2).to(device))  # [B, T, Hkv*2*hd]
     return torch.stack(per_layer, dim=2)  # [B, T, L, 2*Hkv*hd]
 
 

@@ -1,0 +1,101 @@
+"""moa_hf.training: on-policy training of MoA drafters (data generation, Trainer, evaluation, CLI).
+
+Exports are imported lazily, so `moa --help` and the other subcommands do not pay for `transformers.Trainer`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    # arguments / trainer
+    "MoATrainingArguments": "arguments",
+    "MoATrainer": "trainer",
+    "MoADataCollator": "trainer",
+    "TargetStates": "trainer",
+    "IGNORE_INDEX": "trainer",
+    "run_target": "trainer",
+    "staircase_restarts": "trainer",
+    "draw_cycle_lengths": "trainer",
+    "sa_curriculum_mask": "trainer",
+    "unwrap_drafter": "trainer",
+    # losses
+    "chunked_soft_cross_entropy": "losses",
+    "feature_loss": "losses",
+    # evaluation
+    "AcceptanceEvalCallback": "evaluation",
+    "measure_acceptance": "evaluation",
+    # data
+    "build_dataset": "data",
+    "load_prompts": "data",
+    "format_prompts": "data",
+    "check_not_spec_bench": "data",
+    "SpecBenchPromptsError": "data",
+    "default_prompts": "prompts",
+    # conversion
+    "with_own_embeddings": "convert",
+    # PEFT
+    "apply_lora": "peft_utils",
+    "merge_lora": "peft_utils",
+    "DEFAULT_LORA_TARGETS": "peft_utils",
+}
+
+__all__ = [
+    "AcceptanceEvalCallback",
+    "DEFAULT_LORA_TARGETS",
+    "IGNORE_INDEX",
+    "MoADataCollator",
+    "MoATrainer",
+    "MoATrainingArguments",
+    "SpecBenchPromptsError",
+    "TargetStates",
+    "apply_lora",
+    "build_dataset",
+    "check_not_spec_bench",
+    "chunked_soft_cross_entropy",
+    "default_prompts",
+    "draw_cycle_lengths",
+    "feature_loss",
+    "format_prompts",
+    "load_prompts",
+    "measure_acceptance",
+    "merge_lora",
+    "run_target",
+    "sa_curriculum_mask",
+    "staircase_restarts",
+    "unwrap_drafter",
+    "with_own_embeddings",
+]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moa_hf.training' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs
+    from .arguments import MoATrainingArguments
+    from .convert import with_own_embeddings
+    from .data import SpecBenchPromptsError, build_dataset, check_not_spec_bench, format_prompts, load_prompts
+    from .evaluation import AcceptanceEvalCallback, measure_acceptance
+    from .losses import chunked_soft_cross_entropy, feature_loss
+    from .peft_utils import DEFAULT_LORA_TARGETS, apply_lora, merge_lora
+    from .prompts import default_prompts
+    from .trainer import (
+        IGNORE_INDEX,
+        MoADataCollator,
+        MoATrainer,
+        TargetStates,
+        draw_cycle_lengths,
+        run_target,
+        sa_curriculum_mask,
+        staircase_restarts,
+        unwrap_drafter,
+    )

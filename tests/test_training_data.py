@@ -1,0 +1,187 @@
+"""Training data: the offline prompt source, prompt loading (Spec-Bench refused), on-policy dataset building with
+resume, and the `moa data` / `moa train` commands end to end (tiny random target, no downloads)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from moa_hf.modeling import MoADrafterModel
+from moa_hf.training import SpecBenchPromptsError, build_dataset, default_prompts, format_prompts, load_prompts
+from moa_hf.training.testing import tiny_target, tiny_tokenizer
+from safetensors import safe_open
+
+from moa_hf.cli import main as moa_main
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(initializer_range=0.02, logit_scale=30.0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Offline prompts
+# ---------------------------------------------------------------------------------------------------------------------
+def test_default_prompts_are_varied_deterministic_and_split():
+    train = default_prompts(600)
+    assert len(train) == len(set(train)) == 600
+    assert default_prompts(600) == train and default_prompts(600, seed=1) != train
+    val = default_prompts(100, split="validation")
+    assert len(val) == 100 and not set(val) & set(default_prompts(5000))
+    families = {
+        "stdlib": lambda p: "`" in p,
+        "math": lambda p: any(w in p for w in ("Solve for", "multiplied", "km in", "prime", "rectangle", "saves")),
+        "story": lambda p: any(w in p for w in ("story", "poem", "novel")),
+        "code": lambda p: any(w in p for w in ("function in", "program", "code that", "unit tests")),
+        "chat": lambda p: any(w in p for w in ("tips", "How do I", "email", "plan", "mistakes")),
+    }
+    for name, test in families.items():
+        assert sum(map(test, train)) >= 30, name
+    assert any("language reference" in p for p in val)
+    with pytest.raises(ValueError, match="split"):
+        default_prompts(3, split="test")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Prompt sources
+# ---------------------------------------------------------------------------------------------------------------------
+def test_load_prompts_sources(tmp_path):
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "first"}\n\n{"turns": ["second", "ignored"]}\n{"text": "third", "prompt": "x"}\n')
+    assert load_prompts(jsonl) == ["first", "second", "x"]
+    assert load_prompts(jsonl, num_prompts=2) == ["first", "second"]
+    txt = tmp_path / "p.txt"
+    txt.write_text("one\n\ntwo\nthree\n")
+    assert load_prompts(txt) == ["one", "two", "three"]
+    folder = tmp_path / "ds"
+    datasets.Dataset.from_dict({"question": ["q1", "q2"], "other": [1, 2]}).save_to_disk(str(folder))
+    assert load_prompts(folder) == ["q1", "q2"]
+    with pytest.raises(KeyError, match="nope"):
+        load_prompts(folder, column="nope")
+    assert load_prompts("default", num_prompts=5) == default_prompts(5)
+    assert load_prompts("default:validation", num_prompts=5) == default_prompts(5, split="validation")
+
+
+def test_evaluation_benchmark_prompts_are_refused(tmp_path):
+    record = {"question_id": 81, "category": "writing", "turns": ["Compose a travel blog post."]}
+    bench = tmp_path / "question.jsonl"
+    bench.write_text(json.dumps(record) + "\n")
+    with pytest.raises(SpecBenchPromptsError, match="evaluation only"):
+        load_prompts(bench)
+    named = tmp_path / "spec_bench" / "prompts.txt"
+    named.parent.mkdir()
+    named.write_text("a harmless prompt\n")
+    with pytest.raises(SpecBenchPromptsError):
+        load_prompts(named)
+    folder = tmp_path / "renamed"
+    datasets.Dataset.from_dict({k: [v] for k, v in record.items()}).save_to_disk(str(folder))
+    with pytest.raises(SpecBenchPromptsError):
+        load_prompts(folder)
+    target, tokenizer = tiny_target(), tiny_tokenizer()
+    with pytest.raises(SpecBenchPromptsError):
+        build_dataset(target, tokenizer, str(bench), tmp_path / "out", max_new_tokens=2)
+    ok = tmp_path / "fine.jsonl"  # the same prompt without Spec-Bench's record layout is accepted
+    ok.write_text(json.dumps({"prompt": record["turns"][0]}) + "\n")
+    assert load_prompts(ok) == record["turns"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Dataset building
+# ---------------------------------------------------------------------------------------------------------------------
+def test_build_dataset_matches_unbatched_greedy_and_resumes(tmp_path, target, tokenizer):
+    prompts = ["Hi", "What is the capital of France?", "Write a poem about the sea, please.", "2+2?", "Tell me a joke",
+               "x", "Summarise: the quick brown fox jumps over the lazy dog.", "ok"]
+    out = tmp_path / "data"
+    ds = build_dataset(target, tokenizer, prompts, out, max_new_tokens=12, batch_size=3, shard_size=3, progress=False)
+    assert ds.column_names == ["input_ids", "prompt_length", "prompt_index"]
+    assert ds["prompt_index"] == list(range(len(prompts)))
+    prompt_ids = format_prompts(tokenizer, prompts)
+    for row, ids in zip(ds, prompt_ids):
+        assert row["input_ids"][: row["prompt_length"]] == ids
+        alone = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, pad_token_id=0)[0].tolist()
+        response = alone[len(ids) :]
+        if 1 in response:  # eos ends the response
+            response = response[: response.index(1) + 1]
+        assert row["input_ids"][row["prompt_length"] :] == response  # left padding does not change the answer
+    assert datasets.load_from_disk(str(out))["input_ids"] == ds["input_ids"]
+    meta = json.loads((out / "moa_data.json").read_text())
+    assert meta["num_examples"] == len(prompts)
+
+    # interrupted run: the last shard and the final dataset are missing; finished shards are reused untouched
+    shards = sorted((out / "shards").glob("shard-*"))
+    assert len(shards) == 3
+    import shutil
+
+    shutil.rmtree(shards[-1])
+    stamps = {p.name: os.stat(p / "state.json").st_mtime_ns for p in shards[:-1]}
+    again = build_dataset(target, tokenizer, prompts, out, max_new_tokens=12, batch_size=3, shard_size=3,
+                          progress=False)
+    assert again["input_ids"] == ds["input_ids"]
+    assert {p.name: os.stat(p / "state.json").st_mtime_ns for p in shards[:-1]} == stamps
+    parts = [build_dataset(target, tokenizer, prompts, tmp_path / f"part{k}", max_new_tokens=12, batch_size=3,
+                           part=(k, 2), progress=False) for k in range(2)]
+    assert [p["prompt_index"] for p in parts] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    for p in parts:
+        for row in p:
+            assert row["input_ids"] == ds[row["prompt_index"]]["input_ids"]
+    with pytest.raises(ValueError, match="other prompts"):
+        build_dataset(target, tokenizer, prompts[:-1], out, max_new_tokens=12, batch_size=3, shard_size=3,
+                      progress=False)
+
+
+def test_build_dataset_sampling_is_seeded(tmp_path, target, tokenizer):
+    kw = dict(max_new_tokens=10, batch_size=4, do_sample=True, temperature=1.5, progress=False)
+    a = build_dataset(target, tokenizer, ["a", "b", "c"], tmp_path / "a", seed=1, **kw)
+    b = build_dataset(target, tokenizer, ["a", "b", "c"], tmp_path / "b", seed=1, **kw)
+    c = build_dataset(target, tokenizer, ["a", "b", "c"], tmp_path / "c", seed=2, **kw)
+    greedy = build_dataset(target, tokenizer, ["a", "b", "c"], tmp_path / "g", max_new_tokens=10, progress=False)
+    assert a["input_ids"] == b["input_ids"]  # same seed, same samples
+    assert a["input_ids"] != c["input_ids"] and a["input_ids"] != greedy["input_ids"]  # it does sample
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------------------
+def _saved_keys(path: Path) -> set[str]:
+    with safe_open(str(path), "pt") as st:
+        return set(st.keys())
+
+
+def test_cli_data_then_train(tmp_path, target, tokenizer, capsys):
+    folder = tmp_path / "target"
+    target.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(p[:40].replace("\n", " ") for p in default_prompts(24)) + "\n")
+    data = tmp_path / "data"
+    assert moa_main(["data", "--target", str(folder), "--prompts", str(prompts), "--output", str(data),
+                     "--max-new-tokens", "8", "--batch-size", "8", "--num-prompts", "16", "--quiet"]) == 0
+    assert len(datasets.load_from_disk(str(data))) == 16
+    out = tmp_path / "drafter"
+    assert moa_main(["train", "--target", str(folder), "--data", str(data), "--output", str(out), "--max-steps", "4",
+                     "--batch-size", "4", "--grad-accum", "2", "--lr", "1e-3", "--cpu", "--quiet", "--save-steps", "2",
+                     "--eval-prompts", str(prompts), "--eval-num-prompts", "2", "--eval-max-new-tokens", "6",
+                     "--eval-steps", "2", "--logging-steps", "1"]) == 0
+    drafter = MoADrafterModel.from_pretrained(out)
+    assert (out / "generation_config.json").exists() and (out / "config.json").exists()
+    assert _saved_keys(out / "model.safetensors") == set(drafter.state_dict())
+    assert not any(k.startswith(("model.", "lm_head", "embed_tokens")) for k in _saved_keys(out / "model.safetensors"))
+    info = json.loads((out / "training_info.json").read_text())
+    assert info["steps"] == 4 and info["tokens"] > 0 and info["acceptance_length_heldout"] >= 1.0
+    assert (out / "checkpoint-4").is_dir()
+    # resume from the latest checkpoint with more steps
+    assert moa_main(["train", "--target", str(folder), "--data", str(data), "--output", str(out), "--max-steps", "6",
+                     "--batch-size", "4", "--cpu", "--quiet", "--resume", "--eval-prompts", "none",
+                     "--save-steps", "100"]) == 0
+    assert json.loads((out / "training_info.json").read_text())["steps"] == 6

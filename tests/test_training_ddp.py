@@ -1,0 +1,67 @@
+"""Scale-out: `accelerate launch` with 2 CPU processes (DDP, gloo) trains the drafter exactly like one process with
+the combined batch (same logged losses, same final weights)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from moa_hf.training import build_dataset, default_prompts
+from moa_hf.training.testing import tiny_target, tiny_tokenizer
+from safetensors.torch import load_file
+
+ACCELERATE = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
+
+
+def _train_cmd(target: Path, data: Path, out: Path, batch_size: int) -> list[str]:
+    return [
+        "-m", "moa_hf.training.cli", "train", "--target", str(target), "--data", str(data), "--output", str(out),
+        "--max-steps", "4", "--batch-size", str(batch_size), "--lr", "1e-3", "--cpu", "--quiet",
+        "--logging-steps", "1", "--save-steps", "4", "--eval-prompts", "none",
+    ]
+
+
+def _run(cmd: list[str], tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def _losses(out: Path) -> dict[int, float]:
+    state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
+    return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
+
+
+@pytest.mark.skipif(ACCELERATE is None, reason="needs the `accelerate` command")
+def test_two_process_ddp_matches_one_process(tmp_path):
+    target, tokenizer = tiny_target(initializer_range=0.02, logit_scale=30.0), tiny_tokenizer()
+    folder = tmp_path / "target"
+    target.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    data = tmp_path / "data"
+    build_dataset(target, tokenizer, [p[:40] for p in default_prompts(32)], data, max_new_tokens=16, batch_size=16,
+                  progress=False)
+
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    _run([sys.executable, *_train_cmd(folder, data, single, batch_size=8)], tmp_path)
+    # accelerate 1.x: `--cpu` with several processes expects MPI; `--multi_gpu` on a machine without GPUs launches
+    # torchrun processes that use the gloo backend on the CPU (and `--cpu` of `moa train` keeps them there).
+    _run([ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
+          "no", "--dynamo_backend", "no", *_train_cmd(folder, data, ddp, batch_size=4)], tmp_path)
+
+    state = json.loads((ddp / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["epoch"] == pytest.approx(1.0)  # 2 processes x 4 examples per step over 32 examples
+    one, two = _losses(single), _losses(ddp)
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-4)
+    w1, w2 = load_file(str(single / "model.safetensors")), load_file(str(ddp / "model.safetensors"))
+    assert w1.keys() == w2.keys()
+    for key in w1:
+        torch.testing.assert_close(w2[key], w1[key], rtol=1e-4, atol=1e-6)

@@ -1,0 +1,301 @@
+"""`moa data` (on-policy training data from the target) and `moa train` (drafter training) subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["load_target", "main", "register", "run_data", "run_train"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_target(spec: str, dtype: str = "auto", device: str | None = None):
+    """(target, tokenizer) from ``default`` (`moa_hf.load_default_target`), a local folder or a Hub id.
+
+    dtype ``auto``: bfloat16 on GPU, float32 on CPU.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}.")
+    device = device or _default_device()
+    torch_dtype = _DTYPES[dtype] or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    if spec == "default":
+        from moa_hf import load_default_target
+
+        target, tokenizer = load_default_target(dtype=torch_dtype)
+    else:
+        target = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(spec)
+    return target.to(device).eval(), tokenizer
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# moa data
+# ---------------------------------------------------------------------------------------------------------------------
+def _parse_part(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError as err:
+        raise SystemExit(f"--part must look like K/N (e.g. 0/4), got {text!r}") from err
+    return k, n
+
+
+def run_data(args: argparse.Namespace) -> int:
+    from .data import build_dataset
+
+    torch.manual_seed(args.seed)
+    target, tokenizer = load_target(args.target, args.dtype, args.device)
+    dataset = build_dataset(
+        target,
+        tokenizer,
+        args.prompts,
+        args.output,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        num_prompts=args.num_prompts,
+        prompt_column=args.prompt_column,
+        prompt_split=args.prompt_split,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        chat_template=not args.no_chat_template,
+        system_prompt=args.system_prompt,
+        shard_size=args.shard_size,
+        part=_parse_part(args.part),
+        seed=args.seed,
+        progress=not args.quiet,
+    )
+    tokens = sum(len(x) for x in dataset["input_ids"])
+    print(f"saved {len(dataset)} examples ({tokens} tokens) to {args.output}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# moa train
+# ---------------------------------------------------------------------------------------------------------------------
+def _build_drafter(args: argparse.Namespace, target):
+    from moa_hf import MoADrafterModel, build_drafter
+
+    if args.init_drafter:
+        drafter = MoADrafterModel.from_pretrained(args.init_drafter)
+        return drafter.to(device=target.device, dtype=torch.float32)
+    torch.manual_seed(args.seed)
+    drafter = build_drafter(
+        target, own_embeddings=args.own_embeddings, target_layer_inference=args.target_layer_inference
+    )
+    return drafter.to(dtype=torch.float32)  # master weights in fp32 (use --bf16 for mixed precision)
+
+
+def _hardware() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def run_train(args: argparse.Namespace) -> int:
+    import datasets
+
+    from .arguments import MoATrainingArguments
+    from .data import load_prompts
+    from .peft_utils import apply_lora, merge_lora
+    from .trainer import MoATrainer
+
+    # Loaded on the CPU in its final dtype; MoATrainer moves it to the training device of this process.
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if torch.cuda.is_available() and not args.cpu else "float32"
+    target, tokenizer = load_target(args.target, dtype, "cpu")
+    parts = [datasets.load_from_disk(path) for path in args.data]
+    train_data = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    eval_data = datasets.load_from_disk(args.eval_data) if args.eval_data else None
+    eval_prompts = None
+    if args.eval_prompts and args.eval_prompts != "none" and args.eval_num_prompts > 0:
+        eval_prompts = load_prompts(args.eval_prompts, split="validation", num_prompts=args.eval_num_prompts)
+    drafter = _build_drafter(args, target)
+    model = apply_lora(drafter, r=args.lora_r) if args.lora_r else drafter
+    training_args = MoATrainingArguments(
+        output_dir=args.output,
+        max_steps=args.max_steps,
+        learning_rate=args.lr,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps,
+        lr_scheduler_type=args.lr_scheduler,
+        max_grad_norm=args.max_grad_norm,
+        logging_steps=args.logging_steps,
+        save_steps=args.save_steps,
+        save_total_limit=args.save_total_limit,
+        eval_strategy="steps" if eval_data is not None else "no",
+        eval_steps=args.eval_steps if eval_data is not None else None,
+        eval_acceptance_steps=args.eval_steps if eval_data is None and eval_prompts else None,
+        eval_num_prompts=args.eval_num_prompts,
+        eval_max_new_tokens=args.eval_max_new_tokens,
+        min_cycle=args.min_cycle,
+        max_cycle=args.max_cycle,
+        soft_ce_weight=args.soft_ce_weight,
+        feature_weight=args.feature_weight,
+        vocab_chunk_size=args.vocab_chunk_size,
+        sa_curriculum=args.sa_curriculum,
+        max_length=args.max_length,
+        bf16=args.bf16,
+        use_cpu=args.cpu,
+        seed=args.seed,
+        dataloader_num_workers=args.num_workers,
+        report_to=args.report_to,
+        disable_tqdm=args.quiet,
+    )
+    trainer = MoATrainer(
+        model=model,
+        target=target,
+        args=training_args,
+        train_dataset=train_data,
+        eval_dataset=eval_data,
+        eval_prompts=eval_prompts,
+        processing_class=tokenizer,
+    )
+    resume = args.resume
+    if resume == "latest":
+        resume = True
+    t0 = time.perf_counter()
+    result = trainer.train(resume_from_checkpoint=resume)
+    wall = time.perf_counter() - t0
+    final = trainer.evaluate() if eval_prompts or eval_data is not None else {}
+    if trainer.is_world_process_zero():
+        out = Path(args.output)
+        drafter = merge_lora(trainer.model) if args.lora_r else trainer.drafter
+        if args.lora_r:
+            trainer.model.save_pretrained(out / "adapter")
+        drafter.save_pretrained(out)  # the drafter only (safetensors): never the target's weights
+        drafter.generation_config.save_pretrained(out)
+        tokens = int(trainer.state.num_input_tokens_seen or 0)
+        info = {
+            "data": f"on-policy responses of {getattr(target.config, 'name_or_path', args.target)} "
+            f"({len(train_data)} examples, {', '.join(args.data)})",
+            "tokens": tokens or None,
+            "steps": trainer.state.global_step,
+            "wall_time_s": round(wall, 1),
+            "hardware": _hardware(),
+            "final_train_loss": round(float(result.training_loss), 5),
+            "acceptance_length_heldout": final.get("eval_acceptance_length"),
+        }
+        (out / "training_info.json").write_text(json.dumps(info, indent=1))
+        print(json.dumps({"output": str(out), **info}, indent=1))
+    return 0
+
+
+def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
+    p.add_argument("--target", required=True, help="`default` (SmolLM2-135M-Instruct, offline), a folder or a Hub id")
+    p.add_argument("--dtype", default="auto", choices=sorted(_DTYPES), help="target dtype (auto: bf16 GPU, fp32 CPU)")
+    if device:
+        p.add_argument("--device", default=None, help="device of the target (default: cuda if available, else cpu)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `moa data` and `moa train`."""
+    p = subparsers.add_parser(
+        "data",
+        help="generate on-policy training data: the target answers prompts",
+        description="Let the target answer prompts (greedy by default) and save prompt+response token ids as a "
+        "`datasets` folder. Resumable: run the same command again after an interruption. Spec-Bench is refused.",
+    )
+    _add_target_args(p)
+    p.add_argument("--prompts", default="default", help="`default` (offline generator), a .jsonl/.txt file, a saved "
+                   "`datasets` folder or a dataset name (default: default)")
+    p.add_argument("--output", required=True, help="dataset folder to write")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default: all)")
+    p.add_argument("--prompt-column", default=None, help="field/column holding the prompt")
+    p.add_argument("--prompt-split", default="train", help="split of a dataset source (default: train)")
+    p.add_argument("--do-sample", action="store_true", help="sample responses instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--no-chat-template", action="store_true", help="feed raw prompt text (no chat template)")
+    p.add_argument("--system-prompt", default=None)
+    p.add_argument("--shard-size", type=int, default=512, help="prompts per saved shard (resume granularity)")
+    p.add_argument("--part", default=None, metavar="K/N", help="answer only every N-th prompt starting at K (run N "
+                   "of these, e.g. one per GPU, then `moa train --data PART0 ... PARTN-1`)")
+    p.set_defaults(func=run_data)
+
+    p = subparsers.add_parser(
+        "train",
+        help="train a MoA drafter on data from `moa data`",
+        description="Train a MoA drafter against a frozen target (Hugging Face Trainer; checkpoints in --output, "
+        "resume with --resume). Launch with `accelerate launch -m moa_hf.training.cli train ...` for several "
+        "GPUs/processes. The final drafter (safetensors + generation_config.json) is saved in --output.",
+    )
+    _add_target_args(p, device=False)
+    p.add_argument("--data", required=True, nargs="+", help="dataset folder(s) written by `moa data`")
+    p.add_argument("--eval-data", default=None, help="held-out dataset folder for the evaluation loss")
+    p.add_argument("--output", required=True, help="output folder (checkpoints and the final drafter)")
+    p.add_argument("--max-steps", type=int, required=True)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--batch-size", type=int, default=8, help="per-device batch size")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--lr-scheduler", default="cosine")
+    p.add_argument("--max-grad-norm", type=float, default=0.5)
+    p.add_argument("--max-length", type=int, default=None, help="truncate sequences to this many tokens")
+    p.add_argument("--resume", nargs="?", const="latest", default=None,
+                   help="resume from the latest checkpoint in --output, or from the given checkpoint folder")
+    p.add_argument("--init-drafter", default=None, help="start from a saved drafter instead of a random one")
+    p.add_argument("--target-layer-inference", type=int, default=0, help="N: the target's last N layers run in "
+                   "the drafter (TLI)")
+    p.add_argument("--own-embeddings", action="store_true", help="the drafter keeps (frozen) copies of the "
+                   "embedding and LM head, saved with it")
+    p.add_argument("--min-cycle", type=int, default=6)
+    p.add_argument("--max-cycle", type=int, default=14)
+    p.add_argument("--soft-ce-weight", type=float, default=0.1)
+    p.add_argument("--feature-weight", type=float, default=1.0)
+    p.add_argument("--vocab-chunk-size", type=int, default=1024)
+    p.add_argument("--sa-curriculum", action="store_true", help="SA sees only the current cycle early in training")
+    p.add_argument("--eval-prompts", default="default:validation", help="held-out prompts for the acceptance "
+                   "length (`none` disables)")
+    p.add_argument("--eval-num-prompts", type=int, default=8)
+    p.add_argument("--eval-max-new-tokens", type=int, default=64)
+    p.add_argument("--eval-steps", type=int, default=500, help="evaluate every N steps")
+    p.add_argument("--save-steps", type=int, default=500)
+    p.add_argument("--save-total-limit", type=int, default=2)
+    p.add_argument("--logging-steps", type=int, default=10)
+    p.add_argument("--lora-r", type=int, default=0, help="train LoRA adapters of this rank instead of all weights "
+                   "(the merged drafter is saved)")
+    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision for the drafter")
+    p.add_argument("--cpu", action="store_true", help="train on CPU even if a GPU is available")
+    p.add_argument("--num-workers", type=int, default=0, help="dataloader workers")
+    p.add_argument("--report-to", default="none", help="Trainer integrations (e.g. tensorboard, wandb; default none)")
+    p.set_defaults(func=run_train)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m moa_hf.training.cli {data,train} ...` (what `accelerate launch -m` runs)."""
+    parser = argparse.ArgumentParser(prog="moa")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

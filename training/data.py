@@ -1,0 +1,425 @@
+"""On-policy training data: prompts answered by the target itself, saved as a `datasets` dataset.
+
+Each example holds `input_ids` (chat-formatted prompt followed by the target's response, no padding) and
+`prompt_length`; `prompt_index` records which prompt it came from. Generation runs in left-padded batches, is
+written in shards and resumes after an interruption (finished shards are kept, their prompts skipped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "SpecBenchPromptsError",
+    "build_dataset",
+    "check_not_spec_bench",
+    "format_prompts",
+    "load_prompts",
+]
+
+logger = logging.getLogger(__name__)
+
+SPEC_BENCH_KEYS = frozenset({"question_id", "category", "turns"})
+_SPEC_BENCH_NAMES = ("spec_bench", "spec-bench", "specbench")
+_SHARDS = "shards"
+_MANIFEST = "manifest.json"
+_METADATA = "moa_data.json"
+
+
+class SpecBenchPromptsError(ValueError):
+    """Raised for Spec-Bench prompts: Spec-Bench is the evaluation set and must never be trained on."""
+
+
+def _refuse(what: str) -> None:
+    raise SpecBenchPromptsError(
+        f"{what} looks like Spec-Bench. Spec-Bench is used for evaluation only; training a drafter on it would "
+        "inflate the reported acceptance lengths. Use other prompts (e.g. `--prompts default`, the offline prompt "
+        "source shipped with moa_hf.training)."
+    )
+
+
+def check_not_spec_bench(source: str | os.PathLike | None = None, keys=None) -> None:
+    """Raise `SpecBenchPromptsError` if a prompt source's path/name or its record keys are Spec-Bench's."""
+    if source is not None and any(name in str(source).lower() for name in _SPEC_BENCH_NAMES):
+        _refuse(f"The prompt source {str(source)!r}")
+    if keys is not None and SPEC_BENCH_KEYS <= set(keys):
+        _refuse(f"The prompt records (keys {sorted(keys)}) of {str(source)!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Prompt sources
+# ---------------------------------------------------------------------------------------------------------------------
+def _prompt_of(record: dict, column: str | None, where: str) -> str:
+    if column is not None:
+        if column not in record:
+            raise KeyError(f"{where}: no field {column!r} (fields: {sorted(record)}).")
+        value = record[column]
+    elif "prompt" in record:
+        value = record["prompt"]
+    elif "turns" in record and record["turns"]:
+        value = record["turns"][0]
+    else:
+        raise KeyError(f"{where}: expected a `prompt` field or a `turns` list (fields: {sorted(record)}); "
+                       "pass `column=` / `--prompt-column` to pick another field.")
+    if isinstance(value, list):  # a list of turns
+        value = value[0] if value else ""
+    if not isinstance(value, str):
+        raise TypeError(f"{where}: the prompt must be a string, got {type(value).__name__}.")
+    return value
+
+
+def _jsonl_prompts(path: Path, column: str | None) -> list[str]:
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno} is not valid JSON ({err}); expected one object per line.") from err
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object per line, got {type(record).__name__}.")
+            check_not_spec_bench(path, record.keys())
+            prompts.append(_prompt_of(record, column, f"{path}:{lineno}"))
+    return prompts
+
+
+def _dataset_prompts(ds, column: str | None, where: str) -> list[str]:
+    check_not_spec_bench(where, ds.column_names)
+    if column is None:
+        for candidate in ("prompt", "instruction", "question", "turns", "text"):
+            if candidate in ds.column_names:
+                column = candidate
+                break
+        else:
+            raise KeyError(f"{where}: cannot tell which column holds the prompts (columns: {ds.column_names}); "
+                           "pass `column=` / `--prompt-column`.")
+    if column not in ds.column_names:
+        raise KeyError(f"{where}: no column {column!r} (columns: {ds.column_names}).")
+    return [_prompt_of({column: value}, column, where) for value in ds[column]]
+
+
+def load_prompts(
+    source: str | os.PathLike,
+    *,
+    column: str | None = None,
+    split: str = "train",
+    num_prompts: int | None = None,
+    seed: int = 0,
+) -> list[str]:
+    """Prompts (plain strings) from `source`, at most `num_prompts` (the first ones).
+
+    `source` is one of:
+      - ``default`` (or ``default:train`` / ``default:validation``): the offline prompt generator
+        (`moa_hf.training.prompts`); `seed` picks the sample;
+      - a ``.jsonl``/``.json`` file: one object per line, the prompt in `column`, else ``prompt``, else ``turns[0]``;
+      - another file: plain text, one prompt per non-empty line;
+      - a folder written by `datasets`' ``save_to_disk``, or a dataset name for ``datasets.load_dataset``
+        (``name`` or ``name:config``), with `split` and `column`.
+    Spec-Bench (by path/name, or by its ``question_id``+``category``+``turns`` records) is refused.
+    """
+    text = str(source)
+    check_not_spec_bench(text)
+    if text == "default" or text.startswith("default:"):
+        from .prompts import default_prompts
+
+        which = text.split(":", 1)[1] if ":" in text else split
+        return default_prompts(num_prompts, split=which, seed=seed)
+    path = Path(text).expanduser()
+    if path.is_file():
+        check_not_spec_bench(path.resolve())
+        if path.suffix in (".jsonl", ".json"):
+            prompts = _jsonl_prompts(path, column)
+        else:
+            with open(path, encoding="utf-8") as f:
+                prompts = [line.rstrip("\n") for line in f if line.strip()]
+    else:
+        import datasets
+
+        if path.is_dir():
+            check_not_spec_bench(path.resolve())
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise KeyError(f"{path} has splits {list(ds)}, not {split!r}; pass `split=` / `--prompt-split`.")
+                ds = ds[split]
+        else:
+            name, _, config = text.partition(":")
+            ds = datasets.load_dataset(name, config or None, split=split)
+        prompts = _dataset_prompts(ds, column, text)
+    if num_prompts is not None:
+        prompts = prompts[: int(num_prompts)]
+    if not prompts:
+        raise ValueError(f"No prompts found in {text!r}.")
+    return prompts
+
+
+def format_prompts(
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    chat_template: bool = True,
+    system_prompt: str | None = None,
+) -> list[list[int]]:
+    """Token ids of each prompt as a user turn of the tokenizer's chat template, ready for the assistant's answer."""
+    if chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "The tokenizer has no chat template. Use an instruction-tuned target's tokenizer, or pass "
+            "`chat_template=False` (`--no-chat-template`) to feed the raw prompt text."
+        )
+    out = []
+    for prompt in prompts:
+        if chat_template:
+            messages = [{"role": "user", "content": prompt}]
+            if system_prompt:
+                messages.insert(0, {"role": "system", "content": system_prompt})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tokenizer(prompt)["input_ids"]
+        out.append(list(ids))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Generation
+# ---------------------------------------------------------------------------------------------------------------------
+def _eos_ids(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    eos = getattr(target.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+@torch.no_grad()
+def _generate(
+    target: PreTrainedModel, prompt_ids: list[list[int]], gen_config: GenerationConfig, eos: list[int]
+) -> list[list[int]]:
+    """The target's responses (eos included when produced, no padding) to a left-padded batch of prompts."""
+    pad = gen_config.pad_token_id
+    width = max(len(p) for p in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)  # [B, P] left-padded
+    attention_mask = torch.zeros_like(input_ids)
+    for row, ids in enumerate(prompt_ids):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention_mask[row, width - len(ids) :] = 1
+    device = target.device
+    out = target.generate(
+        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=gen_config
+    )
+    responses = []
+    for row in out[:, width:].tolist():  # [B, new]
+        end = next((i + 1 for i, tok in enumerate(row) if tok in eos), len(row))
+        responses.append(row[:end])  # finished rows are padded after their eos: cut there
+    return responses
+
+
+@contextlib.contextmanager
+def _datasets_progress(enabled: bool):
+    """Silence `datasets`' own progress bars for the block when `enabled` is False (restored afterwards)."""
+    from datasets.utils import logging as ds_logging
+
+    was_enabled = ds_logging.is_progress_bar_enabled()
+    if was_enabled and not enabled:
+        ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled and not enabled:
+            ds_logging.enable_progress_bar()
+
+
+def _fingerprint(**parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _shard_seed(seed: int, shard: int) -> int:
+    return int(hashlib.sha256(f"{seed}-{shard}".encode()).hexdigest()[:15], 16)
+
+
+def build_dataset(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: str | os.PathLike | Sequence[str],
+    output_dir: str | os.PathLike,
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    *,
+    num_prompts: int | None = None,
+    prompt_column: str | None = None,
+    prompt_split: str = "train",
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int | None = None,
+    chat_template: bool = True,
+    system_prompt: str | None = None,
+    max_prompt_tokens: int | None = None,
+    shard_size: int = 512,
+    part: tuple[int, int] | None = None,
+    seed: int = 0,
+    progress: bool = True,
+):
+    """Let `target` answer `prompts` and save (prompt + response) token ids with `datasets`' ``save_to_disk``.
+
+    Args:
+        prompts: a list of prompt strings, or a source for `load_prompts` (``default``, a JSONL/text file, a saved
+            or named `datasets` dataset; Spec-Bench is refused).
+        output_dir: the dataset folder (``datasets.load_from_disk(output_dir)``). Finished shards are kept under
+            ``output_dir/shards``; running again with the same arguments skips them (resume).
+        max_new_tokens, batch_size: generation length and batch size (left-padded batches).
+        do_sample, temperature, top_p, top_k: greedy by default; sampling otherwise (seeded per shard).
+        max_prompt_tokens: skip longer prompts (default: what fits the target's context with the response).
+        part: (k, n) answers only prompts k, k+n, k+2n, ... (to split generation over n GPUs/processes; train on
+            all the parts with `moa train --data PART0 PART1 ...`). `prompt_index` keeps the index in the full list.
+    Returns the saved `datasets.Dataset` with columns ``input_ids``, ``prompt_length``, ``prompt_index``.
+    """
+    import datasets
+    from tqdm.auto import tqdm
+
+    if max_new_tokens < 1 or batch_size < 1 or shard_size < 1:
+        raise ValueError("max_new_tokens, batch_size and shard_size must be positive.")
+    if isinstance(prompts, (str, os.PathLike)):
+        prompts = load_prompts(prompts, column=prompt_column, split=prompt_split, num_prompts=num_prompts, seed=seed)
+    else:
+        prompts = list(prompts)[: num_prompts if num_prompts is not None else None]
+    if not prompts:
+        raise ValueError("No prompts to answer.")
+    first, stride = 0, 1
+    if part is not None:
+        first, stride = int(part[0]), int(part[1])
+        if not 0 <= first < stride:
+            raise ValueError(f"part must be (k, n) with 0 <= k < n, got {part}.")
+        prompts = prompts[first::stride]
+    output_dir = Path(output_dir)
+    shard_dir = output_dir / _SHARDS
+    shard_dir.mkdir(parents=True, exist_ok=True)
+
+    eos = _eos_ids(target, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    gen_config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=do_sample,
+        temperature=temperature if do_sample else None,
+        top_p=top_p if do_sample else None,
+        top_k=top_k if do_sample else None,
+        pad_token_id=pad,
+        eos_token_id=eos or None,
+    )
+    context = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    if max_prompt_tokens is None and context is not None:
+        max_prompt_tokens = max(1, context - max_new_tokens)
+
+    fingerprint = _fingerprint(
+        prompts=hashlib.sha256("\x00".join(prompts).encode()).hexdigest(),
+        target=getattr(target.config, "name_or_path", ""),
+        target_config=target.config.to_diff_dict(),
+        tokenizer=getattr(tokenizer, "name_or_path", ""),
+        template=getattr(tokenizer, "chat_template", None) if chat_template else None,
+        system_prompt=system_prompt,
+        generation=gen_config.to_diff_dict(),
+        max_prompt_tokens=max_prompt_tokens,
+        shard_size=shard_size,
+        part=[first, stride],
+        seed=seed,
+    )
+    manifest = shard_dir / _MANIFEST
+    if manifest.exists():
+        old = json.loads(manifest.read_text())
+        if old.get("fingerprint") != fingerprint:
+            raise ValueError(
+                f"{output_dir} holds shards generated with other prompts, target or settings. Use a new output "
+                "folder, or delete it to start over."
+            )
+    else:
+        manifest.write_text(json.dumps({"fingerprint": fingerprint, "num_prompts": len(prompts)}, indent=1))
+
+    num_shards = (len(prompts) + shard_size - 1) // shard_size
+    done = [k for k in range(num_shards) if (shard_dir / f"shard-{k:06d}").is_dir()]
+    skipped_long = 0
+    bar = tqdm(
+        total=len(prompts),
+        initial=sum(min(shard_size, len(prompts) - k * shard_size) for k in done),
+        desc="target answers",
+        unit="prompt",
+        disable=not progress,
+    )
+    for k in range(num_shards):
+        final = shard_dir / f"shard-{k:06d}"
+        if final.is_dir():
+            continue
+        lo, hi = k * shard_size, min(len(prompts), (k + 1) * shard_size)
+        ids = format_prompts(tokenizer, prompts[lo:hi], chat_template=chat_template, system_prompt=system_prompt)
+        keep = [i for i in range(hi - lo) if max_prompt_tokens is None or len(ids[i]) <= max_prompt_tokens]
+        skipped_long += hi - lo - len(keep)
+        order = sorted(keep, key=lambda i: -len(ids[i]))  # similar lengths per batch: little padding
+        rows: dict[int, list[int]] = {}
+        with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
+            torch.manual_seed(_shard_seed(seed, k))
+            for start in range(0, len(order), batch_size):
+                batch = order[start : start + batch_size]
+                for i, response in zip(batch, _generate(target, [ids[i] for i in batch], gen_config, eos)):
+                    rows[i] = response
+                bar.update(len(batch))
+        bar.update(hi - lo - len(keep))
+        kept = sorted(rows)
+        shard = datasets.Dataset.from_dict(
+            {
+                "input_ids": [ids[i] + rows[i] for i in kept],
+                "prompt_length": [len(ids[i]) for i in kept],
+                "prompt_index": [first + stride * (lo + i) for i in kept],
+            },
+            features=datasets.Features(
+                {
+                    "input_ids": datasets.Sequence(datasets.Value("int32")),
+                    "prompt_length": datasets.Value("int32"),
+                    "prompt_index": datasets.Value("int64"),
+                }
+            ),
+        )
+        tmp = shard_dir / f".tmp-shard-{k:06d}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        with _datasets_progress(progress):
+            shard.save_to_disk(str(tmp))
+        os.replace(tmp, final)  # atomic: a shard folder exists only once it is complete
+    bar.close()
+    if skipped_long:
+        logger.warning("Skipped %d prompts longer than %d tokens.", skipped_long, max_prompt_tokens)
+
+    shards = [datasets.load_from_disk(str(shard_dir / f"shard-{k:06d}")) for k in range(num_shards)]
+    dataset = datasets.concatenate_datasets(shards)
+    if len(dataset) == 0:
+        raise ValueError(f"Every prompt was longer than max_prompt_tokens={max_prompt_tokens}; nothing to save.")
+    with _datasets_progress(progress):
+        dataset.save_to_disk(str(output_dir))
+    lengths = dataset["input_ids"]
+    response_tokens = sum(len(x) for x in lengths) - sum(dataset["prompt_length"])
+    metadata = {
+        "target": getattr(target.config, "name_or_path", ""),
+        "num_prompts": len(prompts),
+        "num_examples": len(dataset),
+        "response_tokens": response_tokens,
+        "max_new_tokens": max_new_tokens,
+        "do_sample": do_sample,
+        "temperature": temperature if do_sample else None,
+        "top_p": top_p if do_sample else None,
+        "top_k": top_k if do_sample else None,
+        "chat_template": chat_template,
+        "seed": seed,
+        "note": "on-policy data: responses generated by the target itself; Spec-Bench excluded by construction",
+    }
+    (output_dir / _METADATA).write_text(json.dumps(metadata, indent=1))
+    return datasets.load_from_disk(str(output_dir))

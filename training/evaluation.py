@@ -1,0 +1,133 @@
+"""Acceptance-length evaluation during training: greedy speculative decoding on held-out prompts."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel, TrainerCallback
+
+__all__ = ["AcceptanceEvalCallback", "measure_acceptance"]
+
+logger = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def measure_acceptance(
+    target: PreTrainedModel,
+    drafter,
+    prompt_ids: Sequence[Sequence[int]],
+    max_new_tokens: int = 64,
+) -> dict[str, float]:
+    """Greedy `target.generate(..., assistant_model=drafter)` on each prompt (batch 1); pooled acceptance length.
+
+    Returns ``acceptance_length`` (tokens per target call, averaged over all drafting cycles of all prompts),
+    ``acceptance_cycles`` and ``acceptance_tokens``. The drafter is attached to `target` if it is not already.
+    """
+    from .trainer import unwrap_drafter
+
+    base = unwrap_drafter(drafter)
+    was_training = base.training
+    base.eval()
+    if not base.is_attached:
+        base.attach(target, allow_other_target=True)
+    accepted: list[int] = []
+    pad = target.generation_config.pad_token_id
+    if pad is None:
+        pad = target.config.get_text_config().pad_token_id
+    try:
+        for ids in prompt_ids:
+            input_ids = torch.tensor([list(ids)], dtype=torch.long, device=target.device)  # [1, P]
+            target.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                assistant_model=base,
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=pad,
+            )
+            accepted.extend(base.speculation_stats.accepted_lengths)
+    finally:
+        base.train(was_training)
+    total, cycles = float(sum(accepted)), float(len(accepted))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        sums = torch.tensor([total, cycles], dtype=torch.float64, device=target.device)
+        torch.distributed.all_reduce(sums)
+        total, cycles = float(sums[0]), float(sums[1])
+    return {
+        "acceptance_length": total / max(cycles, 1.0),
+        "acceptance_cycles": cycles,
+        "acceptance_tokens": total,
+    }
+
+
+class AcceptanceEvalCallback(TrainerCallback):
+    """Logs the drafter's mean acceptance length on held-out prompts, on `evaluate` and every `every_n_steps` steps.
+
+    Args:
+        target: the target model (the drafter is attached to it).
+        prompts: prompt strings (formatted with `tokenizer`'s chat template) or token-id lists.
+        tokenizer: needed for string prompts.
+        max_new_tokens: tokens generated per prompt.
+        every_n_steps: also measure every N optimizer steps (None: only on evaluate).
+        trainer: when given, metrics are logged through `trainer.log` (reporting integrations see them);
+            otherwise they are appended to `state.log_history`.
+    Metrics: ``eval_acceptance_length`` (plus cycles/tokens counts). Under DDP each process generates for its share
+    of the prompts and the counts are summed.
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        tokenizer=None,
+        max_new_tokens: int = 64,
+        every_n_steps: int | None = None,
+        trainer=None,
+        chat_template: bool = True,
+    ):
+        prompts = list(prompts)
+        if prompts and isinstance(prompts[0], str):
+            if tokenizer is None:
+                raise ValueError("String prompts need a tokenizer: pass `tokenizer=` (or token-id lists).")
+            from .data import format_prompts
+
+            prompts = format_prompts(tokenizer, prompts, chat_template=chat_template)
+        self.target = target
+        self.prompt_ids = [list(p) for p in prompts]
+        self.max_new_tokens = max_new_tokens
+        self.every_n_steps = every_n_steps
+        self.trainer = trainer
+        self.history: list[dict[str, float]] = []
+
+    def _my_prompts(self) -> list[list[int]]:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+            return self.prompt_ids[rank::world]
+        return self.prompt_ids
+
+    def measure(self, drafter) -> dict[str, float]:
+        """The acceptance metrics of `drafter` now (keys prefixed with ``eval_``)."""
+        raw = measure_acceptance(self.target, drafter, self._my_prompts(), self.max_new_tokens)
+        return {f"eval_{k}": v for k, v in raw.items()}
+
+    def _report(self, state, metrics: dict[str, float]) -> None:
+        self.history.append({**metrics, "step": state.global_step})
+        if self.trainer is not None:
+            self.trainer.log(dict(metrics))
+        else:
+            state.log_history.append({**metrics, "step": state.global_step})
+        logger.info("step %d: acceptance length %.3f", state.global_step, metrics["eval_acceptance_length"])
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.every_n_steps and model is not None and state.global_step % self.every_n_steps == 0:
+            self._report(state, self.measure(model))
+
+    def on_evaluate(self, args, state, control, metrics=None, model=None, **kwargs):
+        if model is None or not self.prompt_ids:
+            return
+        result = self.measure(model)
+        if metrics is not None:
+            metrics.update(result)
+        self._report(state, result)

@@ -1,0 +1,421 @@
+"""An offline source of varied natural prompts for drafter training (no download needed).
+
+Two disjoint splits, built from different material and different template families (see PROMPTS.md):
+
+- ``train``: explain / use / summarise Python standard-library modules, functions and classes (docstrings read from
+  the installed stdlib sources with `ast`, nothing is imported or executed), arithmetic and algebra word problems,
+  short stories, everyday chat requests and general-knowledge questions.
+- ``validation``: sections of the Python language reference (`pydoc_data.topics`, shipped with CPython), and held-out
+  template families (compare / rewrite / plan / percentages and fractions / dialogues) over held-out topic lists.
+
+Everything is deterministic for a given seed and Python version.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import itertools
+import pkgutil
+import random
+import sys
+from collections.abc import Callable, Iterator
+
+__all__ = ["SPLITS", "default_prompts", "stdlib_entries"]
+
+SPLITS = ("train", "validation")
+
+# Standard-library packages that are tests, demos, GUI toolkits or tooling rather than library material.
+_SKIP_MODULES = {
+    "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "lib2to3", "ensurepip", "pydoc_data",
+    "test", "unittest", "venv", "distutils", "msilib", "_pydev_bundle", "xxlimited", "xxsubtype", "nturl2path",
+    "sre_compile", "sre_constants", "sre_parse", "pydoc", "__future__", "__hello__", "__phello__",
+}
+_MAX_DOC_CHARS = 900
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Material: the installed standard library
+# ---------------------------------------------------------------------------------------------------------------------
+def _first_paragraphs(doc: str, limit: int = _MAX_DOC_CHARS) -> str:
+    """Leading paragraphs of a docstring, cut at a paragraph boundary below `limit` characters."""
+    out: list[str] = []
+    size = 0
+    for para in doc.strip().split("\n\n"):
+        para = para.strip()
+        if not para:
+            continue
+        if out and size + len(para) > limit:
+            break
+        out.append(para[:limit])
+        size += len(para)
+    return "\n\n".join(out)
+
+
+def _read(path: str | None) -> str | None:
+    if not path or not path.endswith(".py"):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def stdlib_modules() -> list[tuple[str, str]]:
+    """(dotted name, source file) of the installed pure-Python stdlib modules and their submodules, sorted.
+
+    Found with import-system finders only: no module is imported or executed.
+    """
+    found: list[tuple[str, str]] = []
+    for name in sorted(getattr(sys, "stdlib_module_names", ())):
+        if name.startswith("_") or name in _SKIP_MODULES:
+            continue
+        try:
+            spec = importlib.util.find_spec(name)  # top-level names: nothing is imported
+        except (ImportError, ValueError):
+            continue
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            continue
+        found.append((name, spec.origin))
+        # one level of submodules (found with the package's own finder: pkgutil.walk_packages would import them)
+        for info in sorted(pkgutil.iter_modules(list(spec.submodule_search_locations or [])), key=lambda m: m.name):
+            if info.name.startswith("_") or info.name in ("test", "tests"):
+                continue
+            sub = info.module_finder.find_spec(info.name)
+            if sub is not None and sub.origin and sub.origin.endswith(".py"):
+                found.append((f"{name}.{info.name}", sub.origin))
+    return found
+
+
+def _entries_of(module: str, source: str) -> list[tuple[str, str, str, str]]:
+    """(module, object, kind, docstring) for the documented public module, functions, classes and methods."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    entries = []
+    doc = ast.get_docstring(tree)
+    if doc and len(doc) > 40:
+        entries.append((module, "", "module", _first_paragraphs(doc)))
+    for node in tree.body:
+        if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) or node.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(node)
+        if doc and len(doc) >= 30:
+            kind = "class" if isinstance(node, ast.ClassDef) else "function"
+            entries.append((module, node.name, kind, _first_paragraphs(doc)))
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and not item.name.startswith("_"):
+                    doc = ast.get_docstring(item)
+                    if doc and len(doc) >= 30:
+                        entries.append((module, f"{node.name}.{item.name}", "method", _first_paragraphs(doc)))
+    return entries
+
+
+def stdlib_entries() -> list[tuple[str, str, str, str]]:
+    """(module, object name or "", kind, docstring) for the documented public parts of the installed stdlib.
+
+    `kind` is "module", "function", "class" or "method". Read with `ast` from the source files: nothing is imported.
+    """
+    entries: list[tuple[str, str, str, str]] = []
+    for module, path in stdlib_modules():
+        source = _read(path)
+        if source is not None:
+            entries.extend(_entries_of(module, source))
+    return entries
+
+
+def _language_reference() -> list[tuple[str, str]]:
+    """(topic, text) sections of the Python language reference shipped with CPython (`pydoc_data.topics`)."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # some distributions strip it
+        return []
+    return [(name, _first_paragraphs(text)) for name, text in sorted(topics.items()) if len(text) > 200]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Train families
+# ---------------------------------------------------------------------------------------------------------------------
+_STDLIB_MODULE_TEMPLATES = (
+    "What is the Python `{m}` module used for? Give two typical use cases.",
+    "Summarise the following description of Python's `{m}` module in two sentences:\n\n{doc}",
+    "I am new to Python. Explain in simple words what the standard library module `{m}` does.",
+    "Write a short Python script that demonstrates the `{m}` module.",
+)
+_STDLIB_OBJECT_TEMPLATES = (
+    "Explain what `{m}.{o}` does in Python, then show a small example.",
+    "Write a Python function that uses `{m}.{o}` and explain each line.",
+    "Here is the documentation of the Python {kind} `{m}.{o}`:\n\n{doc}\n\nSummarise it in plain English.",
+    "Read this docstring and write a usage example for `{m}.{o}`:\n\n{doc}",
+    "When would I use `{m}.{o}` instead of writing the code myself?",
+    "What are the parameters of `{m}.{o}` and what does it return?",
+)
+
+
+def _stdlib_prompts(rng: random.Random) -> Iterator[str]:
+    modules = stdlib_modules()
+    rng.shuffle(modules)
+    pool: list[tuple[str, str, str, str]] = []
+    while modules or pool:
+        while modules and len(pool) < 64:  # parse lazily, a few modules at a time, and mix their entries
+            module, path = modules.pop()
+            source = _read(path)
+            pool.extend(_entries_of(module, source) if source is not None else [])
+        if not pool:
+            continue
+        module, obj, kind, doc = pool.pop(rng.randrange(len(pool)))
+        if kind == "module":
+            template = rng.choice(_STDLIB_MODULE_TEMPLATES)
+            yield template.format(m=module, doc=doc)
+        else:
+            template = rng.choice(_STDLIB_OBJECT_TEMPLATES)
+            yield template.format(m=module, o=obj, kind=kind, doc=doc)
+
+
+_NAMES = ("Ada", "Bilal", "Chen", "Dana", "Elif", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kofi", "Lena", "Mateo")
+_ITEMS = ("apples", "books", "pencils", "tickets", "stamps", "marbles", "cookies", "plants", "coins", "shirts")
+
+
+def _math_prompts(rng: random.Random) -> Iterator[str]:
+    while True:
+        a, b, c = rng.randint(2, 99), rng.randint(2, 60), rng.randint(2, 30)
+        name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+        kind = rng.randrange(7)
+        if kind == 0:
+            yield f"{name} has {a} {item} and buys {b} more, then gives away {c}. How many {item} are left?"
+        elif kind == 1:
+            yield f"Solve for x: {a}x + {b} = {a * c + b}. Show your steps."
+        elif kind == 2:
+            yield f"What is {a} multiplied by {b}? Explain how to compute it without a calculator."
+        elif kind == 3:
+            yield f"A car travels {a * c} km in {c} hours. What is its average speed in km/h?"
+        elif kind == 4:
+            yield f"Is {a * b + 1} a prime number? Explain your reasoning."
+        elif kind == 5:
+            yield f"A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?"
+        else:
+            yield f"{name} saves {b} dollars every week. How many weeks does it take to save {b * c} dollars?"
+
+
+_CHARACTERS = ("a lighthouse keeper", "a young robot", "a retired astronaut", "a street musician", "a curious cat",
+               "a baker", "a lost dragon", "two rival chess players", "a librarian", "a night-shift nurse",
+               "a shy inventor", "an old fisherman", "a twelve-year-old detective", "a talking fox")
+_SITUATIONS = ("finds a mysterious map", "has to fix a broken machine before dawn", "learns to paint",
+               "makes an unlikely friend", "must keep a promise", "gets lost",
+               "discovers a hidden talent", "receives a letter from the future", "loses their voice",
+               "has one day to win a competition", "finds a door that was not there yesterday", "starts over")
+_PLACES = ("a small coastal village", "a space station", "a desert town", "a rainy city", "a mountain hut",
+           "an old train", "a busy market", "a forest school", "a floating island", "a snowed-in hotel")
+
+
+def _story_prompts(rng: random.Random) -> Iterator[str]:
+    forms = ("Write a short story about {c} who {s}, set in {p}.",
+             "Tell me a bedtime story about {c} who {s} in {p}.",
+             "Write a poem about {c} who {s}. The scene is {p}.",
+             "Write the opening paragraph of a novel set in {p}, where {c} {s}.")
+    while True:
+        yield rng.choice(forms).format(c=rng.choice(_CHARACTERS), s=rng.choice(_SITUATIONS), p=rng.choice(_PLACES))
+
+
+_ACTIVITIES = ("learning a new language", "running a first marathon", "cooking for a large group",
+               "studying for exams", "working from home", "saving money", "starting a vegetable garden",
+               "sleeping better", "public speaking", "moving to a new city", "keeping a journal", "learning to code",
+               "taking better photos", "reading more books", "training a puppy", "learning the guitar",
+               "negotiating a salary", "making friends as an adult", "eating healthier", "travelling alone")
+_TASKS = ("make a good cup of coffee", "change a bicycle tyre", "write a cover letter", "organise my week",
+          "back up my files", "prepare for a job interview", "clean a cast-iron pan", "plan a birthday party",
+          "bake sourdough bread", "set up a home Wi-Fi network", "start running", "write a good resume",
+          "remove a coffee stain", "learn to juggle", "choose a laptop", "stop procrastinating",
+          "make a budget spreadsheet", "care for a cactus", "fold a fitted sheet", "start a podcast")
+_RECIPIENTS = ("my landlord", "a colleague", "my manager", "a customer", "my neighbour", "a teacher")
+_EMAIL_TOPICS = ("a delayed delivery", "a schedule change", "a broken heater", "a thank-you for their help",
+                 "a meeting request", "a missed deadline")
+
+
+_OPENERS = ("", "Hi! ", "Quick question: ", "Could you help me? ", "Please help: ", "I have a question. ")
+
+
+def _chat_prompts(rng: random.Random) -> Iterator[str]:
+    while True:
+        kind = rng.randrange(6)
+        if kind == 0:
+            request = f"Give me {rng.choice(('three', 'five', 'a few'))} tips for {rng.choice(_ACTIVITIES)}."
+        elif kind == 1:
+            request = f"How do I {rng.choice(_TASKS)}?"
+        elif kind == 2:
+            request = f"Write a polite email to {rng.choice(_RECIPIENTS)} about {rng.choice(_EMAIL_TOPICS)}."
+        elif kind == 3:
+            request = f"I want to get better at {rng.choice(_ACTIVITIES)}. Can you make me a simple plan?"
+        elif kind == 4:
+            request = f"What mistakes do beginners make when {rng.choice(_ACTIVITIES)}?"
+        else:
+            request = f"My friend wants to {rng.choice(_TASKS)}. What should they know first?"
+        yield rng.choice(_OPENERS) + request
+
+
+_CONCEPTS = ("photosynthesis", "gravity", "inflation", "the water cycle", "black holes", "vaccines", "plate tectonics",
+             "the French Revolution", "supply and demand", "DNA", "electric circuits", "climate change",
+             "the Roman Empire", "machine learning", "the immune system", "compound interest", "volcanoes",
+             "the printing press", "sound waves", "antibiotics", "the stock market", "rainbows", "tides",
+             "the Industrial Revolution", "evolution", "the internet", "nuclear energy", "the Silk Road",
+             "earthquakes", "blood circulation", "magnetism", "democracy", "the Renaissance", "recycling",
+             "weather forecasts", "coral reefs", "the speed of light", "bees and pollination", "taxes", "sleep")
+_AUDIENCES = ("a ten-year-old", "a high-school student", "a busy adult", "someone who has never heard of it")
+
+
+def _qa_prompts(rng: random.Random) -> Iterator[str]:
+    forms = ("Explain {c} to {a}.", "What is {c}? Answer in one paragraph.", "Why is {c} important?",
+             "List three surprising facts about {c}.", "What are common misconceptions about {c}?",
+             "How would you teach {c} to {a}?", "Write a short summary of what scientists or historians know "
+             "about {c}.", "Give me a one-sentence definition of {c}, then a longer explanation.")
+    while True:
+        yield rng.choice(forms).format(c=rng.choice(_CONCEPTS), a=rng.choice(_AUDIENCES))
+
+
+_CODE_TASKS = ("reverses a string", "checks whether a number is prime", "counts the words in a text",
+               "merges two sorted lists", "computes the Fibonacci numbers", "removes duplicates from a list",
+               "finds the largest element of an array", "validates an email address",
+               "converts Celsius to Fahrenheit", "reads a CSV file and sums a column", "implements binary search",
+               "flattens a nested list", "checks whether a string is a palindrome", "computes the factorial of n",
+               "sorts a list of records by age", "implements a stack", "parses a date string",
+               "counts vowels in a sentence", "returns the n most common words", "rotates a matrix by 90 degrees",
+               "computes the greatest common divisor", "implements a queue with two stacks", "transposes a matrix",
+               "groups words that are anagrams", "converts a number to Roman numerals", "checks balanced brackets",
+               "computes a moving average", "retries a failing operation with exponential backoff")
+_LANGUAGES = ("Python", "JavaScript", "Rust", "Go", "C", "Java", "a Bash script", "SQL")
+
+
+def _code_prompts(rng: random.Random) -> Iterator[str]:
+    forms = ("Write a function in {l} that {t}.", "Show me how to write code that {t}, in {l}.",
+             "Write a {l} program that {t} and add comments.", "Write unit tests for a function that {t} ({l}).")
+    while True:
+        yield rng.choice(forms).format(l=rng.choice(_LANGUAGES), t=rng.choice(_CODE_TASKS))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Validation families (held out: other material, other templates, other topics)
+# ---------------------------------------------------------------------------------------------------------------------
+def _reference_prompts(rng: random.Random) -> Iterator[str]:
+    sections = _language_reference()
+    rng.shuffle(sections)
+    forms = ("This is an excerpt of the Python language reference:\n\n{t}\n\nRewrite it as a short tutorial.",
+             "In the Python language reference, what does the section on `{n}` say? Give an example.",
+             "Turn this excerpt of the Python language reference into three quiz questions:\n\n{t}")
+    for name, text in sections:
+        yield rng.choice(forms).format(n=name, t=text)
+
+
+_PAIRS = (("tea", "coffee"), ("trains", "planes"), ("paper books", "e-readers"), ("cats", "dogs"),
+          ("renting", "buying a home"), ("solar power", "wind power"), ("chess", "go"), ("email", "phone calls"))
+_SENTENCES = ("hey can u send me the file asap thx", "the meeting got moved again so whatever",
+              "i think ur idea is kinda good but needs work", "pls fix the printer its broken again")
+
+
+def _heldout_chat_prompts(rng: random.Random) -> Iterator[str]:
+    while True:
+        kind = rng.randrange(4)
+        if kind == 0:
+            x, y = rng.choice(_PAIRS)
+            yield f"Compare {x} and {y}: list the pros and cons of each."
+        elif kind == 1:
+            yield f"Rewrite this message in a formal tone: \"{rng.choice(_SENTENCES)}\""
+        elif kind == 2:
+            x, y = rng.choice(_PAIRS)
+            yield f"Write a short dialogue between two friends arguing about {x} versus {y}."
+        else:
+            days = rng.choice(("two-day", "three-day", "weekend"))
+            yield f"Plan a {days} trip on a small budget, with a schedule for each day."
+
+
+def _heldout_math_prompts(rng: random.Random) -> Iterator[str]:
+    while True:
+        a, b = rng.randint(5, 95), rng.randint(2, 9)
+        kind = rng.randrange(3)
+        if kind == 0:
+            yield f"What is {a}% of {b * 40}? Explain the method."
+        elif kind == 1:
+            yield f"Add the fractions 1/{b} and {b - 1}/{b + 3} and simplify the result."
+        else:
+            yield f"A shirt costs {a + 20} euros and is discounted by {b * 5}%. What is the new price?"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Mixing
+# ---------------------------------------------------------------------------------------------------------------------
+_FAMILIES: dict[str, tuple[tuple[Callable[[random.Random], Iterator[str]], float], ...]] = {
+    # (generator, share of the prompts); a family that runs out of material leaves its share to the others
+    "train": (
+        (_stdlib_prompts, 0.35),
+        (_code_prompts, 0.1),
+        (_math_prompts, 0.15),
+        (_story_prompts, 0.15),
+        (_chat_prompts, 0.125),
+        (_qa_prompts, 0.125),
+    ),
+    "validation": (
+        (_reference_prompts, 0.4),
+        (_heldout_chat_prompts, 0.35),
+        (_heldout_math_prompts, 0.25),
+    ),
+}
+_DEFAULT_COUNTS = {"train": 10000, "validation": 200}
+_MAX_SHARE_FACTOR = 2.0  # no family gives more than twice its share, even when others run out
+_MAX_REPEATS = 2000  # consecutive duplicates after which a combinatorial family counts as exhausted
+
+
+def _draw(family: Iterator[str], count: int, seen: set[str]) -> tuple[list[str], bool]:
+    """Up to `count` new distinct prompts from `family`; also whether the family is exhausted."""
+    out: list[str] = []
+    repeats = 0
+    while len(out) < count:
+        prompt = next(family, None)
+        if prompt is None:
+            return out, True
+        if prompt in seen:
+            repeats += 1
+            if repeats > _MAX_REPEATS:
+                return out, True
+            continue
+        repeats = 0
+        seen.add(prompt)
+        out.append(prompt)
+    return out, False
+
+
+def default_prompts(num_prompts: int | None = None, split: str = "train", seed: int = 0) -> list[str]:
+    """Up to `num_prompts` distinct prompts of `split` ("train" or "validation"), deterministic for a seed.
+
+    Each family contributes its share; shares of families that run out of material go to the others (up to twice
+    their own share). Fewer prompts than asked come back when the material runs out. Defaults: 10000 train, 200
+    validation prompts.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"Unknown prompt split {split!r}; use one of {SPLITS}.")
+    n = _DEFAULT_COUNTS[split] if num_prompts is None else int(num_prompts)
+    rng = random.Random(f"moa-prompts-{split}-{seed}")
+    families = [(gen(random.Random(rng.random())), share) for gen, share in _FAMILIES[split]]
+    caps = [max(1, round(_MAX_SHARE_FACTOR * share * n)) for _, share in families]
+    families = [(family, share, cap) for (family, share), cap in zip(families, caps)]
+    seen: set[str] = set()
+    out: list[str] = []
+    while len(out) < n and families:
+        missing, total = n - len(out), sum(share for _, share, _ in families)
+        quotas = [max(1, round(missing * share / total)) for _, share, _ in families]
+        still = []
+        for (family, share, cap), quota in zip(families, quotas):
+            got, exhausted = _draw(family, min(quota, cap, n - len(out)), seen)
+            out.extend(got)
+            if not exhausted and cap > len(got):
+                still.append((family, share, cap - len(got)))
+        families = still
+    rng.shuffle(out)
+    return out[:n]
+
+
+def _preview(n: int = 10) -> None:  # pragma: no cover - manual inspection helper
+    for split in SPLITS:
+        for p in itertools.islice(default_prompts(n, split), n):
+            print(f"[{split}] {p[:200]!r}")

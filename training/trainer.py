@@ -1,0 +1,425 @@
+"""`MoATrainer`: on-policy distillation of the MoA drafter from a frozen target (Zimmer et al., 2025, section 4).
+
+Per batch the frozen target runs once over (prompt + its own response); the drafter then sees the target's cached
+keys/values through simulated drafting cycles (a "staircase"): position i may only read the target's state of tokens
+j < start(i), where a cycle starts at every prompt token and every `every` tokens of the response, `every` drawn from
+U{min_cycle..max_cycle} per sequence. Loss per counted position (predicting a response token):
+`soft_ce_weight * CE(p_target, p_drafter) + feature_weight * SmoothL1(drafter feature, target's final hidden)`,
+summed and divided by the number of counted positions in the whole (accumulated, all-device) batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import Dataset
+from transformers import PreTrainedModel, Trainer
+
+from moa_hf import MoADrafterModel, cycle_starts_from_restarts, gather_target_kv
+
+from .arguments import MoATrainingArguments
+from .losses import chunked_soft_cross_entropy, feature_loss
+
+__all__ = [
+    "IGNORE_INDEX",
+    "MoADataCollator",
+    "MoATrainer",
+    "TargetStates",
+    "draw_cycle_lengths",
+    "run_target",
+    "sa_curriculum_mask",
+    "staircase_restarts",
+    "unwrap_drafter",
+]
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+_MASK64 = (1 << 64) - 1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class MoADataCollator:
+    """Right-pads examples ``{"input_ids", "prompt_length"[, "sample_index"]}`` into a training batch.
+
+    Returns ``input_ids`` and ``attention_mask`` [B, T], ``labels`` [B, T] (position i is counted, with label
+    input_ids[i+1], when token i+1 is a response token; else -100), ``prompt_lengths`` [B] and ``sample_index`` [B]
+    (the example's index in the dataset: the seed of its random cycle lengths).
+    """
+
+    pad_token_id: int = 0
+    max_length: int | None = None
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, features: Sequence[dict]) -> dict[str, torch.Tensor]:
+        seqs = [list(f["input_ids"])[: self.max_length] if self.max_length else list(f["input_ids"]) for f in features]
+        width = max(len(s) for s in seqs)
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        B = len(seqs)
+        input_ids = torch.full((B, width), self.pad_token_id, dtype=torch.long)  # [B, T]
+        attention_mask = torch.zeros((B, width), dtype=torch.long)
+        labels = torch.full((B, width), IGNORE_INDEX, dtype=torch.long)
+        prompt_lengths = torch.zeros(B, dtype=torch.long)
+        for b, (seq, f) in enumerate(zip(seqs, features)):
+            n = len(seq)
+            p = min(int(f["prompt_length"]), n)
+            input_ids[b, :n] = torch.tensor(seq, dtype=torch.long)
+            attention_mask[b, :n] = 1
+            first = max(p - 1, 0)  # position p-1 predicts the first response token
+            if n - 1 > first:
+                labels[b, first : n - 1] = input_ids[b, first + 1 : n]
+            prompt_lengths[b] = p
+        sample_index = torch.tensor([int(f.get("sample_index", -1)) for f in features], dtype=torch.long)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "labels": labels,
+            "prompt_lengths": prompt_lengths,
+            "sample_index": sample_index,
+        }
+
+
+class _Indexed(Dataset):
+    """A map-style dataset whose items also carry their index (`sample_index`)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, idx: int) -> dict:
+        return {**self.dataset[idx], "sample_index": int(idx)}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Simulated drafting cycles
+# ---------------------------------------------------------------------------------------------------------------------
+def _mix(*values: int) -> int:
+    """A 64-bit hash of integers (splitmix64 chain): reproducible randomness without a global RNG."""
+    x = 0x9E3779B97F4A7C15
+    for v in values:
+        x = (x ^ (int(v) & _MASK64)) & _MASK64
+        x = (x + 0x9E3779B97F4A7C15) & _MASK64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+        x ^= x >> 31
+    return x
+
+
+def draw_cycle_lengths(sample_index: torch.Tensor, step: int, seed: int, low: int, high: int) -> torch.Tensor:
+    """Cycle length U{low..high} per sequence [B], a pure function of (seed, step, sample index): resumable."""
+    span = high - low + 1
+    return torch.tensor([low + _mix(seed, step, int(i), 1) % span for i in sample_index.tolist()], dtype=torch.long)
+
+
+def _draw_uniform(sample_index: torch.Tensor, step: int, seed: int, salt: int) -> torch.Tensor:
+    return torch.tensor([_mix(seed, step, int(i), salt) / 2.0**64 for i in sample_index.tolist()])
+
+
+def staircase_restarts(prompt_lengths: torch.Tensor, cycle_lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Restart points bool [B, T]: every prompt position, and positions p >= prompt_len with
+    (p - prompt_len) % cycle_length == 0 (the token the target produced at the start of each cycle)."""
+    pos = torch.arange(seq_len, device=prompt_lengths.device)[None, :]  # [1, T]
+    rel = pos - prompt_lengths[:, None]  # [B, T]
+    return (rel < 0) | (rel % cycle_lengths.to(rel.device)[:, None] == 0)
+
+
+def sa_curriculum_mask(cycle_starts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """SA mask bool [B, T, T]: rows marked True see only tokens j >= start(i) (their current cycle); other rows see
+    everything (the drafter intersects the mask with causality)."""
+    B, T = cycle_starts.shape
+    pos = torch.arange(T, device=cycle_starts.device)
+    in_cycle = pos[None, None, :] >= cycle_starts[:, :, None]  # [B, T, T]
+    return in_cycle | ~rows.to(cycle_starts.device)[:, None, None]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The target's side
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class TargetStates:
+    """What the frozen target provides for one batch.
+
+    target_kv: [B, T, L, 2*Hkv*hd] keys/values of every layer (the LSA input).
+    feature: [B, T, d] the drafter's regression target: the post-norm final hidden state (TLI N > 0: the hidden state
+        after layer L-N).
+    final_hidden: [B, T, d] post-norm final hidden state, which the target's head turns into its next-token logits.
+    tli_kv: with N > 0, N (key, value) pairs [B, Hkv, T, hd] of the last N layers; else None.
+    """
+
+    target_kv: torch.Tensor
+    feature: torch.Tensor
+    final_hidden: torch.Tensor
+    tli_kv: list | None = None
+
+
+@torch.no_grad()
+def run_target(
+    target: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    target_layer_inference: int = 0,
+) -> TargetStates:
+    """One no-grad forward of the target with its cache and hidden states; the [B, T, V] logits are not computed
+    (only the last position's, where the model supports `logits_to_keep`)."""
+    kwargs = {"logits_to_keep": 1} if _accepts(target, "logits_to_keep") else {}
+    out = target(
+        input_ids=input_ids, attention_mask=attention_mask, use_cache=True, output_hidden_states=True, **kwargs
+    )
+    cache, hidden = out.past_key_values, out.hidden_states  # hidden: L+1 x [B, T, d]
+    T = input_ids.shape[1]
+    n = target_layer_inference
+    num_layers = len(hidden) - 1
+    tli_kv = None
+    if n > 0:
+        tli_kv = [(cache.layers[i].keys, cache.layers[i].values) for i in range(num_layers - n, num_layers)]
+    return TargetStates(
+        target_kv=gather_target_kv(cache, 0, T),
+        feature=hidden[num_layers - n] if n > 0 else hidden[-1],
+        final_hidden=hidden[-1],
+        tli_kv=tli_kv,
+    )
+
+
+def _accepts(model: torch.nn.Module, name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def unwrap_drafter(model: torch.nn.Module) -> MoADrafterModel:
+    """The `MoADrafterModel` inside `model` (itself, or under a PEFT / DDP / compile wrapper)."""
+    seen = model
+    for _ in range(8):
+        if isinstance(seen, MoADrafterModel):
+            return seen
+        if hasattr(seen, "get_base_model"):  # peft.PeftModel
+            seen = seen.get_base_model()
+        elif hasattr(seen, "module"):  # DistributedDataParallel and friends
+            seen = seen.module
+        elif hasattr(seen, "_orig_mod"):  # torch.compile
+            seen = seen._orig_mod
+        else:
+            break
+    raise TypeError(f"Expected a MoADrafterModel (optionally wrapped by PEFT/DDP), got {type(model).__name__}.")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------------------------------
+class MoATrainer(Trainer):
+    """Trains `model` (a MoA drafter, optionally PEFT-wrapped) against a frozen `target`.
+
+    The target is kept as a trainer attribute: it is put in eval mode with `requires_grad=False`, never optimized,
+    never saved (checkpoints and `save_model` hold the drafter only). The drafter is attached to it for the
+    borrowed embedding / LM head (and TLI layers). A drafter with `own_embeddings=True` keeps its copies frozen.
+
+    Args:
+        model: the drafter.
+        target: the frozen target LLM.
+        args: `MoATrainingArguments`.
+        train_dataset / eval_dataset: map-style datasets of ``{"input_ids", "prompt_length"}`` (see `build_dataset`).
+        eval_prompts: held-out prompts (strings, with `processing_class` as tokenizer, or token-id lists) for the
+            acceptance-length evaluation (`AcceptanceEvalCallback`), `args.eval_num_prompts` of them.
+    """
+
+    loss_is_scaled_for_ga = True  # compute_loss divides by the token count of the whole accumulated batch
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        target: PreTrainedModel,
+        args: MoATrainingArguments,
+        train_dataset=None,
+        eval_dataset=None,
+        data_collator=None,
+        eval_prompts: Sequence[str] | Sequence[Sequence[int]] | None = None,
+        processing_class=None,
+        callbacks=None,
+        **kwargs,
+    ):
+        if not isinstance(args, MoATrainingArguments):
+            raise TypeError(
+                f"MoATrainer needs MoATrainingArguments (got {type(args).__name__}); build them with "
+                "`moa_hf.training.MoATrainingArguments(output_dir=..., ...)`."
+            )
+        if args.n_gpu > 1:
+            raise ValueError(
+                f"{args.n_gpu} GPUs are visible to one process (torch.nn.DataParallel), which MoATrainer does not "
+                "support. Launch one process per GPU: `accelerate launch --multi_gpu ...` or `torchrun ...`."
+            )
+        drafter = unwrap_drafter(model)
+        self.target = target
+        target.eval()
+        target.requires_grad_(False)
+        if getattr(target, "hf_device_map", None) is None and target.device != args.device:
+            target.to(args.device)
+        if drafter.config.own_embeddings:  # frozen copies of the target's embedding / head, as the borrowed ones
+            drafter.embed_tokens.requires_grad_(False)
+            drafter.lm_head.requires_grad_(False)
+        drafter.attach(target, allow_other_target=True)
+        if data_collator is None:
+            pad = target.config.get_text_config().pad_token_id
+            data_collator = MoADataCollator(pad_token_id=pad if pad is not None else 0, max_length=args.max_length)
+        train_dataset = _Indexed(train_dataset) if train_dataset is not None else None
+        eval_dataset = _Indexed(eval_dataset) if eval_dataset is not None else None
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            **kwargs,
+        )
+        self.model_accepts_loss_kwargs = True  # makes the Trainer count `labels` tokens into num_items_in_batch
+        self._parts = torch.zeros(3, dtype=torch.float64)  # soft CE sum, feature loss sum, tokens since last log
+        if eval_prompts is not None and args.eval_num_prompts > 0:
+            from .evaluation import AcceptanceEvalCallback
+
+            self.add_callback(
+                AcceptanceEvalCallback(
+                    target,
+                    list(eval_prompts)[: args.eval_num_prompts],
+                    tokenizer=processing_class,
+                    max_new_tokens=args.eval_max_new_tokens,
+                    every_n_steps=args.eval_acceptance_steps,
+                    trainer=self,
+                )
+            )
+
+    @property
+    def drafter(self) -> MoADrafterModel:
+        """The `MoADrafterModel` being trained (under any PEFT wrapper)."""
+        return unwrap_drafter(self.model)
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Batch preparation
+    # -----------------------------------------------------------------------------------------------------------------
+    def target_states(self, inputs: dict[str, torch.Tensor]) -> TargetStates:
+        """Run the frozen target over the batch (no grad)."""
+        return run_target(
+            self.target,
+            inputs["input_ids"],
+            inputs.get("attention_mask"),
+            target_layer_inference=self.drafter.config.target_layer_inference,
+        )
+
+    def simulated_cycles(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(cycle_starts [B, T], sa_mask [B, T, T] or None) for the batch: the staircase of simulated drafting cycles
+        and, with `sa_curriculum`, the SA mask. Random draws depend on (seed, global step, sample index) only (in
+        evaluation on (seed, sample index): comparable evaluation losses)."""
+        args = self.args
+        step = self.state.global_step if self.model.training else -1  # evaluation: the same cycles every time
+        input_ids = inputs["input_ids"]
+        B, T = input_ids.shape
+        index = inputs.get("sample_index")
+        if index is None or bool((index < 0).any()):
+            index = torch.arange(B) + (1 << 40)  # no dataset index: deterministic per (step, row)
+        index = index.cpu()
+        every = draw_cycle_lengths(index, step, args.seed, args.min_cycle, args.max_cycle)
+        restarts = staircase_restarts(inputs["prompt_lengths"], every.to(input_ids.device), T)
+        cycle_starts = cycle_starts_from_restarts(restarts)  # [B, T]
+        sa_mask = None
+        if args.sa_curriculum and self.model.training:
+            progress = step / max(1, self.state.max_steps)  # = epoch / E
+            prob = max(0.0, 1.0 - 2.0 * progress)
+            rows = _draw_uniform(index, step, args.seed, 2) < prob
+            if bool(rows.any()):
+                sa_mask = sa_curriculum_mask(cycle_starts, rows)
+        return cycle_starts, sa_mask
+
+    def token_losses(
+        self, outputs, states: TargetStates, counted: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(total, soft CE, feature) loss per counted position, each [N] float32, N = counted.sum()."""
+        args = self.args
+        drafter = self.drafter
+        feature = outputs.hidden_states[counted]  # [N, d]
+        feat = feature_loss(feature, states.feature[counted]) if args.feature_weight > 0 else feature.new_zeros(0)
+        if args.soft_ce_weight > 0:
+            student = outputs.final_hidden_states if outputs.final_hidden_states is not None else outputs.hidden_states
+            target_head = self.target.get_output_embeddings()
+
+            def teacher_head(h: torch.Tensor) -> torch.Tensor:
+                return target_head(h.to(target_head.weight.dtype)).float()
+
+            head = drafter.get_output_embeddings()
+            ce = chunked_soft_cross_entropy(
+                student[counted],
+                states.final_hidden[counted],
+                drafter.head,
+                teacher_head,
+                chunk_size=args.vocab_chunk_size,
+                head_frozen=not any(p.requires_grad for p in head.parameters()),
+            )
+        else:
+            ce = feature.new_zeros(0)
+        n = int(counted.sum())
+        ce = ce if ce.numel() else torch.zeros(n, device=feature.device)
+        feat = feat if feat.numel() else torch.zeros(n, device=feature.device)
+        return args.soft_ce_weight * ce + args.feature_weight * feat, ce, feat
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Loss
+    # -----------------------------------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Sum of per-position losses over the counted positions / `num_items_in_batch` (the counted positions of
+        the whole accumulated batch on all devices), so gradient accumulation and DDP match one large batch."""
+        states = self.target_states(inputs)
+        cycle_starts, sa_mask = self.simulated_cycles(inputs)
+        outputs = model(
+            input_ids=inputs["input_ids"],
+            target_kv=states.target_kv,
+            cycle_starts=cycle_starts,
+            sa_mask=sa_mask,
+            target_tli_kv=states.tli_kv,
+            return_logits=False,
+        )
+        counted = inputs["labels"] != IGNORE_INDEX  # [B, T]
+        if "attention_mask" in inputs:
+            counted &= inputs["attention_mask"].bool()
+        total, ce, feat = self.token_losses(outputs, states, counted)
+        if num_items_in_batch is None:
+            loss = total.sum() / counted.sum().clamp(min=1)
+        else:
+            loss = total.sum() / torch.as_tensor(num_items_in_batch, device=total.device).clamp(min=1)
+            if self.args.average_tokens_across_devices and self.args.world_size > 1:
+                loss = loss * self.args.world_size  # DDP averages gradients over processes; undo it
+        if model.training:
+            self._parts += torch.tensor([float(ce.detach().sum()), float(feat.detach().sum()), float(counted.sum())])
+        if return_outputs:
+            token_loss = torch.zeros(counted.shape, device=total.device)
+            token_loss[counted] = total.detach()
+            return loss, {"token_loss": token_loss, "cycle_starts": cycle_starts}
+        return loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Adds the loss components (`soft_ce`, `feature_loss`, per counted token, this process) to training logs."""
+        if "loss" in logs and self._parts[2] > 0:
+            logs["soft_ce"] = float(self._parts[0] / self._parts[2])
+            logs["feature_loss"] = float(self._parts[1] / self._parts[2])
+            self._parts.zero_()
+        super().log(logs, start_time)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Evaluation loss on `eval_dataset` (if any) and the acceptance length on held-out prompts (if any)."""
+        if eval_dataset is not None or self.eval_dataset is not None:
+            if eval_dataset is not None and not isinstance(eval_dataset, (_Indexed, dict)):
+                eval_dataset = _Indexed(eval_dataset)
+            return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        metrics: dict[str, float] = {}
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
