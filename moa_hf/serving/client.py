@@ -1,0 +1,677 @@
+"""The drafting client: holds the drafter, drafts locally, asks a `moa serve` server to verify (one call per cycle).
+
+When the server is unreachable the client keeps generating with its drafter alone (those tokens are marked
+unverified), retries with exponential backoff, and on reconnection has the pending tokens verified, correcting from
+the first rejected one. Verified tokens are never dropped. The draft length adapts to the measured round-trip time,
+server time, drafting time and acceptance (more tokens per call, so fewer calls, when the network is slow).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+
+from ..modeling import MoADrafterCache
+from .protocol import PROTOCOL_VERSION, VerifyResult, decode_drafter, decode_result, lsa_fingerprint
+
+__all__ = ["DraftLengthPolicy", "GenerationEvent", "GenerationResult", "MoAClient", "ServingError"]
+
+logger = logging.getLogger(__name__)
+
+
+class ServingError(RuntimeError):
+    """The server refused a request (a 4xx that retrying cannot fix): `status` and the server's `detail`."""
+
+    def __init__(self, status: int, detail: str):
+        super().__init__(f"the server answered {status}: {detail}")
+        self.status, self.detail = status, detail
+
+
+class _Unreachable(Exception):
+    """The server could not be reached (or answered a transient error): keep drafting, retry later."""
+
+
+class _SessionLost(Exception):
+    """The server no longer has the session (restart, expiry, or diverged state): create a new one."""
+
+
+@dataclass
+class GenerationEvent:
+    """What `MoAClient.iter_generate` yields.
+
+    kind: "verified" (tokens confirmed by the target, `text` is their decoded text), "unverified" (tokens drafted
+    while the server was unreachable), "rollback" (that many unverified tokens were rejected and dropped),
+    "offline" / "online" (the server became unreachable / reachable again).
+    `position`: index (among generated tokens) of the first token of `token_ids`.
+    """
+
+    kind: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    position: int = 0
+
+
+@dataclass
+class GenerationResult:
+    """One generation. `token_ids` are the generated tokens (prompt excluded); `unverified_span` = [start, end) of
+    the tokens at the end that no server ever verified (None when all were verified)."""
+
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    server_calls: int
+    unverified_tokens: int
+    unverified_span: list[int] | None
+    offline_spans: list[dict]
+    timings: dict
+    stats: dict
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class DraftLengthPolicy:
+    """Chooses the number of tokens to draft per call by maximising expected tokens per second.
+
+    With per-token acceptance probability a, drafting k tokens yields E(k) = (1 - a^(k+1)) / (1 - a) tokens per call
+    (accepted drafts plus the target's own token) and costs T(k) = network + server(k+1 tokens) + k * drafting; the
+    policy takes the k in [min_length, max_length] with the largest E(k) / T(k). All terms are measured: network
+    time per call and drafting time per token as moving averages, the server time as a line fitted to recent
+    verification calls, the acceptance from recent cycles (decayed counts). k = 0 is plain decoding (a useless
+    drafter on a fast link); then one call in `probe_every` still drafts one token to keep measuring the
+    acceptance (the interval doubles, up to `max_probe_every`, while probes are rejected). `fixed` turns the
+    adaptation off.
+    """
+
+    def __init__(self, min_length: int = 0, max_length: int = 16, fixed: int | None = None, probe_every: int = 8,
+                 max_probe_every: int = 64):
+        if fixed is None and not 0 <= min_length <= max_length:
+            raise ValueError(f"need 0 <= min_length <= max_length, got {min_length} and {max_length}")
+        self.min_length, self.max_length, self.fixed = min_length, max_length, fixed
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
+        self._interval, self._probing = probe_every, False
+        self.network_s: float | None = None
+        self.draft_s = 0.005
+        self.accepted, self.trials = 1.0, 2.0  # prior: acceptance 0.5
+        self.server_points: deque[tuple[int, float]] = deque(maxlen=32)
+        self._zeros = 0
+
+    @property
+    def acceptance(self) -> float:
+        return min(0.99, max(0.01, self.accepted / self.trials))
+
+    def server_model(self) -> tuple[float, float]:
+        """(s0, s1): seconds per verification call ~ s0 + s1 * tokens in the forward (prior until measured)."""
+        if not self.server_points:
+            return 0.02, 0.002
+        xs, ys = zip(*self.server_points)
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        if var > 0:
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+        else:  # one forward size seen so far: assume a marginal token costs a tenth of a call
+            slope = 0.1 * my / max(mx, 1.0)
+        slope = max(0.0, slope)
+        return max(0.0, my - slope * mx), slope
+
+    def observe_call(self, network_s: float, server_s: float | None, forward_tokens: int, drafted: int,
+                     accepted: int) -> None:
+        """One answered call; `server_s` None for calls whose forward is a prefill (not a drafting cycle)."""
+        network_s = max(0.0, network_s)
+        self.network_s = network_s if self.network_s is None else 0.7 * self.network_s + 0.3 * network_s
+        if server_s is not None:
+            self.server_points.append((forward_tokens, server_s))
+        if drafted > 0:
+            self.accepted = 0.9 * self.accepted + accepted
+            self.trials = 0.9 * self.trials + accepted + (1 if accepted < drafted else 0)
+        if self._probing:
+            self._probing = False
+            self._interval = self.probe_every if accepted > 0 else min(2 * self._interval, self.max_probe_every)
+
+    def observe_draft(self, seconds_per_token: float) -> None:
+        self.draft_s = 0.8 * self.draft_s + 0.2 * seconds_per_token
+
+    def choose(self, budget: int) -> int:
+        """Tokens to draft now, at most `budget`."""
+        budget = max(0, budget)
+        if self.fixed is not None:
+            return min(self.fixed, budget)
+        a = self.acceptance
+        s0, s1 = self.server_model()
+        network = 0.02 if self.network_s is None else self.network_s
+        best, best_rate = 0, -1.0
+        for k in range(min(self.min_length, budget), min(self.max_length, budget) + 1):
+            expected = (1.0 - a ** (k + 1)) / (1.0 - a)
+            seconds = network + s0 + s1 * (k + 1) + k * self.draft_s
+            rate = expected / max(seconds, 1e-6)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        if best == 0 and budget > 0:
+            self._zeros += 1
+            if self._zeros >= self._interval:  # probe: keep the acceptance estimate alive
+                self._zeros, self._probing = 0, True
+                return 1
+        else:
+            self._zeros = 0
+        return best
+
+
+class _TextStream:
+    """Incremental detokenization: the new text of a growing token list (holds back incomplete characters)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.emitted = tokenizer, ""
+
+    def push(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+            return ""
+        delta, self.emitted = text[len(self.emitted) :], text
+        return delta
+
+
+@dataclass
+class _Run:
+    prompt: list[int]
+    verified: list[int]
+    max_new_tokens: int
+    sampling: dict
+    cache: MoADrafterCache = field(default_factory=MoADrafterCache)
+    pending: list[int] = field(default_factory=list)
+    dists: list = field(default_factory=list)  # with sampling: the sparse q of each pending token
+    session_id: str | None = None
+    calls: int = 0
+    failed_calls: int = 0
+    recreations: int = 0
+    drafted: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)
+    bytes_up: int = 0
+    bytes_down: int = 0
+    network_s: float = 0.0
+    server_s: float = 0.0
+    draft_s: float = 0.0
+    first_token_s: float | None = None
+    offline_spans: list[dict] = field(default_factory=list)
+    shown: int = 0  # leading pending tokens already shown as unverified
+    generator: torch.Generator | None = None  # the drafter's sampling RNG (seeded with `seed`)
+    done: bool = False
+
+    @property
+    def generated(self) -> int:
+        return len(self.verified) - len(self.prompt)
+
+
+class MoAClient:
+    """Client of a `moa serve` server.
+
+    ```python
+    client = MoAClient("http://127.0.0.1:8000", drafter=drafter, tokenizer=tokenizer)
+    result = client.generate("Why is the sky blue?", max_new_tokens=64)
+    print(result.text, result.server_calls, result.unverified_tokens)
+    ```
+
+    Args:
+        server: base URL of the server.
+        drafter: a `MoADrafterModel` with `own_embeddings=True` (the same checkpoint the server runs; checked by
+            the fingerprint of its LSA weights). None: downloaded from the server.
+        tokenizer: the target's tokenizer (for text prompts, the chat template and streaming). None: downloaded
+            from the server when needed.
+        token: the server's auth token (sent as a Bearer token).
+        draft_length: a fixed number of drafted tokens per call (0: plain decoding, one call per token), or None
+            to adapt it between `min_draft_length` and `max_draft_length`.
+        context_format: how the server sends context vectors: "fp16", "int8" (with scales) or "fp32".
+        draft_top_k: with sampling, the drafter samples from its top-k tokens (sent to the server as its q).
+        backoff_initial_s, backoff_max_s: retry delays while the server is unreachable (doubling).
+        reconnect_timeout_s: once every token is drafted offline, how long to keep retrying before returning the
+            result with an unverified tail.
+    """
+
+    def __init__(
+        self,
+        server: str,
+        *,
+        drafter=None,
+        tokenizer=None,
+        token: str | None = None,
+        draft_length: int | None = None,
+        min_draft_length: int = 0,
+        max_draft_length: int = 16,
+        context_format: str = "fp16",
+        draft_top_k: int = 32,
+        timeout_s: float = 30.0,
+        connect_timeout_s: float = 5.0,
+        backoff_initial_s: float = 0.05,
+        backoff_max_s: float = 2.0,
+        reconnect_timeout_s: float = 10.0,
+        check_drafter: bool = True,
+        transport: httpx.BaseTransport | None = None,
+    ):
+        if drafter is not None:
+            self._check_standalone(drafter)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.server = server.rstrip("/")
+        if transport is None:  # no Nagle delay between the request's header and body writes (40 ms per call)
+            transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        self._http = httpx.Client(base_url=self.server, headers=headers, transport=transport,
+                                  timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
+        self.drafter = drafter.eval() if drafter is not None else None
+        self.tokenizer = tokenizer
+        self.draft_length = draft_length
+        self.min_draft_length, self.max_draft_length = min_draft_length, max_draft_length
+        self.context_format = context_format
+        self.draft_top_k = draft_top_k
+        self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self.check_drafter = check_drafter
+        self._info: dict | None = None
+        self._checked = False
+        self.policy = DraftLengthPolicy(min_draft_length, max_draft_length, fixed=draft_length)
+
+    # -- plumbing ---------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> MoAClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @staticmethod
+    def _check_standalone(drafter) -> None:
+        c = drafter.config
+        if not c.own_embeddings:
+            raise ValueError("The client's drafter must hold its own embedding and LM head: build it with "
+                             "`moa_hf.build_drafter(target, own_embeddings=True)` or let the client download it.")
+        if c.target_layer_inference > 0:
+            raise ValueError("The client cannot run the target's last layers: use a drafter with "
+                             "target_layer_inference=0.")
+
+    def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as err:
+            raise _Unreachable(f"{type(err).__name__}: {err}") from err
+        if response.status_code in (429, 502, 503, 504) or response.status_code >= 500:
+            raise _Unreachable(f"HTTP {response.status_code}: {response.text[:200]}")
+        if response.status_code in (404, 409, 410) and "/sessions/" in path:
+            raise _SessionLost(response.json().get("detail", ""))
+        if response.status_code >= 400:
+            try:
+                detail = response.json().get("detail", response.text)
+            except ValueError:
+                detail = response.text
+            raise ServingError(response.status_code, str(detail))
+        return response
+
+    def info(self) -> dict:
+        """The server's /v1/info (target, limits, drafter fingerprint); raises if unreachable."""
+        if self._info is None:
+            try:
+                info = self._request("GET", "/v1/info").json()
+            except _Unreachable as err:
+                raise ConnectionError(f"cannot reach the server at {self.server}: {err}") from err
+            if info.get("protocol_version") != PROTOCOL_VERSION:
+                raise ServingError(400, f"the server speaks protocol {info.get('protocol_version')}, this client "
+                                   f"{PROTOCOL_VERSION}: update moa-hf on one side")
+            self._info = info
+        return self._info
+
+    def load_drafter(self, dtype: torch.dtype = torch.float32):
+        """Download the server's drafter (with its own embedding and LM head)."""
+        if self.drafter is None:
+            blob = self._request("GET", "/v1/drafter", timeout=httpx.Timeout(600.0, connect=10.0)).content
+            self.drafter = decode_drafter(blob, dtype)
+            self._checked = True
+        return self.drafter
+
+    def load_tokenizer(self):
+        """Download the target's tokenizer from the server (needed for text prompts and streaming)."""
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            files = self._request("GET", "/v1/tokenizer").json()["files"]
+            with tempfile.TemporaryDirectory() as tmp:
+                for name, text in files.items():
+                    (Path(tmp) / Path(name).name).write_text(text, encoding="utf-8")
+                self.tokenizer = AutoTokenizer.from_pretrained(tmp)
+        return self.tokenizer
+
+    def _check_fingerprint(self) -> None:
+        if self._checked or not self.check_drafter or self._info is None:
+            return
+        server = self._info["drafter"]["lsa_fingerprint"]
+        mine = lsa_fingerprint(self.drafter)
+        if server != mine:
+            raise ValueError(
+                f"This client's drafter (LSA fingerprint {mine}) differs from the server's ({server}): the context "
+                "vectors the server computes would not fit it. Use the same drafter checkpoint on both sides, or "
+                "let the client download the server's (no --drafter)."
+            )
+        self._checked = True
+
+    def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
+        """Token ids of `prompt`, wrapped in the target's chat template as one user turn unless `raw`."""
+        tokenizer = self.load_tokenizer()
+        if raw or tokenizer.chat_template is None:
+            if not raw:
+                logger.warning("The tokenizer has no chat template: sending the prompt as raw text.")
+            return list(tokenizer(prompt).input_ids)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+    # -- generation -------------------------------------------------------------------------------------------------
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, **kwargs) -> GenerationResult:
+        """Generate to the end; see `iter_generate` for the arguments."""
+        events = self.iter_generate(prompt, max_new_tokens, **kwargs)
+        while True:
+            try:
+                next(events)
+            except StopIteration as stop:
+                return stop.value
+
+    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, **kwargs) -> Iterator[str]:
+        """Yield the verified text as it is verified (and an unverified tail, if any, at the end)."""
+        events = self.iter_generate(prompt, max_new_tokens, **kwargs)
+        while True:
+            try:
+                event = next(events)
+            except StopIteration as stop:
+                result = stop.value
+                if result.unverified_span is not None and self.tokenizer is not None:
+                    start = result.unverified_span[0]
+                    verified = self.tokenizer.decode(result.token_ids[:start], skip_special_tokens=True)
+                    yield result.text[len(verified) :] if result.text.startswith(verified) else ""
+                return
+            if event.kind == "verified" and event.text:
+                yield event.text
+
+    def iter_generate(
+        self,
+        prompt: str | list[int],
+        max_new_tokens: int = 128,
+        *,
+        raw: bool = False,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        on_event: Callable[[GenerationEvent], None] | None = None,
+    ):
+        """A generator of `GenerationEvent`s whose return value (StopIteration.value) is the `GenerationResult`.
+
+        `prompt`: text (chat template applied unless `raw`) or token ids (used as they are). Greedy by default;
+        `do_sample` samples with `temperature`, `top_k`, `top_p` (speculative sampling keeps the target's
+        distribution exactly); `seed` seeds both sides, which makes runs repeatable with a fixed `draft_length`
+        (an adaptive one depends on timings, and so does which random numbers are drawn).
+        """
+        t_start = time.perf_counter()
+        try:
+            info = self.info()
+        except ConnectionError:
+            info = None  # start offline: the drafter and tokenizer must be local then
+            if self.drafter is None:
+                raise
+        self.load_drafter()
+        self._check_fingerprint()
+        prompt_ids = list(prompt) if not isinstance(prompt, str) else self.encode_prompt(prompt, raw=raw)
+        if not prompt_ids:
+            raise ValueError("The prompt is empty: give at least one token.")
+        limits = (info or {}).get("limits", {})
+        max_draft = min(self.max_draft_length, limits.get("max_draft_tokens", self.max_draft_length))
+        limit = limits.get("max_tokens_per_session")
+        if limit is not None and len(prompt_ids) + max_new_tokens + 1 > limit:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                             f"server's {limit} tokens per session: shorten one of them")
+        eos = (info or {}).get("eos_token_ids")
+        if eos is None:
+            e = self.drafter.config.eos_token_id
+            eos = [e] if isinstance(e, int) else list(e or [])
+        run = _Run(prompt=prompt_ids, verified=list(prompt_ids), max_new_tokens=max_new_tokens,
+                   sampling=dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+        if do_sample and seed is not None:
+            run.generator = torch.Generator(device=self.drafter.device).manual_seed(seed)
+        text = _TextStream(self.tokenizer)
+        self._eos = set(eos)
+        self._vocab = int(self.drafter.config.vocab_size)
+
+        def emit(event: GenerationEvent):
+            if on_event is not None:
+                on_event(event)
+            return event
+
+        offline_since: float | None = None  # when the server became unreachable (None: online)
+        drafting_done_at: float | None = None  # offline, when every remaining token had been drafted
+        backoff, next_retry = self.backoff_initial_s, 0.0
+        while not run.done and run.generated < max_new_tokens:
+            remaining = max_new_tokens - run.generated
+            if offline_since is None:
+                # no context from the target yet (first call): drafts would be blind, send the prompt alone
+                k = self.policy.choose(remaining - 1 - len(run.pending)) if run.cache.context_length else 0
+                self._draft(run, min(k, max_draft))
+            elif time.monotonic() < next_retry:
+                if run.generated + len(run.pending) < max_new_tokens and not self._ends(run.pending):
+                    position = run.generated + len(run.pending)
+                    self._draft(run, 1)
+                    run.shown = len(run.pending)
+                    run.offline_spans[-1]["drafted"] += 1
+                    yield emit(GenerationEvent("unverified", run.pending[-1:], position=position))
+                    continue
+                if drafting_done_at is None:
+                    drafting_done_at = time.monotonic()
+                give_up_at = drafting_done_at + self.reconnect_timeout_s
+                if time.monotonic() >= give_up_at:
+                    break  # the tail stays unverified
+                time.sleep(max(0.0, min(next_retry, give_up_at) - time.monotonic()))
+                continue
+            sent = min(len(run.pending), max_draft)
+            try:
+                result = self._call(run, sent)
+            except _Unreachable as err:
+                run.failed_calls += 1
+                if offline_since is None:
+                    offline_since = time.monotonic()
+                    logger.warning("server unreachable (%s): drafting alone until it is back", err)
+                    span = {"start": run.generated, "drafted": len(run.pending), "accepted": 0}
+                    run.offline_spans.append({**span, "reconnected_after_s": None})
+                    yield emit(GenerationEvent("offline", position=run.generated))
+                    if run.pending:
+                        run.shown = len(run.pending)
+                        yield emit(GenerationEvent("unverified", list(run.pending), position=run.generated))
+                else:
+                    backoff = min(backoff * 2, self.backoff_max_s)
+                next_retry = time.monotonic() + backoff
+                continue
+            position, shown, before = run.generated, run.shown, list(run.pending)
+            new, confirmed = self._apply(run, result, sent)
+            if shown:  # some pending tokens had been shown as unverified
+                run.offline_spans[-1]["accepted"] += min(confirmed, shown)
+                run.shown = max(0, shown - confirmed) if run.pending else 0
+                dropped = before[confirmed:shown] if not run.pending else []
+                if dropped:
+                    yield emit(GenerationEvent("rollback", dropped, position=position + confirmed))
+            if offline_since is not None:
+                run.offline_spans[-1]["reconnected_after_s"] = round(time.monotonic() - offline_since, 4)
+                offline_since, drafting_done_at, backoff = None, None, self.backoff_initial_s
+                yield emit(GenerationEvent("online", position=position))
+            if run.first_token_s is None:
+                run.first_token_s = time.perf_counter() - t_start
+            yield emit(GenerationEvent("verified", new, text.push(run.verified[len(run.prompt) :]), position))
+        return self._finish(run, t_start)
+
+    # -- one cycle --------------------------------------------------------------------------------------------------
+    def _ends(self, tokens: list[int]) -> bool:
+        return bool(tokens) and tokens[-1] in self._eos
+
+    @torch.no_grad()
+    def _draft(self, run: _Run, k: int) -> None:
+        """Append up to `k` drafted tokens to `run.pending` (stops after an EOS)."""
+        if k <= 0 or self._ends(run.pending):
+            return
+        t0 = time.perf_counter()
+        drafter, cache = self.drafter, run.cache
+        s = run.sampling
+        n = 0
+        for _ in range(k):
+            tokens = run.verified + run.pending
+            ids = torch.tensor([tokens], device=drafter.device)  # [1, T]
+            keep = min(cache.common_prefix(ids), len(tokens) - 1)
+            if keep < cache.get_seq_length():
+                cache.crop(keep)
+            logits = drafter.draft_step(ids[:, cache.get_seq_length() :], cache)[0]  # [V]
+            if s["do_sample"]:
+                top_k = min(self.draft_top_k, s["top_k"]) if s["top_k"] > 0 else self.draft_top_k
+                values, support = (logits / s["temperature"]).topk(min(top_k, logits.shape[-1]))
+                probs = values.softmax(-1)  # [top_k]
+                token = int(support[torch.multinomial(probs, 1, generator=run.generator)])
+                run.dists.append({"ids": support.tolist(), "probs": probs.tolist()})
+            else:
+                token = int(logits.argmax())
+                run.dists.append(None)
+            run.pending.append(token)
+            n += 1
+            if token in self._eos:
+                break
+        seconds = time.perf_counter() - t0
+        run.drafted += n
+        run.draft_s += seconds
+        self.policy.observe_draft(seconds / max(n, 1))
+
+    def _call(self, run: _Run, sent: int) -> VerifyResult:
+        """Create or verify: the first `sent` pending tokens are verified. Re-creates a lost session once."""
+        drafts = run.pending[:sent]
+        body = {"draft_ids": drafts, "context_from": run.cache.context_length, "context_format": self.context_format,
+                "want_context": self.draft_length != 0}  # plain decoding (draft_length=0) needs no context
+        if run.sampling["do_sample"] and drafts:
+            body["draft_probs"] = run.dists[:sent]
+        for _attempt in range(2):
+            if run.session_id is None:
+                path = "/v1/sessions"
+                sampling = {k: v for k, v in run.sampling.items() if v is not None}
+                if "seed" in sampling:  # a re-created session draws a fresh random stream
+                    sampling["seed"] = (sampling["seed"] + 1_000_003 * run.recreations) % (1 << 63)
+                payload = {**body, "input_ids": run.verified, **sampling}
+            else:
+                path = f"/v1/sessions/{run.session_id}/verify"
+                payload = {**body, "num_verified": len(run.verified), "last_token": run.verified[-1]}
+            data = json.dumps(payload).encode()
+            t0 = time.perf_counter()
+            try:
+                response = self._request("POST", path, content=data, headers={"Content-Type": "application/json"})
+            except _SessionLost as err:
+                logger.info("session lost (%s): re-creating it from the %d verified tokens", err, len(run.verified))
+                run.session_id = None
+                run.recreations += 1
+                continue
+            rtt = time.perf_counter() - t0
+            result = decode_result(response.content)
+            forward = len(run.verified) - (0 if path == "/v1/sessions" else len(run.verified) - 1) + sent
+            run.calls += 1
+            run.bytes_up += len(data)
+            run.bytes_down += len(response.content)
+            run.network_s += max(0.0, rtt - result.server_s)
+            run.server_s += result.server_s
+            server_s = result.server_s if path != "/v1/sessions" else None  # a prefill: not a drafting cycle
+            self.policy.observe_call(rtt - result.server_s, server_s, forward, sent, result.accepted)
+            run.session_id = result.session_id
+            return result
+        raise _Unreachable("the session was lost twice in a row")
+
+    def _apply(self, run: _Run, result: VerifyResult, sent: int) -> tuple[list[int], int]:
+        """Take the server's verdict on the first `sent` pending tokens. Returns the newly verified tokens and how
+        many of them were pending tokens (the accepted ones, plus the next one when the target's token equals it)."""
+        a = result.accepted
+        if not 0 <= a <= sent or not 0 <= result.next_token < self._vocab:
+            raise ServingError(502, f"the server's answer is inconsistent (accepted {a} of {sent})")
+        n = len(run.verified)
+        if result.num_verified != n + a + 1:
+            raise ServingError(502, f"the server holds {result.num_verified} tokens, the client expected {n + a + 1}")
+        new = run.pending[:a] + [result.next_token]
+        confirmed = a
+        if a == sent and len(run.pending) > sent and run.pending[sent] == result.next_token:
+            confirmed = a + 1  # the target's own token is the next pending one: keep the pending tokens after it
+            run.pending, run.dists = run.pending[sent + 1 :], run.dists[sent + 1 :]
+        else:
+            run.pending, run.dists = [], []
+        run.verified.extend(new)
+        run.accepted_lengths.append(a + 1)
+        run.draft_lengths.append(sent)
+        cache = run.cache
+        tokens = torch.tensor([run.verified + run.pending], device=self.drafter.device)  # [1, T]
+        keep = min(cache.common_prefix(tokens), tokens.shape[1] - 1)
+        if keep < cache.get_seq_length():
+            cache.crop(keep)
+        if result.context is not None:
+            skip = cache.context_length - result.context_start
+            if skip < 0:
+                raise ServingError(502, f"context gap: have {cache.context_length}, got from {result.context_start}")
+            if result.context.shape[0] > skip:
+                self.drafter.extend_context(cache, result.context[skip:][None].to(self.drafter.device))  # [1, T, d]
+        generated = run.verified[len(run.prompt) :]
+        first_new = len(generated) - len(new)
+        stop = next((i for i, t in enumerate(new) if t in self._eos), None)  # stop at the first EOS
+        if stop is not None or len(generated) >= run.max_new_tokens:
+            keep_new = len(new) if stop is None else stop + 1
+            keep_new = min(keep_new, run.max_new_tokens - first_new)
+            del run.verified[len(run.prompt) + first_new + keep_new :]
+            new, confirmed = new[:keep_new], min(confirmed, keep_new)
+            run.pending, run.dists, run.done = [], [], True
+        return new, confirmed
+
+    def _finish(self, run: _Run, t_start: float) -> GenerationResult:
+        if run.session_id is not None:
+            try:
+                self._http.delete(f"/v1/sessions/{run.session_id}", timeout=2.0)
+            except httpx.HTTPError:
+                pass
+        generated = run.verified[len(run.prompt) :]
+        tail = [] if run.done else run.pending[: max(0, run.max_new_tokens - len(generated))]
+        tokens = generated + tail
+        span = [len(generated), len(tokens)] if tail else None
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
+        total = time.perf_counter() - t_start
+        calls = max(run.calls, 1)
+        return GenerationResult(
+            text=text,
+            token_ids=tokens,
+            prompt_ids=run.prompt,
+            server_calls=run.calls,
+            unverified_tokens=len(tail),
+            unverified_span=span,
+            offline_spans=run.offline_spans,
+            timings={
+                "total_s": total,
+                "first_token_s": run.first_token_s,
+                "per_token_ms": 1000 * total / max(len(tokens), 1),
+                "network_s": run.network_s,
+                "server_s": run.server_s,
+                "draft_s": run.draft_s,
+            },
+            stats={
+                "failed_calls": run.failed_calls,
+                "session_recreations": run.recreations,
+                "drafted_tokens": run.drafted,
+                "mean_accepted_length": sum(run.accepted_lengths) / calls,
+                "accepted_lengths": run.accepted_lengths,
+                "draft_lengths": run.draft_lengths,
+                "calls_per_token": run.calls / max(len(generated), 1),
+                "bytes_up": run.bytes_up,
+                "bytes_down": run.bytes_down,
+                "acceptance_estimate": self.policy.acceptance,
+            },
+        )

@@ -1,0 +1,230 @@
+"""Wire format of client-server speculative decoding (see docs/serving.md).
+
+Requests are small JSON bodies (validated by the pydantic models below, which also make the OpenAPI schema).
+Every verification answer is one safetensors blob: the LSA context vectors of the newly verified positions as
+tensors (fp16, fp32, or int8 with one fp32 scale per vector) and the scalar fields as JSON in the safetensors
+header's `__metadata__`. Weights (the drafter a client may download) travel as safetensors too; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import asdict, dataclass
+from typing import Annotated, Literal
+
+import torch
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+__all__ = [
+    "CONTEXT_FORMATS",
+    "JsonInt",
+    "json_int",
+    "PROTOCOL_VERSION",
+    "CreateSessionRequest",
+    "SparseDistribution",
+    "VerifyRequest",
+    "VerifyResult",
+    "decode_context",
+    "decode_drafter",
+    "decode_result",
+    "encode_context",
+    "encode_drafter",
+    "encode_result",
+    "lsa_fingerprint",
+    "read_safetensors_metadata",
+]
+
+PROTOCOL_VERSION = 1
+CONTEXT_FORMATS = ("fp16", "int8", "fp32")
+ContextFormat = Literal["fp16", "int8", "fp32"]
+# Hard upper bounds of the schema; the server's configured limits (smaller) are checked with clearer messages.
+_MAX_IDS = 1 << 20
+_MAX_SPARSE = 1024
+_META_KEY = "moa"
+_LSA_PREFIXES = ("lsa_in_proj.", "layer_self_attention.", "Ekv2E.")
+
+
+def _json_int(value):
+    """JSON Schema integers include integral floats (5.0); strings and booleans stay invalid."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def json_int(**bounds):
+    """An integer type with bounds (`ge`, `lt`, ...) that also takes integral floats (see `_json_int`)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_json_int)]
+
+
+JsonInt = json_int()
+_TokenId = json_int(ge=0)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class SparseDistribution(_Strict):
+    """The drafter's distribution for one drafted token, restricted to its support (speculative sampling)."""
+
+    ids: list[_TokenId] = Field(min_length=1, max_length=_MAX_SPARSE, description="token ids of the support")
+    probs: list[Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]] = Field(
+        min_length=1, max_length=_MAX_SPARSE, description="their probabilities (sum ~ 1)"
+    )
+
+
+class _Drafts(_Strict):
+    draft_ids: list[_TokenId] = Field(
+        default_factory=list, max_length=_MAX_IDS, description="tokens to verify, in order"
+    )
+    draft_probs: list[SparseDistribution] | None = Field(
+        default=None, max_length=_MAX_IDS, description="with do_sample: one distribution per drafted token"
+    )
+    context_from: json_int(ge=0) | None = Field(
+        default=None, description="first position whose context vector to return (default: the first new one)"
+    )
+    want_context: bool = Field(default=True, description="false: return no context vectors (plain decoding)")
+    context_format: ContextFormat = "fp16"
+
+
+class CreateSessionRequest(_Drafts):
+    """Start a generation: `input_ids` are all verified (a prompt, or a verified prefix after a lost session)."""
+
+    input_ids: list[_TokenId] = Field(min_length=1, max_length=_MAX_IDS)
+    do_sample: bool = False
+    temperature: float = Field(default=1.0, gt=0.0, le=100.0, allow_inf_nan=False)
+    top_k: json_int(ge=0) = Field(default=0, description="0: no top-k filtering of the target's distribution")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: json_int(ge=0, lt=1 << 63) | None = None
+
+
+class VerifyRequest(_Drafts):
+    """One drafting cycle: verify `draft_ids` after the first `num_verified` tokens of the session."""
+
+    num_verified: json_int(ge=1, le=_MAX_IDS) = Field(description="how many verified tokens the client holds")
+    last_token: _TokenId = Field(description="the client's last verified token (consistency check)")
+
+
+@dataclass
+class VerifyResult:
+    """Answer to a create or verify call.
+
+    `accepted` drafted tokens were accepted and `next_token` (the target's correction, or its bonus token when all
+    were accepted) follows them; the session now holds `num_verified` tokens. `context` [T, d] float32 holds the
+    context vectors of positions `context_start .. context_start+T-1` (None when not asked for).
+    """
+
+    session_id: str
+    num_verified: int
+    accepted: int
+    next_token: int
+    context_start: int
+    server_s: float
+    context: torch.Tensor | None = None
+    payload_bytes: int = 0
+
+    def metadata(self) -> dict:
+        meta = asdict(self)
+        meta.pop("context")
+        meta.pop("payload_bytes")
+        return meta
+
+
+def encode_context(context: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
+    """[T, d] context vectors -> safetensors tensors in `fmt` (fp16, fp32, or int8 with one fp32 scale per row)."""
+    if fmt == "fp16":
+        return {"context": context.to(torch.float16).contiguous()}
+    if fmt == "fp32":
+        return {"context": context.to(torch.float32).contiguous()}
+    if fmt == "int8":
+        x = context.float()
+        scale = (x.abs().amax(dim=-1) / 127.0).clamp_min(1e-12)  # [T]
+        q = torch.round(x / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [T, d]
+        return {"context_int8": q.contiguous(), "context_scale": scale.contiguous()}
+    raise ValueError(f"Unknown context format {fmt!r}; use one of {CONTEXT_FORMATS}.")
+
+
+def decode_context(tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Inverse of `encode_context` -> [T, d] float32 (None if the blob carries no context)."""
+    if "context" in tensors:
+        return tensors["context"].float()
+    if "context_int8" in tensors:
+        return tensors["context_int8"].float() * tensors["context_scale"].float()[:, None]  # [T, d]
+    return None
+
+
+def encode_result(result: VerifyResult, fmt: str) -> bytes:
+    tensors = encode_context(result.context, fmt) if result.context is not None else {}
+    return st_save(tensors, metadata={_META_KEY: json.dumps(result.metadata())})
+
+
+def read_safetensors_metadata(blob: bytes) -> dict[str, str]:
+    """The `__metadata__` of a safetensors blob (an 8-byte little-endian header length, then a JSON header)."""
+    if len(blob) < 8:
+        raise ValueError(f"Not a safetensors blob: {len(blob)} bytes, fewer than its 8-byte header length.")
+    (n,) = struct.unpack("<Q", blob[:8])
+    if n > len(blob) - 8:
+        raise ValueError(f"Not a safetensors blob: header length {n} exceeds the {len(blob)} bytes received.")
+    header = json.loads(blob[8 : 8 + n])
+    return header.get("__metadata__") or {}
+
+
+def decode_result(blob: bytes) -> VerifyResult:
+    """Parse a create/verify answer."""
+    meta = read_safetensors_metadata(blob)
+    if _META_KEY not in meta:
+        raise ValueError("The server's answer carries no MoA metadata: is the URL a `moa serve` server?")
+    fields = json.loads(meta[_META_KEY])
+    return VerifyResult(**fields, context=decode_context(st_load(blob)), payload_bytes=len(blob))
+
+
+def lsa_fingerprint(drafter: torch.nn.Module) -> str:
+    """A short hash of the drafter's LSA weights (the part the server runs for the client); dtype-insensitive
+    between float32 and bfloat16 copies (every tensor is hashed in bfloat16)."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(drafter.state_dict().items()):
+        if name.startswith(_LSA_PREFIXES):
+            h.update(name.encode())
+            h.update(str(tuple(tensor.shape)).encode())
+            h.update(tensor.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def encode_drafter(drafter, target=None) -> bytes:
+    """The drafter as one safetensors blob with its config in the metadata, always with its own embedding and
+    LM head (copied from `target` when the drafter borrows them), so that a client can run it alone."""
+    config = drafter.config.to_dict()
+    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+    if not drafter.config.own_embeddings:
+        if target is None:
+            raise ValueError("This drafter borrows the target's embedding and LM head: pass the target to copy them.")
+        dtype = next(iter(state.values())).dtype
+        state["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().to("cpu", dtype).contiguous()
+        state["lm_head.weight"] = target.get_output_embeddings().weight.detach().to("cpu", dtype).contiguous()
+        config["own_embeddings"] = True
+    # tied weights may share storage: safetensors refuses shared tensors, so give each its own copy
+    state = {k: v.clone() for k, v in state.items()}
+    return st_save(state, metadata={"config": json.dumps(config)})
+
+
+def decode_drafter(blob: bytes, dtype: torch.dtype = torch.float32):
+    """Inverse of `encode_drafter` -> a `MoADrafterModel` with its own embeddings, in eval mode."""
+    from ..modeling import MoADrafterConfig, MoADrafterModel
+
+    meta = read_safetensors_metadata(blob)
+    if "config" not in meta:
+        raise ValueError("The drafter blob carries no config in its metadata.")
+    config_dict = json.loads(meta["config"])
+    for key in ("model_type", "transformers_version", "architectures", "auto_map"):
+        config_dict.pop(key, None)
+    config = MoADrafterConfig(**config_dict)
+    drafter = MoADrafterModel(config)
+    missing, unexpected = drafter.load_state_dict(st_load(blob), strict=False)
+    missing = [k for k in missing if not k.endswith("inv_freq")]
+    if missing or unexpected:
+        raise ValueError(f"The drafter blob does not match its config (missing {missing}, unexpected {unexpected}).")
+    return drafter.to(dtype).eval()
