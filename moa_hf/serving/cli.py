@@ -29,8 +29,9 @@ def register(subparsers) -> None:
                    help="a local Hugging Face model folder, or 'default' for SmolLM2-135M-Instruct")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
     p.add_argument("--drafter", default=None,
-                   help="a saved MoA drafter folder (default: the packaged default drafter for the default target, "
-                   "else a random one: correct output, low acceptance)")
+                   help="a saved MoA drafter folder, 'default' (the packaged drafter for the default target) or "
+                   "'random' (exact output, near-zero acceptance); default: 'default' for the default target, else "
+                   "'random'")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the target's)")
     p.add_argument("--token", default=None,
                    help=f"auth token clients must send (default: ${_TOKEN_ENV}); required off loopback")
@@ -39,7 +40,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-draft-tokens", type=int, default=64, help="most drafted tokens per verification call")
     p.add_argument("--session-ttl-s", type=float, default=300.0, help="idle sessions expire after this")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20)
-    p.add_argument("--seed", type=int, default=0, help="seed of the random drafter (when no --drafter)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random drafter")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_serve)
 
@@ -77,7 +78,9 @@ def register(subparsers) -> None:
                               "LAN / 4G / 3G / satellite links (real sockets on 127.0.0.1).")
     b.add_argument("--target", default="default")
     b.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
-    b.add_argument("--drafter", default=None, help="drafter folder (default: a random one with own embeddings)")
+    b.add_argument("--drafter", default=None,
+                   help="a drafter folder, 'default' or 'random' (as for `moa serve`); the client side gets a copy "
+                   "with its own embedding and LM head")
     b.add_argument("--profiles", default="lan,4g,3g,satellite")
     b.add_argument("--prompts", type=int, default=3, help="how many of the built-in prompts")
     b.add_argument("--max-new-tokens", type=int, default=32)
@@ -112,22 +115,28 @@ def load_target(name: str, dtype: torch.dtype, tokenizer_path: str | None = None
     return model, tokenizer
 
 
-def load_server_drafter(path: str | None, target, seed: int = 0, own_embeddings: bool = False):
-    """The drafter at `path`; else the packaged default drafter (for the default target), else a random one."""
-    from .. import build_drafter
+def load_server_drafter(spec: str | None, target, seed: int = 0, own_embeddings: bool = False):
+    """(drafter, description). `spec`: a saved drafter folder, "default" (the packaged drafter for the default
+    target), "random" (seeded, correct output but near-zero acceptance), or None: "default" when serving the default
+    target and the packaged drafter exists, else "random"."""
+    from .. import build_drafter, default_drafter_path
+    from ..default_target import DEFAULT_TARGET_NAME
     from ..modeling import MoADrafterModel
 
-    if path is None:
-        packaged = Path(__file__).resolve().parent.parent / "default_drafter"
-        from ..default_target import DEFAULT_TARGET_NAME
-
-        if (packaged / "config.json").is_file() and target.config.name_or_path == DEFAULT_TARGET_NAME:
-            path = str(packaged)
-    if path is not None:
-        return MoADrafterModel.from_pretrained(path).to(target.dtype).eval()
-    logger.warning("No --drafter: using a RANDOM drafter (seed %d). Output stays exact, acceptance will be low.", seed)
-    torch.manual_seed(seed)
-    return build_drafter(target, own_embeddings=own_embeddings).eval()
+    packaged = default_drafter_path()
+    if spec is None:
+        is_default = getattr(target.config, "name_or_path", None) == DEFAULT_TARGET_NAME
+        spec = "default" if is_default and (packaged / "config.json").is_file() else "random"
+    if spec == "random":
+        logger.warning("Using a RANDOM drafter (seed %d): output stays exact, acceptance will be near zero.", seed)
+        torch.manual_seed(seed)
+        return build_drafter(target, own_embeddings=own_embeddings).eval(), f"random (seed {seed})"
+    path = packaged if spec == "default" else Path(spec)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"No drafter at {path} (no config.json); give a saved drafter folder, 'default' or "
+                                "'random'")
+    name = "packaged default drafter" if spec == "default" else str(path)
+    return MoADrafterModel.from_pretrained(path).to(target.dtype).eval(), name
 
 
 def _missing_extras() -> str | None:
@@ -155,7 +164,7 @@ def _serve(args) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     target, tokenizer = load_target(args.target, _DTYPES[args.dtype], args.tokenizer)
-    drafter = load_server_drafter(args.drafter, target, seed=args.seed)
+    drafter, _ = load_server_drafter(args.drafter, target, seed=args.seed)
     limits = ServerLimits(max_sessions=args.max_sessions, max_tokens_per_session=args.max_tokens_per_session,
                           max_draft_tokens=args.max_draft_tokens, session_ttl_s=args.session_ttl_s,
                           max_request_bytes=args.max_request_bytes)
@@ -192,7 +201,12 @@ def _client(args) -> int:
             client.info()
             client.load_drafter()
             client.load_tokenizer()
-        except Exception as err:  # noqa: BLE001 - a CLI reports any failure in one line
+        except ConnectionError as err:
+            if drafter is None or client.tokenizer is None:
+                print(f"error: {err}", file=sys.stderr)
+                return 1
+            print(f"[{err}: drafting alone with the local drafter, retrying]", file=sys.stderr)
+        except Exception as err:  # a CLI reports any failure in one line
             print(f"error: {err}", file=sys.stderr)
             return 1
         if folder is not None and drafter is None:
@@ -243,14 +257,14 @@ def _bench(args) -> int:
     if tokenizer is None:
         print("error: the benchmark needs the target's tokenizer (its prompts are text)", file=sys.stderr)
         return 2
-    drafter = load_server_drafter(args.drafter, target, seed=args.seed, own_embeddings=True)
+    drafter, name = load_server_drafter(args.drafter, target, seed=args.seed, own_embeddings=True)
     if not drafter.config.own_embeddings:  # the client side runs alone: give it copies of the target's
         drafter = decode_drafter(encode_drafter(drafter, target))
     drafter = drafter.float().eval()
     report = run_serving_bench(
         target, tokenizer, drafter, profiles=args.profiles.split(","), num_prompts=args.prompts,
         max_new_tokens=args.max_new_tokens, outage_after=args.outage_after, outage_tokens=args.outage_tokens,
-        drafter_name=args.drafter or "random (own_embeddings=True)",
+        drafter_name=name,
     )
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=2) + "\n")

@@ -8,6 +8,7 @@ server time, drafting time and acceptance (more tokens per call, so fewer calls,
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import socket
@@ -317,13 +318,17 @@ class MoAClient:
             raise ServingError(response.status_code, str(detail))
         return response
 
+    def _fetch(self, path: str, **kwargs) -> httpx.Response:
+        """GET `path`, raising `ConnectionError` (not retried) if the server is unreachable."""
+        try:
+            return self._request("GET", path, **kwargs)
+        except _Unreachable as err:
+            raise ConnectionError(f"cannot reach the server at {self.server} ({path}): {err}") from err
+
     def info(self) -> dict:
         """The server's /v1/info (target, limits, drafter fingerprint); raises if unreachable."""
         if self._info is None:
-            try:
-                info = self._request("GET", "/v1/info").json()
-            except _Unreachable as err:
-                raise ConnectionError(f"cannot reach the server at {self.server}: {err}") from err
+            info = self._fetch("/v1/info").json()
             if info.get("protocol_version") != PROTOCOL_VERSION:
                 raise ServingError(400, f"the server speaks protocol {info.get('protocol_version')}, this client "
                                    f"{PROTOCOL_VERSION}: update moa-hf on one side")
@@ -333,7 +338,7 @@ class MoAClient:
     def load_drafter(self, dtype: torch.dtype = torch.float32):
         """Download the server's drafter (with its own embedding and LM head)."""
         if self.drafter is None:
-            blob = self._request("GET", "/v1/drafter", timeout=httpx.Timeout(600.0, connect=10.0)).content
+            blob = self._fetch("/v1/drafter", timeout=httpx.Timeout(600.0, connect=10.0)).content
             self.drafter = decode_drafter(blob, dtype)
             self._checked = True
         return self.drafter
@@ -343,10 +348,12 @@ class MoAClient:
         if self.tokenizer is None:
             from transformers import AutoTokenizer
 
-            files = self._request("GET", "/v1/tokenizer").json()["files"]
+            answer = self._fetch("/v1/tokenizer").json()
             with tempfile.TemporaryDirectory() as tmp:
-                for name, text in files.items():
+                for name, text in answer.get("files", {}).items():
                     (Path(tmp) / Path(name).name).write_text(text, encoding="utf-8")
+                for name, data in answer.get("binary_files", {}).items():
+                    (Path(tmp) / Path(name).name).write_bytes(base64.b64decode(data))
                 self.tokenizer = AutoTokenizer.from_pretrained(tmp)
         return self.tokenizer
 

@@ -43,8 +43,7 @@ class LinkProfile:
         def rate(bps: float) -> str:
             return f"{bps / 1e6:g} Mbit/s" if bps >= 1e6 else f"{bps / 1e3:g} kbit/s"
 
-        return (f"RTT {1000 * self.rtt_s:g} ms, {rate(self.down_bps)} down / {rate(self.up_bps)} up, "
-                f"{100 * self.loss:g}% loss")
+        return f"RTT {1000 * self.rtt_s:g} ms, {rate(self.down_bps)} / {rate(self.up_bps)}, {100 * self.loss:g}% loss"
 
     def as_dict(self) -> dict:
         return {**asdict(self), "rtt_s": self.rtt_s}

@@ -5,6 +5,7 @@ client's drafted tokens with one target forward, crops the cache to the accepted
 count, the target's next token and the LSA context vectors of the newly verified positions (see `protocol`).
 """
 
+import base64
 import copy
 import hmac
 import ipaddress
@@ -12,10 +13,12 @@ import json
 import logging
 import secrets
 import socket
+import tempfile
 import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated
 
 import torch
@@ -119,7 +122,7 @@ class ServingState:
         self.expired: deque[str] = deque(maxlen=1024)
         self.lock = threading.Lock()
         self._drafter_blob: bytes | None = None
-        self._tokenizer_files: dict[str, str] | None = None
+        self._tokenizer_files: dict[str, dict[str, str]] | None = None
         eos = target.generation_config.eos_token_id
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
 
@@ -145,17 +148,22 @@ class ServingState:
                 self._drafter_blob = encode_drafter(self.drafter, self.target)
             return self._drafter_blob
 
-    def tokenizer_files(self) -> dict[str, str]:
-        import tempfile
-        from pathlib import Path
-
+    def tokenizer_files(self) -> dict[str, dict[str, str]]:
+        """The tokenizer's saved files: {"files": {name: text}, "binary_files": {name: base64}}."""
         with self.lock:
             if self._tokenizer_files is None:
+                files, binary = {}, {}
                 with tempfile.TemporaryDirectory() as tmp:
                     self.tokenizer.save_pretrained(tmp)
-                    self._tokenizer_files = {
-                        p.name: p.read_text(encoding="utf-8") for p in Path(tmp).iterdir() if p.is_file()
-                    }
+                    for path in sorted(Path(tmp).iterdir()):
+                        if not path.is_file():
+                            continue
+                        data = path.read_bytes()
+                        try:
+                            files[path.name] = data.decode("utf-8")
+                        except UnicodeDecodeError:  # e.g. a SentencePiece model
+                            binary[path.name] = base64.b64encode(data).decode("ascii")
+                self._tokenizer_files = {"files": files, "binary_files": binary}
             return self._tokenizer_files
 
     def _sweep(self, now: float) -> None:
@@ -458,7 +466,7 @@ def create_app(state: ServingState) -> FastAPI:
     def tokenizer() -> dict:
         if state.tokenizer is None:
             raise HTTPException(404, "this server has no tokenizer; load one on the client (--tokenizer)")
-        return {"files": state.tokenizer_files()}
+        return state.tokenizer_files()
 
     @app.get("/v1/drafter", dependencies=auth, response_class=Response, responses={**_ERRORS, **_BLOB},
              summary="the drafter (with its own embedding and LM head) as safetensors")
