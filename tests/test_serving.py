@@ -476,7 +476,6 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) ->
     raise TimeoutError(f"`moa serve` did not come up on {url}")
 
 
-@pytest.mark.slow
 def test_cli_serve_killed_and_restarted(tiny, tmp_path):
     """`moa serve` in a subprocess is SIGKILLed mid-generation and started again on the same port."""
     target, drafter = tiny
