@@ -1,5 +1,7 @@
 """Shared fixtures: tiny random targets of several families, built from configs (no downloads)."""
 
+import random
+
 import pytest
 import torch
 from transformers import (
@@ -12,6 +14,8 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+from moa_hf import MoADrafterModel
 
 torch.set_num_threads(1)  # tiny models: threads only add overhead on a 2-core machine
 
@@ -55,3 +59,22 @@ def family(request):
 @pytest.fixture
 def llama_target():
     return make_target("llama")
+
+
+class OracleDrafter(MoADrafterModel):
+    """A drafter whose proposal is the target's greedy token with probability `p_right` (else a wrong one), so that
+    every acceptance length is exercised. It runs the real drafter underneath, keeping every cache in use."""
+
+    reference: list[int] = []
+    p_right: float = 0.8
+    rng: random.Random = random.Random(0)
+
+    def _decode(self, new_ids, cache):
+        logits = super()._decode(new_ids, cache)
+        pos = cache.get_seq_length()  # the drafted token goes to this position
+        if pos < len(self.reference):
+            right = self.reference[pos]
+            token = right if self.rng.random() < self.p_right else (right + 1 + self.rng.randrange(100)) % 128
+            logits = torch.full_like(logits, -10.0)
+            logits[:, token] = 10.0
+        return logits

@@ -5,31 +5,12 @@ import random
 
 import pytest
 import torch
-from conftest import make_target
+from conftest import OracleDrafter, make_target
 from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 from transformers.generation.streamers import BaseStreamer
 
 import moa_hf
 from moa_hf import MoADrafterModel, gather_target_kv
-
-
-class OracleDrafter(MoADrafterModel):
-    """A drafter whose proposal is the target's greedy token with probability `p_right` (else a wrong one), so that
-    every acceptance length is exercised. It runs the real drafter underneath, keeping every cache in use."""
-
-    reference: list[int] = []
-    p_right: float = 0.8
-    rng: random.Random = random.Random(0)
-
-    def _decode(self, new_ids, cache):
-        logits = super()._decode(new_ids, cache)
-        pos = cache.get_seq_length()  # the drafted token goes to this position
-        if pos < len(self.reference):
-            right = self.reference[pos]
-            token = right if self.rng.random() < self.p_right else (right + 1 + self.rng.randrange(100)) % 128
-            logits = torch.full_like(logits, -10.0)
-            logits[:, token] = 10.0
-        return logits
 
 
 def _oracle(target, reference, p_right, seed=0, **overrides):

@@ -12,12 +12,11 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import make_target
+from conftest import OracleDrafter, make_target
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import moa_hf
-from moa_hf import MoADrafterModel
 from moa_hf.serving import MoAClient, ServerLimits, ServerThread, ServingState, create_app
 from moa_hf.serving.netem import DelayProxy, LinkProfile
 from moa_hf.serving.protocol import decode_drafter, decode_result, encode_drafter, lsa_fingerprint
@@ -39,25 +38,6 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
                                    unk_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
     return fast
-
-
-class OracleDrafter(MoADrafterModel):
-    """A real drafter whose proposal is the target's greedy token with probability `p_right` (else a wrong one), so
-    that acceptance is partial and known; it runs the real SA/CA underneath, keeping its cache in use."""
-
-    reference: list[int] = []
-    p_right: float = 0.8
-    rng: random.Random = random.Random(0)
-
-    def _decode(self, new_ids, cache):
-        logits = super()._decode(new_ids, cache)
-        pos = cache.get_seq_length()  # the drafted token goes to this position
-        if pos < len(self.reference):
-            right = self.reference[pos]
-            token = right if self.rng.random() < self.p_right else (right + 1 + self.rng.randrange(100)) % 128
-            logits = torch.full_like(logits, -10.0)
-            logits[:, token] = 10.0
-        return logits
 
 
 def oracle(drafter, reference: list[int], p_right: float, seed: int = 0) -> OracleDrafter:
