@@ -9,6 +9,8 @@ from .modeling import (
     MoADrafterConfig,
     MoADrafterModel,
     MoADrafterOutput,
+    MoAEagleConfig,
+    MoAEagleDrafterModel,
     SpeculationStats,
     cycle_starts_from_restarts,
     gather_target_kv,
@@ -23,6 +25,8 @@ __all__ = [
     "MoADrafterConfig",
     "MoADrafterModel",
     "MoADrafterOutput",
+    "MoAEagleConfig",
+    "MoAEagleDrafterModel",
     "SpeculationStats",
     "attached",
     "build_drafter",
@@ -36,6 +40,8 @@ __all__ = [
 
 AutoConfig.register(MoADrafterConfig.model_type, MoADrafterConfig, exist_ok=True)
 AutoModel.register(MoADrafterConfig, MoADrafterModel, exist_ok=True)
+AutoConfig.register(MoAEagleConfig.model_type, MoAEagleConfig, exist_ok=True)
+AutoModel.register(MoAEagleConfig, MoAEagleDrafterModel, exist_ok=True)
 
 
 @contextlib.contextmanager

@@ -1,6 +1,8 @@
-"""The MoA drafter's config and modeling files (self-contained: they also ship as Hub remote code)."""
+"""Config and modeling files of the MoA drafter and its EAGLE-style peer (self-contained: also Hub remote code)."""
 
+from .configuration_eagle import MoAEagleConfig
 from .configuration_moa import MoADrafterConfig, target_signature, unsupported_target_reason
+from .modeling_eagle import MoAEagleDrafterModel
 from .modeling_moa import (
     MoADrafterCache,
     MoADrafterModel,
@@ -16,6 +18,8 @@ __all__ = [
     "MoADrafterConfig",
     "MoADrafterModel",
     "MoADrafterOutput",
+    "MoAEagleConfig",
+    "MoAEagleDrafterModel",
     "MoAPreTrainedModel",
     "SpeculationStats",
     "cycle_starts_from_restarts",

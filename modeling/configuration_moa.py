@@ -82,6 +82,10 @@ class MoADrafterConfig(PreTrainedConfig):
             the predicted activation after target layer L-N, and the target's last N layers, final norm and head run.
         own_embeddings: keep (and save) the drafter's own copy of the embedding and LM head, for standalone use
             (e.g. on a client device). When False they are borrowed from the attached target.
+        draft_vocab_size: if set, the drafter predicts only this many tokens (the most frequent ones of the target's
+            own outputs, ids saved in the `draft_ids` buffer) with its own small head, and scatters them back into
+            the full vocabulary (-inf elsewhere). Sampling stays exact: the target verifies against its full
+            distribution. None: the full vocabulary through the target's (or its own copy of the) LM head.
     """
 
     model_type = "moa_drafter"
@@ -115,6 +119,7 @@ class MoADrafterConfig(PreTrainedConfig):
     # Target Layer Inference.
     target_layer_inference: int = 0
     own_embeddings: bool = False
+    draft_vocab_size: int | None = None
     initializer_range: float = 0.02
     num_hidden_layers: int = 1  # one SA layer: what `GenerationMixin` and cache utilities read
     tie_word_embeddings: bool = False
@@ -149,6 +154,10 @@ class MoADrafterConfig(PreTrainedConfig):
             raise ValueError(
                 f"lsa_hidden_size ({self.lsa_hidden_size}) must be a multiple of lsa_num_attention_heads "
                 f"({self.lsa_num_attention_heads})"
+            )
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}"
             )
         if not 0 <= self.target_layer_inference <= self.target_num_hidden_layers:
             raise ValueError(

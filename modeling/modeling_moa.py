@@ -428,6 +428,9 @@ class MoADrafterModel(MoAPreTrainedModel, GenerationMixin):
         if c.own_embeddings:
             self.embed_tokens = nn.Embedding(c.vocab_size, c.target_hidden_size)
             self.lm_head = nn.Linear(c.target_hidden_size, c.vocab_size, bias=False)
+        if c.draft_vocab_size is not None:  # a reduced head over the `draft_ids` tokens
+            self.draft_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+            self.register_buffer("draft_ids", torch.arange(c.draft_vocab_size), persistent=True)  # [V'] full ids
         self._attachment: _Attachment | None = None
         self._session: _Session | None = None
         self.post_init()
@@ -580,9 +583,39 @@ class MoADrafterModel(MoAPreTrainedModel, GenerationMixin):
         return self.get_input_embeddings()(input_ids).to(self.dtype)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., d] -> [..., V] float32 next-token logits over the full vocabulary (-inf outside a draft
+        vocabulary)."""
+        if self.config.draft_vocab_size is not None:
+            draft = self.draft_logits(hidden)  # [..., V']
+            full = draft.new_full((*draft.shape[:-1], self.config.vocab_size), -float("inf"))  # [..., V]
+            return full.index_copy_(-1, self.draft_ids, draft)
         self._require("LM head")
         head = self.get_output_embeddings()
         return head(hidden.to(head.weight.dtype)).float()
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., d] -> [..., V'] float32 logits over the draft vocabulary (`draft_ids`); the full head without
+        one."""
+        if self.config.draft_vocab_size is None:
+            return self.head(hidden)
+        return self.draft_head(hidden.to(self.draft_head.weight.dtype)).float()
+
+    @torch.no_grad()
+    def init_draft_vocab(self, token_ids: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        """Set the draft vocabulary to `token_ids` [V'] (full-vocabulary ids, e.g. the most frequent tokens of the
+        target's outputs) and start the draft head from those rows of the target's LM head weight [V, d]."""
+        if self.config.draft_vocab_size is None:
+            raise ValueError("This drafter has no draft vocabulary; build it with `draft_vocab_size=...`.")
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        if token_ids.numel() != self.config.draft_vocab_size or token_ids.unique().numel() != token_ids.numel():
+            raise ValueError(
+                f"Expected {self.config.draft_vocab_size} distinct token ids for the draft vocabulary, got "
+                f"{token_ids.numel()} ({token_ids.unique().numel()} distinct)."
+            )
+        if int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"Draft vocabulary ids must lie in [0, {self.config.vocab_size}).")
+        self.draft_ids.copy_(token_ids.to(self.draft_ids.device))
+        self.draft_head.weight.copy_(lm_head_weight[token_ids.to(lm_head_weight.device)].to(self.draft_head.weight))
 
     # ----------------------------------------------------------------------------------------------------------------
     # The three attentions

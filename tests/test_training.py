@@ -159,7 +159,8 @@ def test_no_position_sees_target_state_at_or_after_its_cycle_start(tmp_path, tar
         with torch.no_grad():
             out = drafter(input_ids=batch["input_ids"], target_kv=s.target_kv, cycle_starts=starts,
                           target_tli_kv=s.tli_kv, return_logits=False)
-            return trainer.token_losses(out, states, counted)[0].view(starts.shape)  # [B, T]
+            student = out.final_hidden_states if out.final_hidden_states is not None else out.hidden_states
+            return trainer.token_losses(student, out.hidden_states, states, counted)[0].view(starts.shape)  # [B, T]
 
     reference = per_position(states)
     T = starts.shape[1]

@@ -42,6 +42,10 @@ class MoATrainingArguments(TrainingArguments):
             "the tokens of the current cycle."
         },
     )
+    feature_noise: float = field(
+        default=0.0,
+        metadata={"help": "EAGLE-style drafters: std of the Gaussian noise added to the input target features."},
+    )
     max_length: int | None = field(
         default=None, metadata={"help": "Truncate training sequences to this many tokens (None: keep all)."}
     )

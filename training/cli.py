@@ -90,16 +90,30 @@ def run_data(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 # moa train
 # ---------------------------------------------------------------------------------------------------------------------
-def _build_drafter(args: argparse.Namespace, target):
-    from moa_hf import MoADrafterModel, build_drafter
+def _build_drafter(args: argparse.Namespace, target, train_data):
+    from .builders import build_for_kind, frequent_tokens, init_from_target_layer
 
     if args.init_drafter:
-        drafter = MoADrafterModel.from_pretrained(args.init_drafter)
-        return drafter.to(device=target.device, dtype=torch.float32)
+        from transformers import AutoModel, AutoModelForCausalLM
+
+        import moa_hf  # noqa: F401  (registers the drafter classes with the Auto* factories)
+
+        auto = AutoModelForCausalLM if args.kind == "independent" else AutoModel
+        return auto.from_pretrained(args.init_drafter).to(device=target.device, dtype=torch.float32)
     torch.manual_seed(args.seed)
-    drafter = build_drafter(
-        target, own_embeddings=args.own_embeddings, target_layer_inference=args.target_layer_inference
-    )
+    overrides = {}
+    if args.kind == "moa":
+        overrides = dict(own_embeddings=args.own_embeddings, target_layer_inference=args.target_layer_inference)
+        if args.draft_vocab_size:
+            overrides["draft_vocab_size"] = args.draft_vocab_size
+    elif args.kind == "independent":
+        overrides = dict(num_layers=args.independent_layers)
+    drafter = build_for_kind(args.kind, target, **overrides)
+    if args.kind == "moa" and args.draft_vocab_size:
+        ids = frequent_tokens(train_data, args.draft_vocab_size, target.config.get_text_config().vocab_size)
+        drafter.init_draft_vocab(ids, target.get_output_embeddings().weight)
+    if args.init_from_target_layer is not None and args.kind != "independent":
+        init_from_target_layer(drafter, target, args.init_from_target_layer)
     return drafter.to(dtype=torch.float32)  # master weights in fp32 (use --bf16 for mixed precision)
 
 
@@ -128,7 +142,15 @@ def run_train(args: argparse.Namespace) -> int:
     eval_prompts = None
     if args.eval_prompts and args.eval_prompts != "none" and args.eval_num_prompts > 0:
         eval_prompts = load_prompts(args.eval_prompts, split="validation", num_prompts=args.eval_num_prompts)
-    drafter = _build_drafter(args, target)
+    if args.states:
+        from .states import TargetStatesDataset, cache_target_states
+
+        folder = cache_target_states(target, train_data, args.states, batch_size=args.batch_size,
+                                     max_length=args.max_length, progress=not args.quiet)
+        cached = TargetStatesDataset(train_data, folder, target)
+    drafter = _build_drafter(args, target, train_data)
+    if args.states:
+        train_data = cached
     model = apply_lora(drafter, r=args.lora_r) if args.lora_r else drafter
     training_args = MoATrainingArguments(
         output_dir=args.output,
@@ -153,6 +175,7 @@ def run_train(args: argparse.Namespace) -> int:
         max_cycle=args.max_cycle,
         soft_ce_weight=args.soft_ce_weight,
         feature_weight=args.feature_weight,
+        feature_noise=args.feature_noise,
         vocab_chunk_size=args.vocab_chunk_size,
         sa_curriculum=args.sa_curriculum,
         max_length=args.max_length,
@@ -188,8 +211,10 @@ def run_train(args: argparse.Namespace) -> int:
         drafter.generation_config.save_pretrained(out)
         tokens = int(trainer.state.num_input_tokens_seen or 0)
         info = {
+            "kind": args.kind,
             "data": f"on-policy responses of {getattr(target.config, 'name_or_path', args.target)} "
             f"({len(train_data)} examples, {', '.join(args.data)})",
+            "cached_target_states": bool(args.states),
             "tokens": tokens or None,
             "steps": trainer.state.global_step,
             "wall_time_s": round(wall, 1),
@@ -261,6 +286,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-length", type=int, default=None, help="truncate sequences to this many tokens")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
                    help="resume from the latest checkpoint in --output, or from the given checkpoint folder")
+    p.add_argument("--kind", default="moa", choices=["moa", "eagle", "independent"], help="drafter type: MoA "
+                   "(default), the EAGLE-style peer, or an independent small LM distilled from the target")
+    p.add_argument("--states", default=None, help="folder of the target's cached states (K/V and final hidden "
+                   "states, computed once on first use, memory-mapped): epochs then cost only the drafter")
+    p.add_argument("--draft-vocab-size", type=int, default=None, help="MoA: predict only the N most frequent "
+                   "tokens of the target's responses in --data (a smaller, faster head; still lossless)")
+    p.add_argument("--init-from-target-layer", type=int, default=None, metavar="I", help="start the drafter's "
+                   "decoder layers from the target's layer I (e.g. -1, the last)")
+    p.add_argument("--independent-layers", type=int, default=2, help="independent LM: number of decoder layers "
+                   "(copied from the target's first ones)")
+    p.add_argument("--feature-noise", type=float, default=0.0, help="EAGLE-style: Gaussian noise std on input "
+                   "features")
     p.add_argument("--init-drafter", default=None, help="start from a saved drafter instead of a random one")
     p.add_argument("--target-layer-inference", type=int, default=0, help="N: the target's last N layers run in "
                    "the drafter (TLI)")

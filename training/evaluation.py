@@ -25,12 +25,13 @@ def measure_acceptance(
     Returns ``acceptance_length`` (tokens per target call, averaged over all drafting cycles of all prompts),
     ``acceptance_cycles`` and ``acceptance_tokens``. The drafter is attached to `target` if it is not already.
     """
-    from .trainer import unwrap_drafter
+    from .trainer import _unwrap_any, drafter_kind
 
-    base = unwrap_drafter(drafter)
+    independent = drafter_kind(drafter) == "independent"
+    base = _unwrap_any(drafter)
     was_training = base.training
     base.eval()
-    if not base.is_attached:
+    if not independent and not base.is_attached:
         base.attach(target, allow_other_target=True)
     accepted: list[int] = []
     pad = target.generation_config.pad_token_id
@@ -39,15 +40,28 @@ def measure_acceptance(
     try:
         for ids in prompt_ids:
             input_ids = torch.tensor([list(ids)], dtype=torch.long, device=target.device)  # [1, P]
-            target.generate(
-                input_ids=input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                assistant_model=base,
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                pad_token_id=pad,
-            )
-            accepted.extend(base.speculation_stats.accepted_lengths)
+            calls = [0]
+
+            def count(*_, calls=calls) -> None:
+                calls[0] += 1
+
+            handle = target.register_forward_pre_hook(count)
+            try:
+                out = target.generate(
+                    input_ids=input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    assistant_model=base,
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=pad,
+                )
+            finally:
+                handle.remove()
+            if independent:  # tokens per target call: every call verifies one cycle
+                new = out.shape[1] - input_ids.shape[1]
+                accepted.extend([new / max(calls[0], 1)] * calls[0])
+            else:
+                accepted.extend(base.speculation_stats.accepted_lengths)
     finally:
         base.train(was_training)
     total, cycles = float(sum(accepted)), float(len(accepted))

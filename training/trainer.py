@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import PreTrainedModel, Trainer
 
-from moa_hf import MoADrafterModel, cycle_starts_from_restarts, gather_target_kv
+from moa_hf import MoADrafterModel, MoAEagleDrafterModel, cycle_starts_from_restarts, gather_target_kv
 
 from .arguments import MoATrainingArguments
 from .losses import chunked_soft_cross_entropy, feature_loss
@@ -32,6 +32,7 @@ __all__ = [
     "run_target",
     "sa_curriculum_mask",
     "staircase_restarts",
+    "drafter_kind",
     "unwrap_drafter",
 ]
 
@@ -46,7 +47,8 @@ _MASK64 = (1 << 64) - 1
 # ---------------------------------------------------------------------------------------------------------------------
 @dataclass
 class MoADataCollator:
-    """Right-pads examples ``{"input_ids", "prompt_length"[, "sample_index"]}`` into a training batch.
+    """Right-pads examples ``{"input_ids", "prompt_length"[, "sample_index", "target_kv", "final_hidden"]}`` into a
+    training batch (cached target states are padded with zeros to [B, T, ...]).
 
     Returns ``input_ids`` and ``attention_mask`` [B, T], ``labels`` [B, T] (position i is counted, with label
     input_ids[i+1], when token i+1 is a response token; else -100), ``prompt_lengths`` [B] and ``sample_index`` [B]
@@ -77,13 +79,21 @@ class MoADataCollator:
                 labels[b, first : n - 1] = input_ids[b, first + 1 : n]
             prompt_lengths[b] = p
         sample_index = torch.tensor([int(f.get("sample_index", -1)) for f in features], dtype=torch.long)
-        return {
+        batch = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "labels": labels,
             "prompt_lengths": prompt_lengths,
             "sample_index": sample_index,
         }
+        for key in ("target_kv", "final_hidden"):  # cached target states (see `states.TargetStatesDataset`)
+            if key in features[0]:
+                first = features[0][key]
+                padded = first.new_zeros(B, width, *first.shape[1:])  # [B, T, ...]
+                for b, (seq, f) in enumerate(zip(seqs, features)):
+                    padded[b, : len(seq)] = f[key][: len(seq)]
+                batch[key] = padded
+        return batch
 
 
 class _Indexed(Dataset):
@@ -198,11 +208,24 @@ def _accepts(model: torch.nn.Module, name: str) -> bool:
         return False
 
 
+_DRAFTER_TYPES = (MoADrafterModel, MoAEagleDrafterModel)
+
+
+def drafter_kind(model: torch.nn.Module) -> str:
+    """"moa" (MoADrafterModel), "eagle" (MoAEagleDrafterModel) or "independent" (an ordinary causal LM assistant,
+    trained by distillation from the target's distribution alone)."""
+    try:
+        drafter = unwrap_drafter(model)
+    except TypeError:
+        return "independent"
+    return "moa" if isinstance(drafter, MoADrafterModel) else "eagle"
+
+
 def unwrap_drafter(model: torch.nn.Module) -> MoADrafterModel:
-    """The `MoADrafterModel` inside `model` (itself, or under a PEFT / DDP / compile wrapper)."""
+    """The MoA (or EAGLE-style) drafter inside `model` (itself, or under a PEFT / DDP / compile wrapper)."""
     seen = model
     for _ in range(8):
-        if isinstance(seen, MoADrafterModel):
+        if isinstance(seen, _DRAFTER_TYPES):
             return seen
         if hasattr(seen, "get_base_model"):  # peft.PeftModel
             seen = seen.get_base_model()
@@ -212,7 +235,24 @@ def unwrap_drafter(model: torch.nn.Module) -> MoADrafterModel:
             seen = seen._orig_mod
         else:
             break
-    raise TypeError(f"Expected a MoADrafterModel (optionally wrapped by PEFT/DDP), got {type(model).__name__}.")
+    raise TypeError(
+        f"Expected a MoADrafterModel or MoAEagleDrafterModel (optionally wrapped by PEFT/DDP), got "
+        f"{type(model).__name__}."
+    )
+
+
+def _unwrap_any(model: torch.nn.Module) -> torch.nn.Module:
+    seen = model
+    for _ in range(8):
+        if hasattr(seen, "get_base_model"):
+            seen = seen.get_base_model()
+        elif hasattr(seen, "module"):
+            seen = seen.module
+        elif hasattr(seen, "_orig_mod"):
+            seen = seen._orig_mod
+        else:
+            break
+    return seen
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -259,16 +299,18 @@ class MoATrainer(Trainer):
                 f"{args.n_gpu} GPUs are visible to one process (torch.nn.DataParallel), which MoATrainer does not "
                 "support. Launch one process per GPU: `accelerate launch --multi_gpu ...` or `torchrun ...`."
             )
-        drafter = unwrap_drafter(model)
+        self.kind = drafter_kind(model)
         self.target = target
         target.eval()
         target.requires_grad_(False)
         if getattr(target, "hf_device_map", None) is None and target.device != args.device:
             target.to(args.device)
-        if drafter.config.own_embeddings:  # frozen copies of the target's embedding / head, as the borrowed ones
-            drafter.embed_tokens.requires_grad_(False)
-            drafter.lm_head.requires_grad_(False)
-        drafter.attach(target, allow_other_target=True)
+        if self.kind != "independent":
+            drafter = unwrap_drafter(model)
+            if getattr(drafter.config, "own_embeddings", False):  # frozen copies of the target's embedding / head
+                drafter.embed_tokens.requires_grad_(False)
+                drafter.lm_head.requires_grad_(False)
+            drafter.attach(target, allow_other_target=True)
         if data_collator is None:
             pad = target.config.get_text_config().pad_token_id
             data_collator = MoADataCollator(pad_token_id=pad if pad is not None else 0, max_length=args.max_length)
@@ -301,21 +343,24 @@ class MoATrainer(Trainer):
             )
 
     @property
-    def drafter(self) -> MoADrafterModel:
-        """The `MoADrafterModel` being trained (under any PEFT wrapper)."""
-        return unwrap_drafter(self.model)
+    def drafter(self) -> torch.nn.Module:
+        """The drafter being trained (under any PEFT / DDP wrapper): MoA, EAGLE-style or an independent LM."""
+        return _unwrap_any(self.model) if self.kind == "independent" else unwrap_drafter(self.model)
 
     # -----------------------------------------------------------------------------------------------------------------
     # Batch preparation
     # -----------------------------------------------------------------------------------------------------------------
     def target_states(self, inputs: dict[str, torch.Tensor]) -> TargetStates:
-        """Run the frozen target over the batch (no grad)."""
-        return run_target(
-            self.target,
-            inputs["input_ids"],
-            inputs.get("attention_mask"),
-            target_layer_inference=self.drafter.config.target_layer_inference,
-        )
+        """The frozen target's states for the batch: cached ones (`states.TargetStatesDataset`) when the batch has
+        them, else one no-grad forward of the target."""
+        tli = getattr(self.drafter.config, "target_layer_inference", 0) if self.kind == "moa" else 0
+        if "final_hidden" in inputs and tli == 0:
+            hidden = inputs["final_hidden"]
+            kv = inputs.get("target_kv")
+            if self.kind == "moa" and kv is None:
+                raise ValueError("MoA drafters need the cached `target_kv`; build the states with them.")
+            return TargetStates(target_kv=kv, feature=hidden, final_hidden=hidden)
+        return run_target(self.target, inputs["input_ids"], inputs.get("attention_mask"), target_layer_inference=tli)
 
     def simulated_cycles(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(cycle_starts [B, T], sa_mask [B, T, T] or None) for the batch: the staircase of simulated drafting cycles
@@ -342,35 +387,44 @@ class MoATrainer(Trainer):
         return cycle_starts, sa_mask
 
     def token_losses(
-        self, outputs, states: TargetStates, counted: torch.Tensor
+        self, student: torch.Tensor, feature: torch.Tensor | None, states: TargetStates, counted: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(total, soft CE, feature) loss per counted position, each [N] float32, N = counted.sum()."""
+        """(total, soft CE, feature) loss per counted position, each [N] float32, N = counted.sum().
+
+        student: [B, T, d] the hidden states the drafter's head reads; feature: [B, T, d] the drafter's predicted
+        target feature (None: no feature loss, e.g. an independent LM)."""
         args = self.args
         drafter = self.drafter
-        feature = outputs.hidden_states[counted]  # [N, d]
-        feat = feature_loss(feature, states.feature[counted]) if args.feature_weight > 0 else feature.new_zeros(0)
-        if args.soft_ce_weight > 0:
-            student = outputs.final_hidden_states if outputs.final_hidden_states is not None else outputs.hidden_states
-            target_head = self.target.get_output_embeddings()
+        n = int(counted.sum())
+        feat = torch.zeros(n, device=student.device)
+        if args.feature_weight > 0 and feature is not None:
+            feat = feature_loss(feature[counted], states.feature[counted])
+        ce = torch.zeros(n, device=student.device)
+        if args.soft_ce_weight > 0 or feature is None:
+            weight = self.target.get_output_embeddings().weight  # [V, d]
+            if self.kind == "independent":
+                student_head = drafter.get_output_embeddings()
+                head_frozen = not any(p.requires_grad for p in student_head.parameters())
+            elif getattr(drafter.config, "draft_vocab_size", None) is not None:
+                weight = weight[drafter.draft_ids.to(weight.device)]  # [V', d]: the teacher over the draft vocab
+                student_head, head_frozen = drafter.draft_logits, False
+            else:
+                student_head = drafter.head
+                head_frozen = not any(p.requires_grad for p in drafter.get_output_embeddings().parameters())
 
             def teacher_head(h: torch.Tensor) -> torch.Tensor:
-                return target_head(h.to(target_head.weight.dtype)).float()
+                return torch.nn.functional.linear(h.to(weight.dtype), weight).float()
 
-            head = drafter.get_output_embeddings()
             ce = chunked_soft_cross_entropy(
                 student[counted],
                 states.final_hidden[counted],
-                drafter.head,
+                lambda h: student_head(h).float(),
                 teacher_head,
                 chunk_size=args.vocab_chunk_size,
-                head_frozen=not any(p.requires_grad for p in head.parameters()),
+                head_frozen=head_frozen,
             )
-        else:
-            ce = feature.new_zeros(0)
-        n = int(counted.sum())
-        ce = ce if ce.numel() else torch.zeros(n, device=feature.device)
-        feat = feat if feat.numel() else torch.zeros(n, device=feature.device)
-        return args.soft_ce_weight * ce + args.feature_weight * feat, ce, feat
+        ce_weight = args.soft_ce_weight if feature is not None else 1.0  # an independent LM: soft CE only
+        return ce_weight * ce + args.feature_weight * feat, ce, feat
 
     # -----------------------------------------------------------------------------------------------------------------
     # Loss
@@ -379,19 +433,37 @@ class MoATrainer(Trainer):
         """Sum of per-position losses over the counted positions / `num_items_in_batch` (the counted positions of
         the whole accumulated batch on all devices), so gradient accumulation and DDP match one large batch."""
         states = self.target_states(inputs)
-        cycle_starts, sa_mask = self.simulated_cycles(inputs)
-        outputs = model(
-            input_ids=inputs["input_ids"],
-            target_kv=states.target_kv,
-            cycle_starts=cycle_starts,
-            sa_mask=sa_mask,
-            target_tli_kv=states.tli_kv,
-            return_logits=False,
-        )
+        cycle_starts = None
+        if self.kind == "moa":
+            cycle_starts, sa_mask = self.simulated_cycles(inputs)
+            outputs = model(
+                input_ids=inputs["input_ids"],
+                target_kv=states.target_kv,
+                cycle_starts=cycle_starts,
+                sa_mask=sa_mask,
+                target_tli_kv=states.tli_kv,
+                return_logits=False,
+            )
+            feature = outputs.hidden_states  # [B, T, d]
+            student = outputs.final_hidden_states if outputs.final_hidden_states is not None else feature
+        elif self.kind == "eagle":  # teacher-forced: input i reads the target's feature of token i-1
+            outputs = model(
+                input_ids=inputs["input_ids"],
+                target_hidden=states.final_hidden,
+                attention_mask=inputs.get("attention_mask"),
+                noise_std=self.args.feature_noise if model.training else 0.0,
+            )
+            feature = student = outputs.hidden_states
+        else:  # an independent causal LM: its own final (post-norm) hidden states through its own head
+            outputs = model(
+                input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"), output_hidden_states=True,
+                logits_to_keep=1,
+            )
+            student, feature = outputs.hidden_states[-1], None
         counted = inputs["labels"] != IGNORE_INDEX  # [B, T]
         if "attention_mask" in inputs:
             counted &= inputs["attention_mask"].bool()
-        total, ce, feat = self.token_losses(outputs, states, counted)
+        total, ce, feat = self.token_losses(student, feature, states, counted)
         if num_items_in_batch is None:
             loss = total.sum() / counted.sum().clamp(min=1)
         else:

@@ -1,0 +1,814 @@
+"""`moa bench`: decoding methods with one target on Spec-Bench questions, per method and per category.
+
+Every method runs greedily in the same process on the same questions, interleaved (for each question and repeat all
+methods run, in an order rotated per question) so that machine noise hits them alike. Measured per method, per category
+and overall: acceptance length (new tokens / target forward calls), tokens/s, speedup over `vanilla`, and the
+theoretical speedup bound of Leviathan et al. (2023) from the measured acceptance, draft length and drafter cost.
+`--check` re-runs every speculative method with the target in float32 and compares its token ids with plain greedy
+decoding. Numbers are measured, never assumed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ALL_METHODS",
+    "BenchError",
+    "BenchMethod",
+    "CallCounter",
+    "build_methods",
+    "check_lossless",
+    "count_forward_calls",
+    "default_questions_path",
+    "format_markdown",
+    "hardware_info",
+    "load_questions",
+    "plot_benchmark",
+    "register",
+    "run_benchmark",
+    "solve_alpha",
+    "speedup_bound",
+    "summarize",
+]
+
+ALL_METHODS = ("vanilla", "moa", "eagle", "independent", "pld")
+# Spec-Bench groups the 80 MT-bench questions (ids 81-160) into one category.
+MT_BENCH_CATEGORIES = frozenset(
+    {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+)
+SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+_METRICS = ("acceptance_length", "tokens_per_s", "speedup", "theoretical_speedup")
+_BUILD_HINT = {
+    "moa": "train one with `moa train` (see README) or pass --moa PATH",
+    "eagle": "build one with `moa train --kind eagle ...` and pass --eagle PATH",
+    "independent": "build one with `moa train --kind independent ...` and pass --independent PATH",
+}
+
+
+class BenchError(ValueError):
+    """A benchmark setting or input that cannot work; the message says how to fix it."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Questions
+# ---------------------------------------------------------------------------------------------------------------------
+def default_questions_path() -> Path:
+    """`<repo root>/../shared/data/spec_bench/question.jsonl`, relative to this package's repository checkout."""
+    return Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+
+def _category(raw: str) -> str:
+    return "mt_bench" if raw in MT_BENCH_CATEGORIES else raw
+
+
+def load_questions(path: str | os.PathLike, per_category: int = 2, seed: int = 0) -> list[dict]:
+    """Spec-Bench questions (`question_id`, `category`, `turns`): `per_category` sampled per category with `seed`
+    (0 = all), as dicts {question_id, category, prompt (= turns[0])} ordered by category then id."""
+    path = Path(path)
+    if not path.is_file():
+        raise BenchError(f"Questions file {path} does not exist. Pass a Spec-Bench question.jsonl with --questions.")
+    by_category: dict[str, list[dict]] = {}
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                question = {
+                    "question_id": row["question_id"],
+                    "category": _category(str(row["category"])),
+                    "prompt": str(row["turns"][0]),
+                }
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError) as err:
+                raise BenchError(
+                    f"{path}:{lineno} is not a Spec-Bench question ({type(err).__name__}: {err}); each line must be a "
+                    'JSON object like {"question_id": 1, "category": "qa", "turns": ["..."]}.'
+                ) from err
+            by_category.setdefault(question["category"], []).append(question)
+    if not by_category:
+        raise BenchError(f"Questions file {path} holds no questions.")
+    order = [c for c in SPEC_BENCH_CATEGORIES if c in by_category] + [
+        c for c in by_category if c not in SPEC_BENCH_CATEGORIES
+    ]
+    rng = random.Random(seed)
+    selected = []
+    for cat in order:
+        pool = sorted(by_category[cat], key=lambda q: str(q["question_id"]))
+        if 0 < per_category < len(pool):
+            pool = sorted(rng.sample(pool, per_category), key=lambda q: str(q["question_id"]))
+        selected += pool
+    return selected
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Methods
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class CallCounter:
+    """Forward calls of one module while counted: how many, how many input tokens, and their wall time."""
+
+    calls: int = 0
+    fed_tokens: int = 0
+    seconds: float = 0.0
+    _t0: float = 0.0
+
+
+@contextlib.contextmanager
+def count_forward_calls(model: torch.nn.Module) -> Iterator[CallCounter]:
+    """Count `model`'s forward calls (and time them) inside the block; the hooks are always removed on leaving."""
+    counter = CallCounter()
+
+    def pre_hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        counter.calls += 1
+        counter.fed_tokens += int(ids.shape[1] if ids is not None else embeds.shape[1] if embeds is not None else 0)
+        counter._t0 = time.perf_counter()
+
+    def post_hook(module, args, kwargs, output):
+        counter.seconds += time.perf_counter() - counter._t0
+
+    handles = [
+        model.register_forward_pre_hook(pre_hook, with_kwargs=True),
+        model.register_forward_hook(post_hook, with_kwargs=True),
+    ]
+    try:
+        yield counter
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _nothing(target) -> Iterator[None]:
+    yield None
+
+
+@dataclass
+class BenchMethod:
+    """One decoding method.
+
+    `context(target)` prepares it around one `generate` call and cleans up on leaving (e.g. attaches a drafter);
+    `generate_kwargs` are added to `target.generate`; `read_stats(handle)`, given what the context yielded and called
+    inside it right after `generate`, returns the drafter's own `drafted_tokens` and `draft_time_s` (None: no drafter
+    cost, as for `vanilla` and `pld`). `info` is recorded in the JSON.
+    """
+
+    name: str
+    context: Callable[[Any], contextlib.AbstractContextManager] = _nothing
+    generate_kwargs: dict = field(default_factory=dict)
+    read_stats: Callable[[Any], dict] | None = None
+    info: dict = field(default_factory=dict)
+
+
+def vanilla_method() -> BenchMethod:
+    return BenchMethod("vanilla", info={"kind": "target alone"})
+
+
+def pld_method(num_tokens: int = 10) -> BenchMethod:
+    return BenchMethod(
+        "pld",
+        generate_kwargs={"prompt_lookup_num_tokens": num_tokens},
+        info={"kind": "prompt lookup decoding", "prompt_lookup_num_tokens": num_tokens},
+    )
+
+
+def drafter_method(name: str, drafter, allow_other_target: bool = False, info: dict | None = None) -> BenchMethod:
+    """A drafter with the MoA drafter's API (`attached(target)`, `speculation_stats`): MoA or EAGLE."""
+
+    def context(target):
+        return drafter.attached(target, allow_other_target=True) if allow_other_target else drafter.attached(target)
+
+    def read_stats(handle) -> dict:
+        stats = drafter.speculation_stats
+        return {"drafted_tokens": int(stats.drafted_tokens), "draft_time_s": float(stats.draft_time_s)}
+
+    gc = drafter.generation_config
+    info = {
+        **(info or {}),
+        "num_assistant_tokens": getattr(gc, "num_assistant_tokens", None),
+        "assistant_confidence_threshold": getattr(gc, "assistant_confidence_threshold", None),
+    }
+    return BenchMethod(name, context, {"assistant_model": drafter}, read_stats, info)
+
+
+def independent_method(assistant, info: dict | None = None) -> BenchMethod:
+    """An ordinary causal LM as assistant; its cost is the time of its forward calls (one per drafted token)."""
+
+    def context(target):
+        return count_forward_calls(assistant)
+
+    def read_stats(counter: CallCounter) -> dict:
+        return {"drafted_tokens": counter.calls, "draft_time_s": counter.seconds}
+
+    gc = assistant.generation_config
+    info = {
+        **(info or {}),
+        "num_assistant_tokens": getattr(gc, "num_assistant_tokens", None),
+        "assistant_confidence_threshold": getattr(gc, "assistant_confidence_threshold", None),
+    }
+    return BenchMethod("independent", context, {"assistant_model": assistant}, read_stats, info)
+
+
+def resolve_method_names(methods: str | None, paths: dict[str, str | None]) -> list[str]:
+    """The method names of `--methods` (default all), `vanilla` first; errors for unknown names or missing drafters."""
+    names = [n.strip() for n in (methods or ",".join(ALL_METHODS)).split(",") if n.strip()]
+    unknown = [n for n in names if n not in ALL_METHODS]
+    if unknown:
+        raise BenchError(f"Unknown method(s) {unknown} in --methods; choose from {','.join(ALL_METHODS)}.")
+    names = ["vanilla"] + [n for n in dict.fromkeys(names) if n != "vanilla"]  # the speedup baseline is always run
+    for name in ("eagle", "independent"):
+        if name in names and not paths.get(name):
+            raise BenchError(
+                f"Method '{name}' needs a drafter: {_BUILD_HINT[name]}, or leave it out with "
+                f"--methods {','.join(n for n in names if n != name)}."
+            )
+    for name in ("moa", "eagle", "independent"):
+        path = paths.get(name)
+        if name in names and path and path != "default" and not (Path(path) / "config.json").is_file():
+            raise BenchError(
+                f"--{name} {path} is not a saved model folder (no config.json there); {_BUILD_HINT[name]}, or "
+                f"leave it out with --methods."
+            )
+    return names
+
+
+def _load_eagle_class(path: str):
+    try:
+        from .modeling.modeling_eagle import MoAEagleDrafterModel
+    except ImportError:
+        return None
+    return MoAEagleDrafterModel.from_pretrained(path)
+
+
+def _load_drafter(name: str, path: str, target):
+    from transformers import AutoModel
+
+    import moa_hf  # noqa: F401  (registers the MoA drafter with AutoModel)
+
+    if name == "moa" and path == "default":
+        path = str(moa_hf.default_drafter_path())
+        if not (Path(path) / "config.json").is_file():
+            raise BenchError(f"No trained default drafter at {path}; {_BUILD_HINT['moa']}.")
+    try:
+        drafter = AutoModel.from_pretrained(path, trust_remote_code=False)  # never run code from the folder
+    except (ValueError, KeyError, OSError) as err:
+        # the EAGLE class may not be registered with AutoModel
+        drafter = _load_eagle_class(path) if name == "eagle" else None
+        if drafter is None:
+            raise BenchError(f"Cannot load the {name} drafter from {path} ({err}); {_BUILD_HINT[name]}.") from err
+    return drafter.to(device=target.device, dtype=target.dtype).eval(), path
+
+
+def build_methods(
+    names: list[str],
+    target,
+    *,
+    moa: str | None = "default",
+    eagle: str | None = None,
+    independent: str | None = None,
+    pld_tokens: int = 10,
+    allow_other_target: bool = False,
+) -> list[BenchMethod]:
+    """The methods `names` for `target`, their drafters loaded from the given folders in the target's dtype."""
+    from transformers import AutoModelForCausalLM
+
+    methods = []
+    for name in names:
+        if name == "vanilla":
+            methods.append(vanilla_method())
+        elif name == "pld":
+            methods.append(pld_method(pld_tokens))
+        elif name in ("moa", "eagle"):
+            path = moa if name == "moa" else eagle
+            if not path:
+                raise BenchError(f"Method '{name}' needs a drafter: {_BUILD_HINT[name]}.")
+            drafter, path = _load_drafter(name, path, target)
+            if hasattr(drafter, "check_target"):
+                try:
+                    drafter.check_target(target, allow_other_target=allow_other_target)
+                except ValueError as err:
+                    raise BenchError(
+                        f"The {name} drafter at {path} cannot serve this target: {err} Pass --{name} PATH with a "
+                        "drafter for this target (or --allow-other-target if only the recorded name differs)."
+                    ) from err
+            methods.append(drafter_method(name, drafter, allow_other_target, {"drafter": str(path)}))
+        elif name == "independent":
+            if not independent:
+                raise BenchError(f"Method 'independent' needs a drafter: {_BUILD_HINT['independent']}.")
+            lm = AutoModelForCausalLM.from_pretrained(independent, dtype=target.dtype).to(target.device).eval()
+            vocab, target_vocab = (
+                lm.get_output_embeddings().weight.shape[0],
+                target.get_output_embeddings().weight.shape[0],
+            )
+            if vocab != target_vocab:
+                raise BenchError(
+                    f"The independent drafter at {independent} has {vocab} output tokens but the target has "
+                    f"{target_vocab}; it must use the target's tokenizer ({_BUILD_HINT['independent']})."
+                )
+            methods.append(independent_method(lm, {"drafter": str(independent)}))
+        else:
+            raise BenchError(f"Unknown method '{name}'; choose from {','.join(ALL_METHODS)}.")
+    return methods
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Running
+# ---------------------------------------------------------------------------------------------------------------------
+def _encode(tokenizer, prompt: str, device) -> dict:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise BenchError("The target's tokenizer has no chat template; use an instruction-tuned target.")
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+    enc = tokenizer(text, return_tensors="pt", add_special_tokens=False)  # the template holds the special tokens
+    return {"input_ids": enc["input_ids"].to(device), "attention_mask": enc["attention_mask"].to(device)}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def _generate_once(target, method: BenchMethod, inputs: dict, max_new_tokens: int) -> tuple[dict, torch.Tensor]:
+    """One greedy `generate` with `method`: (raw measurement, output ids [1, prompt + new])."""
+    prompt_len = inputs["input_ids"].shape[1]
+    with method.context(target) as handle, count_forward_calls(target) as counter:
+        _sync(target.device)
+        t0 = time.perf_counter()
+        out = target.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, **method.generate_kwargs)
+        _sync(target.device)
+        elapsed = time.perf_counter() - t0
+        drafter = method.read_stats(handle) if method.read_stats is not None else {}
+    new_tokens = out.shape[1] - prompt_len
+    # each target call after the first re-feeds the last verified token, then the drafted tokens it verifies
+    verified = counter.fed_tokens - prompt_len - max(0, counter.calls - 1)
+    record = {
+        "method": method.name,
+        "prompt_tokens": prompt_len,
+        "new_tokens": int(new_tokens),
+        "time_s": elapsed,
+        "target_calls": counter.calls,
+        "target_time_s": counter.seconds,
+        "verified_draft_tokens": int(max(0, verified)),
+        "drafted_tokens": int(drafter.get("drafted_tokens", 0)),
+        "draft_time_s": float(drafter.get("draft_time_s", 0.0)),
+    }
+    return record, out
+
+
+def _check_methods(methods: list[BenchMethod]) -> None:
+    names = [m.name for m in methods]
+    if "vanilla" not in names:
+        raise BenchError("The methods must include 'vanilla' (the speedup baseline).")
+    if len(set(names)) != len(names):
+        raise BenchError(f"Method names must be unique, got {names}.")
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, unit="gen")
+
+
+def run_benchmark(
+    target,
+    tokenizer,
+    questions: list[dict],
+    methods: list[BenchMethod],
+    *,
+    max_new_tokens: int = 128,
+    warmup: int = 1,
+    repeats: int = 1,
+    progress: bool = True,
+) -> dict:
+    """Run every method on every question `repeats` times, interleaved; returns {"methods": summary, "records": raw}.
+
+    `questions`: dicts with `question_id`, `category`, `prompt` (see `load_questions`). One method must be `vanilla`.
+    """
+    _check_methods(methods)
+    if not questions:
+        raise BenchError("No questions to run.")
+    if repeats < 1:
+        raise BenchError(f"repeats must be at least 1, got {repeats}.")
+    encoded = [_encode(tokenizer, q["prompt"], target.device) for q in questions]
+    for method in methods:
+        for _ in range(warmup):
+            _generate_once(target, method, encoded[0], max_new_tokens)
+    records = []
+    bar = _progress(len(questions) * repeats * len(methods), "moa bench", progress)
+    with bar:
+        for qi, (question, inputs) in enumerate(zip(questions, encoded)):
+            for rep in range(repeats):
+                shift = (qi * repeats + rep) % len(methods)
+                order = methods[shift:] + methods[:shift]  # rotated per question and repeat
+                batch, outputs = [], {}
+                for position, method in enumerate(order):
+                    record, out = _generate_once(target, method, inputs, max_new_tokens)
+                    record.update(
+                        question_id=question["question_id"], category=question["category"], repeat=rep, order=position
+                    )
+                    batch.append(record)
+                    outputs[method.name] = out
+                    bar.update(1)
+                for record in batch:
+                    record["matches_vanilla"] = bool(torch.equal(outputs[record["method"]], outputs["vanilla"]))
+                records += batch
+    names = [m.name for m in methods]
+    return {
+        "methods": {
+            name: {**summarize(records, name), "info": next(m.info for m in methods if m.name == name)}
+            for name in names
+        },
+        "records": records,
+    }
+
+
+@torch.no_grad()
+def check_lossless(
+    target, tokenizer, questions: list[dict], methods: list[BenchMethod], *, max_new_tokens: int, progress: bool = True
+) -> dict:
+    """Greedy token ids of every method but `vanilla` vs the target alone on each question (run the target in
+    float32): {method: {"passed", "questions", "mismatches": [{question_id, position, expected, got}]}}."""
+    spec = [m for m in methods if m.name != "vanilla"]
+    result = {m.name: {"passed": True, "questions": 0, "mismatches": []} for m in spec}
+    bar = _progress(len(questions) * (len(spec) + 1), "moa bench --check (float32)", progress)
+    with bar:
+        for question in questions:
+            inputs = _encode(tokenizer, question["prompt"], target.device)
+            ref = target.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)[0].tolist()
+            bar.update(1)
+            for method in spec:
+                _, out = _generate_once(target, method, inputs, max_new_tokens)
+                got = out[0].tolist()
+                entry = result[method.name]
+                entry["questions"] += 1
+                if got != ref:
+                    prompt_len = inputs["input_ids"].shape[1]
+                    pos = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+                    entry["passed"] = False
+                    entry["mismatches"].append(
+                        {
+                            "question_id": question["question_id"],
+                            "position": pos - prompt_len,  # among the new tokens
+                            "expected": ref[pos] if pos < len(ref) else None,
+                            "got": got[pos] if pos < len(got) else None,
+                        }
+                    )
+                bar.update(1)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------------------------------------------------
+def _expected_length(alpha: float, gamma: float) -> float:
+    """E[tokens per cycle] = (1 - alpha^(gamma+1)) / (1 - alpha) (Leviathan et al. 2023)."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1.0)) / (1.0 - alpha)
+
+
+def solve_alpha(acceptance_length: float, gamma: float) -> float:
+    """The per-token acceptance rate alpha with E[L](alpha, gamma) = `acceptance_length` (bisection; clipped)."""
+    if gamma <= 0 or acceptance_length <= 1.0:
+        return 0.0
+    if acceptance_length >= gamma + 1.0:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(100):  # E[L] increases with alpha
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _expected_length(mid, gamma) < acceptance_length else (lo, mid)
+    return (lo + hi) / 2
+
+
+def speedup_bound(alpha: float, gamma: float, cost_ratio: float) -> float:
+    """Expected improvement factor (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)) (Leviathan et al. 2023)."""
+    return _expected_length(alpha, gamma) / (gamma * cost_ratio + 1.0)
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def _group_metrics(rows: list[dict], vanilla_rows: list[dict]) -> dict:
+    new = sum(r["new_tokens"] for r in rows)
+    seconds = sum(r["time_s"] for r in rows)
+    calls = sum(r["target_calls"] for r in rows)
+    drafted = sum(r["drafted_tokens"] for r in rows)
+    draft_s = sum(r["draft_time_s"] for r in rows)
+    verified = sum(r["verified_draft_tokens"] for r in rows)
+    tps = _ratio(new, seconds)
+    vanilla_tps = _ratio(sum(r["new_tokens"] for r in vanilla_rows), sum(r["time_s"] for r in vanilla_rows))
+    step_s = _ratio(sum(r["time_s"] for r in vanilla_rows), sum(r["new_tokens"] for r in vanilla_rows))
+    acceptance = _ratio(new, calls)
+    gamma = _ratio(verified, calls) or 0.0  # mean draft length per verification cycle
+    per_draft_s = _ratio(draft_s, drafted) or 0.0
+    cost = per_draft_s / step_s if step_s else 0.0
+    alpha = solve_alpha(acceptance, gamma) if acceptance is not None else None
+    return {
+        "acceptance_length": acceptance,
+        "tokens_per_s": tps,
+        "speedup": _ratio(tps, vanilla_tps) if tps is not None and vanilla_tps is not None else None,
+        "theoretical_speedup": speedup_bound(alpha, gamma, cost) if alpha is not None else None,
+        "alpha": alpha,
+        "gamma": gamma,
+        "cost_ratio": cost,
+        "new_tokens": new,
+        "time_s": seconds,
+        "target_calls": calls,
+        "drafted_tokens": drafted,
+        "verified_draft_tokens": verified,
+        "draft_time_s": draft_s,
+        "matches_vanilla": sum(bool(r.get("matches_vanilla")) for r in rows),
+        "generations": len(rows),
+    }
+
+
+def summarize(records: list[dict], method: str) -> dict:
+    """Metrics of `method` pooled over all records ("overall") and per category, against `vanilla`'s records."""
+    mine = [r for r in records if r["method"] == method]
+    vanilla = [r for r in records if r["method"] == "vanilla"]
+    categories = list(dict.fromkeys(r["category"] for r in mine))
+    return {
+        "overall": _group_metrics(mine, vanilla),
+        "per_category": {
+            cat: _group_metrics(
+                [r for r in mine if r["category"] == cat], [r for r in vanilla if r["category"] == cat]
+            )
+            for cat in categories
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------------------------------------------------
+def hardware_info(device: torch.device | str = "cpu") -> dict:
+    """cpu model, cores, torch version, device ("cpu" or the CUDA device name) and torch threads."""
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count() or 0,
+        "torch": torch.__version__,
+        "device": name,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _fmt(value, digits: int = 2, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def format_markdown(bench: dict) -> str:
+    """Overall table per method, then one acceptance/speedup table per category."""
+    methods = bench["methods"]
+    lines = [
+        f"## moa bench: {bench.get('target', '')} ({bench.get('dtype', '')}, up to {bench.get('max_new_tokens')} "
+        "new tokens, greedy)",
+        "",
+        "| method | acceptance length | tokens/s | speedup | bound | alpha | gamma | c |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, m in methods.items():
+        o = m["overall"]
+        lines.append(
+            f"| {name} | {_fmt(o['acceptance_length'])} | {_fmt(o['tokens_per_s'], 1)} | {_fmt(o['speedup'], 2, 'x')}"
+            f" | {_fmt(o['theoretical_speedup'], 2, 'x')} | {_fmt(o['alpha'])} | {_fmt(o['gamma'])}"
+            f" | {_fmt(o['cost_ratio'], 3)} |"
+        )
+    categories = list(dict.fromkeys(c for m in methods.values() for c in m["per_category"]))
+    for cat in categories:
+        n = max((m["per_category"].get(cat, {}).get("generations", 0) for m in methods.values()), default=0)
+        lines += ["", f"### {cat} ({n} generations per method)", ""]
+        lines += ["| method | acceptance length | tokens/s | speedup | bound |", "|---|---:|---:|---:|---:|"]
+        for name, m in methods.items():
+            c = m["per_category"].get(cat)
+            if c:
+                lines.append(
+                    f"| {name} | {_fmt(c['acceptance_length'])} | {_fmt(c['tokens_per_s'], 1)} "
+                    f"| {_fmt(c['speedup'], 2, 'x')} | {_fmt(c['theoretical_speedup'], 2, 'x')} |"
+                )
+    check = bench.get("check")
+    if check:
+        lines += ["", "### losslessness (float32, token ids vs the target alone)", ""]
+        for name, entry in check.items():
+            if entry["passed"]:
+                lines.append(f"- {name}: PASS ({entry['questions']} questions identical)")
+            else:
+                first = entry["mismatches"][0]
+                lines.append(
+                    f"- {name}: FAIL on {len(entry['mismatches'])}/{entry['questions']} questions (first: question "
+                    f"{first['question_id']}, new token {first['position']}: expected {first['expected']}, got "
+                    f"{first['got']})"
+                )
+    hw = bench.get("hardware") or {}
+    if hw:
+        lines += [
+            "",
+            f"Hardware: {hw.get('cpu')} ({hw.get('cores')} cores, {hw.get('threads')} threads), device "
+            f"{hw.get('device')}, torch {hw.get('torch')}. bound = Leviathan et al. (2023) expected improvement "
+            "factor from alpha (per-token acceptance), gamma (draft tokens per cycle), c (drafter cost per "
+            "drafted token / target step).",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def plot_benchmark(bench: dict, path: str | os.PathLike) -> None:
+    """A PNG with two panels, speedup and acceptance length per category (and overall), bars grouped per method."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    methods = bench["methods"]
+    categories = list(dict.fromkeys(c for m in methods.values() for c in m["per_category"])) + ["overall"]
+    fig = Figure(figsize=(max(8.0, 1.4 * len(categories)), 7.5))
+    FigureCanvasAgg(fig)
+    width = 0.8 / max(1, len(methods))
+    for ax, key, label in zip(
+        fig.subplots(2, 1), ("speedup", "acceptance_length"), ("speedup over vanilla", "acceptance length")
+    ):
+        for i, (name, m) in enumerate(methods.items()):
+            values = [
+                (m["overall"] if cat == "overall" else m["per_category"].get(cat, {})).get(key) or 0.0
+                for cat in categories
+            ]
+            ax.bar(
+                [j + (i - (len(methods) - 1) / 2) * width for j in range(len(categories))], values, width, label=name
+            )
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(categories)), categories)
+        ax.set_ylabel(label)
+    handles, labels = fig.axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncols=min(6, len(methods)), frameon=False)
+    fig.suptitle(f"moa bench: {bench.get('target', '')} ({bench.get('dtype', '')}, {bench['hardware']['device']})")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))  # leave room for the legend below the panels
+    fig.savefig(path, format="png", dpi=100)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------------------
+def _load_target(name: str, dtype: torch.dtype, device: str):
+    if name == "default":
+        from . import load_default_target
+
+        target, tokenizer = load_default_target(dtype=dtype)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if not (Path(name) / "config.json").is_file():
+            raise BenchError(
+                f"--target {name} is not a saved model folder (no config.json); pass a local folder with the model "
+                "and its tokenizer, or `default` for SmolLM2-135M-Instruct."
+            )
+        target = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    return target.to(device).eval(), tokenizer
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except BenchError as err:
+        print(f"moa bench: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    paths = {"moa": args.moa, "eagle": args.eagle, "independent": args.independent}
+    names = resolve_method_names(args.methods, paths)
+    questions_path = Path(args.questions) if args.questions else default_questions_path()
+    if not args.questions and not questions_path.is_file():
+        raise BenchError(
+            f"No Spec-Bench questions at the default {questions_path}; pass --questions PATH (a question.jsonl)."
+        )
+    questions = load_questions(questions_path, args.questions_per_category, args.seed)
+    if args.output:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as err:
+            raise BenchError("--output writes bench.png with matplotlib: pip install matplotlib") from err
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(args.seed)
+    target, tokenizer = _load_target(args.target, dtype, device)
+    method_kw = dict(
+        moa=args.moa,
+        eagle=args.eagle,
+        independent=args.independent,
+        pld_tokens=args.pld_tokens,
+        allow_other_target=args.allow_other_target,
+    )
+    methods = build_methods(names, target, **method_kw)
+    print(
+        f"moa bench: {len(questions)} questions x {args.repeats} repeats x methods {','.join(names)}", file=sys.stderr
+    )
+    result = run_benchmark(
+        target,
+        tokenizer,
+        questions,
+        methods,
+        max_new_tokens=args.max_new_tokens,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        progress=not args.no_progress,
+    )
+    bench = {
+        "hardware": hardware_info(target.device),
+        "target": str(getattr(target.config, "name_or_path", "") or args.target),
+        "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "transformers": __import__("transformers").__version__,
+        "questions": str(questions_path),
+        "questions_per_category": args.questions_per_category,
+        "question_ids": [q["question_id"] for q in questions],
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "seed": args.seed,
+        "methods": result["methods"],
+        "records": result["records"],
+    }
+    failed = []
+    if args.check:
+        target32, tok32 = (
+            (target, tokenizer) if dtype == torch.float32 else _load_target(args.target, torch.float32, device)
+        )
+        methods32 = build_methods(names, target32, **method_kw)
+        bench["check"] = check_lossless(
+            target32, tok32, questions, methods32, max_new_tokens=args.max_new_tokens, progress=not args.no_progress
+        )
+        failed = [name for name, entry in bench["check"].items() if not entry["passed"]]
+    markdown = format_markdown(bench)
+    print(markdown)
+    if args.output:
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps(bench, indent=2, default=str) + "\n")
+        (out / "bench.md").write_text(markdown)
+        plot_benchmark(bench, out / "bench.png")
+        print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}", file=sys.stderr)
+    if failed:
+        for name in failed:
+            first = bench["check"][name]["mismatches"][0]
+            print(
+                f"moa bench --check: {name} is NOT lossless: question {first['question_id']} differs from the target "
+                f"alone first at new token {first['position']}",
+                file=sys.stderr,
+            )
+        return 1
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="Benchmark decoding methods (vanilla, moa, eagle, independent, pld) on Spec-Bench questions.",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default: ../shared/data/spec_bench)")
+    p.add_argument("--target", default="default", help="a local model folder, or `default` (SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--questions-per-category", type=int, default=2, help="sampled with --seed; 0 = all")
+    p.add_argument("--warmup", type=int, default=1, help="unrecorded generations per method before measuring")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--methods", default=None, help=f"comma list (default all: {','.join(ALL_METHODS)})")
+    p.add_argument("--moa", default="default", help="MoA drafter folder, or `default` (the shipped drafter)")
+    p.add_argument("--eagle", default=None, help="EAGLE drafter folder (`moa train --kind eagle`)")
+    p.add_argument("--independent", default=None, help="independent causal-LM drafter folder (`--kind independent`)")
+    p.add_argument("--pld-tokens", type=int, default=10, help="prompt lookup decoding: tokens drafted per cycle")
+    p.add_argument("--allow-other-target", action="store_true", help="attach drafters recorded for another target")
+    p.add_argument("--output", default=None, help="folder for bench.json, bench.md and bench.png")
+    p.add_argument("--check", action="store_true", help="also check losslessness in float32 (exit 1 on a difference)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=_main)

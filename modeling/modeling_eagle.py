@@ -1,0 +1,568 @@
+"""EAGLE-2-style feature drafter for speculative decoding (Li et al. 2024, arXiv 2401.15077 / 2406.16858).
+
+The drafter predicts the target's post-norm final hidden state ("feature") f_i, which the target's LM head reads:
+  input at position i: concat(f_{i-1}, embed(x_i)) -> fc: Linear(2d, d) -> causal decoder layer(s) -> h_i ~ f_i,
+  logits for x_{i+1} = target LM head(h_i). Position 0 has no previous feature: zeros.
+At inference f_{i-1} is the target's true feature for verified positions and the drafter's own prediction h_{i-1}
+for drafted ones (chain drafting, as `target.generate(..., assistant_model=drafter)` verifies a chain).
+
+This file ships inside every Hub repo as remote code next to configuration_eagle.py, configuration_moa.py and
+modeling_moa.py (whose building blocks it reuses): it imports only torch, transformers and its sibling files.
+"""
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, PreTrainedModel
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .configuration_eagle import MoAEagleConfig, eagle_unsupported_target_reason
+from .configuration_moa import target_signature
+from .modeling_moa import (
+    MoADecoderLayer,
+    MoADrafterOutput,
+    MoARMSNorm,
+    MoARotaryEmbedding,
+    SpeculationStats,
+    _decoder_of,
+    _Session,
+    _short_name,
+    _TargetTap,
+)
+
+__all__ = ["MoAEagleCache", "MoAEagleDrafterModel", "MoAEaglePreTrainedModel"]
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Cache and hooks
+# ---------------------------------------------------------------------------------------------------------------------
+class _LayerKV:
+    """Keys/values of one drafter layer, [B, Hkv, T, hd] (what `MoADecoderLayer` appends to)."""
+
+    def __init__(self):
+        self.keys = self.values = None
+
+    def append_self(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is not None:
+            k, v = torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
+        self.keys, self.values = k, v
+        return k, v
+
+    def crop(self, length: int) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+
+class MoAEagleCache:
+    """Everything the EAGLE drafter keeps between drafting calls; all of it rolls back to any length with `crop`.
+
+    - keys/values of every position fed so far (0..seq_length-1), per drafter layer, and the tokens fed;
+    - `true_length`: the leading positions whose input feature was the target's true one (the others were fed the
+      drafter's own prediction, or zeros where the target had not run yet, and are recomputed once it has);
+    - `features` [B, F, d]: the target's true features of verified positions 0..F-1.
+    """
+
+    def __init__(self, num_layers: int = 1):
+        self.layers = [_LayerKV() for _ in range(num_layers)]
+        self.tokens: torch.Tensor | None = None  # [B, T]
+        self.features: torch.Tensor | None = None  # [B, F, d]
+        self.true_length = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        keys = self.layers[0].keys
+        return 0 if keys is None else keys.shape[2]
+
+    @property
+    def feature_length(self) -> int:
+        return 0 if self.features is None else self.features.shape[1]
+
+    def append_features(self, features: torch.Tensor) -> None:
+        """Append the target's true features [B, T, d] of the next verified positions."""
+        self.features = features if self.features is None else torch.cat([self.features, features], dim=1)
+
+    def common_prefix(self, input_ids: torch.Tensor) -> int:
+        """Length of the longest prefix of `input_ids` that the cached keys/values were computed from."""
+        if self.tokens is None:
+            return 0
+        n = min(self.tokens.shape[1], input_ids.shape[1])
+        differ = (self.tokens[:, :n] != input_ids[:, :n]).any(0).nonzero()
+        return int(differ[0]) if differ.numel() else n
+
+    def crop(self, length: int) -> None:
+        """Keep positions < `length`; a negative value removes that many tokens (transformers' convention)."""
+        if length < 0:
+            length = max(0, self.get_seq_length() + length)
+        for layer in self.layers:
+            layer.crop(length)
+        if self.tokens is not None:
+            self.tokens = self.tokens[:, :length]
+        if self.features is not None:
+            self.features = self.features[:, :length]
+        self.true_length = min(self.true_length, length)
+
+
+class _FeatureTap:
+    """Forward hooks on the target's decoder: its post-norm final hidden states by position, [B, P, d].
+
+    Each decoder call covers positions start..start+T-1, start = the length of the cache it was given; it overwrites
+    whatever was stored from `start` on (positions of rejected drafts get recomputed). Only positions the target has
+    verified are ever read (see `MoAEagleDrafterModel._sync`).
+    """
+
+    def __init__(self):
+        self.features: torch.Tensor | None = None
+        self._start = 0
+
+    def reset(self) -> None:
+        self.features = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.features is None else self.features.shape[1]
+
+    def pre_hook(self, module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        self._start = cache.get_seq_length() if cache is not None else 0
+
+    def post_hook(self, module, args, kwargs, output):
+        hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        hidden = hidden.detach()  # [B, T_new, d]
+        if self._start == 0:
+            self.features = hidden
+        elif self._start <= self.length and hidden.shape[0] == self.features.shape[0]:
+            self.features = torch.cat([self.features[:, : self._start], hidden], dim=1)
+        else:  # a gap (calls the drafter did not see): earlier positions are unknown, keep nothing
+            self.features = None
+
+
+@dataclass
+class _EagleAttachment:
+    """References to what the drafter borrows from the target (plain references: not submodules, never saved)."""
+
+    target: nn.Module
+    embed: nn.Module
+    lm_head: nn.Module
+    tap: _TargetTap
+    features: _FeatureTap
+    handles: list
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------------------------------
+class MoAEaglePreTrainedModel(PreTrainedModel):
+    config_class = MoAEagleConfig
+    config: MoAEagleConfig
+    base_model_prefix = "eagle"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["MoADecoderLayer"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            module.weight.normal_(0.0, std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, std)
+        elif isinstance(module, MoARMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, MoARotaryEmbedding):
+            module.inv_freq.copy_(module.compute_inv_freq())
+
+
+class MoAEagleDrafterModel(MoAEaglePreTrainedModel, GenerationMixin):
+    """The EAGLE drafter. Attach it to its target, then pass it as `assistant_model` to `target.generate`.
+
+    ```python
+    drafter = MoAEagleDrafterModel.from_pretrained(path).attach(target)
+    out = target.generate(**inputs, assistant_model=drafter)
+    print(drafter.speculation_stats.mean_accepted_length)
+    ```
+    """
+
+    def __init__(self, config: MoAEagleConfig):
+        super().__init__(config)
+        c = config
+        self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=c.fc_bias)  # concat(f_{i-1}, e(x_i)) -> d
+        self.layers = nn.ModuleList(
+            MoADecoderLayer(
+                c.hidden_size,
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                c.head_dim,
+                c.intermediate_size,
+                c.rms_norm_eps,
+                c.hidden_act,
+            )
+            for _ in range(c.num_hidden_layers)
+        )
+        self.rotary_emb = MoARotaryEmbedding(c.head_dim, c.rope_theta)
+        if c.own_embeddings:
+            self.embed_tokens = nn.Embedding(c.vocab_size, c.target_hidden_size)
+            self.lm_head = nn.Linear(c.target_hidden_size, c.vocab_size, bias=False)
+        self._attachment: _EagleAttachment | None = None
+        self._session: _Session | None = None
+        self.post_init()
+        self.generation_config = self.default_generation_config(self.generation_config)
+
+    @staticmethod
+    def default_generation_config(generation_config: GenerationConfig | None = None) -> GenerationConfig:
+        """Speculation defaults read by transformers' assisted generation (as `MoADrafterModel`'s): at most 5 drafted
+        tokens per cycle, constant schedule, stop drafting once the drafter's own probability falls below 0.3."""
+        gc = generation_config if generation_config is not None else GenerationConfig()
+        gc.num_assistant_tokens = 5
+        gc.num_assistant_tokens_schedule = "constant"
+        gc.assistant_confidence_threshold = 0.3
+        return gc
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Attaching to the target
+    # -----------------------------------------------------------------------------------------------------------------
+    def attach(self, target: PreTrainedModel, allow_other_target: bool = False) -> "MoAEagleDrafterModel":
+        """Borrow the target's embedding and LM head and install hooks that expose its final hidden states.
+
+        Nothing on the target is modified: forward hooks are registered on it and on its decoder, and removed again
+        by `detach`.
+        """
+        if self._attachment is not None:
+            if self._attachment.target is target:
+                return self
+            self.detach()
+        self.check_target(target, allow_other_target=allow_other_target)
+        decoder = _decoder_of(target)
+        tap, features = _TargetTap(on_new_session=self._start_session), _FeatureTap()
+        handles = [
+            target.register_forward_pre_hook(tap.pre_hook, with_kwargs=True),
+            target.register_forward_hook(tap.post_hook, with_kwargs=True),
+        ]
+        try:
+            handles.append(decoder.register_forward_pre_hook(features.pre_hook, with_kwargs=True))
+            handles.append(decoder.register_forward_hook(features.post_hook, with_kwargs=True))
+        except BaseException:
+            for handle in handles:
+                handle.remove()
+            raise
+        self._attachment = _EagleAttachment(
+            target=target,
+            embed=target.get_input_embeddings(),
+            lm_head=target.get_output_embeddings(),
+            tap=tap,
+            features=features,
+            handles=handles,
+        )
+        self._start_session()
+        return self
+
+    def detach(self) -> "MoAEagleDrafterModel":
+        """Remove every hook from the target and drop the borrowed modules."""
+        if self._attachment is not None:
+            for handle in self._attachment.handles:
+                handle.remove()
+        self._attachment = None
+        self._session = None
+        return self
+
+    @contextlib.contextmanager
+    def attached(self, target: PreTrainedModel, allow_other_target: bool = False):
+        """`with drafter.attached(target): ...`: attached inside, detached on leaving (also on an exception)."""
+        self.attach(target, allow_other_target=allow_other_target)
+        try:
+            yield self
+        finally:
+            self.detach()
+
+    @property
+    def is_attached(self) -> bool:
+        return self._attachment is not None
+
+    def check_target(self, target: PreTrainedModel, allow_other_target: bool = False) -> None:
+        """Raise a `ValueError` saying what is wrong if this drafter cannot serve `target`."""
+        reason = eagle_unsupported_target_reason(target.config)
+        if reason is not None:
+            raise ValueError(f"This target cannot be served by an EAGLE drafter: {reason}.")
+        sig = target_signature(target.config)
+        head = target.get_output_embeddings()
+        if head is not None and hasattr(head, "weight"):
+            sig["vocab_size"] = head.weight.shape[0]
+        diffs = [
+            f"{key}: drafter {value} != target {sig[key]}"
+            for key, value in self.config.signature().items()
+            if sig.get(key) != value
+        ]
+        if diffs:
+            raise ValueError(
+                "The target's signature does not match the one this EAGLE drafter was built for ("
+                + "; ".join(diffs)
+                + "). Use a drafter trained for this target, or build one with "
+                "`MoAEagleConfig.from_target_config(target.config)`."
+            )
+        expected = self.config.target_name_or_path
+        actual = getattr(target.config, "name_or_path", "") or ""
+        if expected and actual and not allow_other_target and _short_name(expected) != _short_name(actual):
+            raise ValueError(
+                f"This drafter was trained for target '{expected}' but is being attached to '{actual}'. Their "
+                "signatures match, so it will run, but its acceptance may be poor. Pass `allow_other_target=True` "
+                "to attach anyway."
+            )
+        _decoder_of(target)  # raises if the decoder (whose output the drafter reads) cannot be found
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Borrowed or own embedding / head
+    # -----------------------------------------------------------------------------------------------------------------
+    def get_input_embeddings(self):
+        if self.config.own_embeddings:
+            return self.embed_tokens
+        return self._attachment.embed if self._attachment is not None else None
+
+    def get_output_embeddings(self):
+        if self.config.own_embeddings:
+            return self.lm_head
+        return self._attachment.lm_head if self._attachment is not None else None
+
+    def _require(self, what: str):
+        if not self.config.own_embeddings and self._attachment is None:
+            raise RuntimeError(
+                f"The drafter needs the target's {what}: call `drafter.attach(target)` first (or use "
+                "`with drafter.attached(target):`), or build the drafter with `own_embeddings=True`."
+            )
+
+    def copy_embeddings_from(self, target: PreTrainedModel) -> None:
+        """Copy the target's embedding and LM head into the drafter's own (`own_embeddings=True`)."""
+        if not self.config.own_embeddings:
+            raise ValueError("copy_embeddings_from needs a drafter built with `own_embeddings=True`.")
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+            self.lm_head.weight.copy_(target.get_output_embeddings().weight)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self._require("embedding")
+        return self.get_input_embeddings()(input_ids).to(self.dtype)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The (borrowed or own) LM head on predicted features [..., d] -> float32 logits [..., V]."""
+        self._require("LM head")
+        head = self.get_output_embeddings()
+        return head(hidden.to(head.weight.dtype)).float()
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Training (parallel, teacher-forced)
+    # -----------------------------------------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        target_hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        return_logits: bool = False,
+        noise_std: float = 0.0,
+        noise_type: str = "uniform",
+        **kwargs,
+    ) -> MoADrafterOutput:
+        """Teacher-forced forward over whole sequences.
+
+        Args:
+            input_ids: [B, T] tokens.
+            target_hidden: [B, T, d] the target's post-norm final hidden states (`out.hidden_states[-1]`). Position
+                i reads target_hidden[i-1] (zeros at i = 0), so output i is compared with target_hidden[i].
+            attention_mask: optional [B, T] padding mask (1 = token); padded positions are neither attended to nor
+                used as previous features.
+            return_logits: also return the LM head's float32 logits [B, T, V].
+            noise_std: EAGLE's data augmentation (pass it in training only): noise added to the input features,
+                U(-noise_std, noise_std) for `noise_type="uniform"`, N(0, noise_std^2) for "gaussian".
+        """
+        B, T = input_ids.shape
+        if target_hidden.shape[:2] != (B, T) or target_hidden.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"target_hidden must be [B, T, d] = [{B}, {T}, {self.config.hidden_size}] (the target's final hidden "
+                f"states for input_ids), got {list(target_hidden.shape)}"
+            )
+        features = target_hidden.to(self.dtype)
+        if attention_mask is not None:
+            features = features * attention_mask[..., None].to(features.dtype)  # [B, T, d], zeros at padding
+        if noise_std > 0:
+            if noise_type == "uniform":
+                features = features + (torch.rand_like(features) * 2 - 1) * noise_std
+            elif noise_type == "gaussian":
+                features = features + torch.randn_like(features) * noise_std
+            else:
+                raise ValueError(f"noise_type must be 'uniform' or 'gaussian', got {noise_type!r}")
+        previous = F.pad(features[:, :-1], (0, 0, 1, 0))  # [B, T, d]: f_{i-1}, zeros at i = 0
+        pos = torch.arange(T, device=input_ids.device)
+        mask = (pos[None, :] <= pos[:, None])[None, None]  # [1, 1, T, T] causal
+        if attention_mask is not None:
+            keys = attention_mask.bool()[:, None, None, :] | torch.eye(T, dtype=torch.bool, device=pos.device)
+            mask = mask & keys  # [B, 1, T, T]; a query always sees itself (no all-masked rows)
+        h = self._layers(self.fc(torch.cat([previous, self.embed(input_ids)], dim=-1)), pos, mask)
+        logits = self.head(h) if return_logits else None
+        return MoADrafterOutput(logits=logits, hidden_states=h)
+
+    def _layers(self, x, pos, mask, cache: MoAEagleCache | None = None) -> torch.Tensor:
+        cos, sin = self.rotary_emb(pos, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask=mask, cache=cache.layers[i] if cache is not None else None)
+        return x
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Inference
+    # -----------------------------------------------------------------------------------------------------------------
+    def new_cache(self) -> MoAEagleCache:
+        return MoAEagleCache(self.config.num_hidden_layers)
+
+    def draft_step(
+        self, new_ids: torch.Tensor, previous_features: torch.Tensor, cache: MoAEagleCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed `new_ids` [B, T] (tokens not yet in `cache`) with the features [B, T, d] that precede each of them
+        (f_{i-1}: the target's for verified positions, the drafter's own prediction otherwise).
+
+        Returns (logits [B, V] float32 for the token after the last one, predicted features [B, T, d]).
+        """
+        h = self._decode(new_ids, previous_features, cache)
+        return self.head(h[:, -1]), h
+
+    def _decode(self, new_ids: torch.Tensor, previous_features: torch.Tensor, cache: MoAEagleCache) -> torch.Tensor:
+        past = cache.get_seq_length()
+        T = new_ids.shape[1]
+        pos = torch.arange(past, past + T, device=new_ids.device)
+        x = self.fc(torch.cat([previous_features.to(self.dtype), self.embed(new_ids)], dim=-1))  # [B, T, d]
+        mask = None
+        if T > 1:  # causal among the new tokens, all cached ones visible
+            mask = torch.arange(past + T, device=x.device)[None, :] <= pos[:, None]  # [T, past+T]
+        h = self._layers(x, pos, mask, cache)
+        cache.tokens = new_ids if cache.tokens is None else torch.cat([cache.tokens, new_ids], dim=1)
+        return h
+
+    def _sync(self, cache: MoAEagleCache, num_verified: int) -> None:
+        """Append to `cache` the target's true features of verified positions < num_verified - 1 not yet read."""
+        att = self._attachment
+        if att is None or att.features.features is None:
+            return
+        end = min(att.features.length, num_verified - 1)
+        start = cache.feature_length
+        if end > start:
+            cache.append_features(att.features.features[:, start:end].to(self.dtype))
+            if self._session is not None:
+                self._session.context_reads.append((start, end))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.LongTensor,
+        generation_config: GenerationConfig | None = None,
+        logits_processor=None,
+        past_key_values: MoAEagleCache | None = None,
+        max_new_tokens: int | None = None,
+        min_new_tokens: int | None = None,
+        **kwargs,
+    ) -> GenerateDecoderOnlyOutput:
+        """Draft tokens after `input_ids` (all verified). Called by transformers' `AssistedCandidateGenerator`.
+
+        Returns the sequences, the processed scores of every drafted token (so speculative sampling is exact) and
+        the drafter's cache. A call without `past_key_values` starts a new session.
+        """
+        t0 = time.perf_counter()
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"The EAGLE drafter drafts for one sequence at a time (got batch size {input_ids.shape[0]}); "
+                "transformers' assisted generation supports batch size 1 only. Loop over the prompts."
+            )
+        gc = generation_config if generation_config is not None else self.generation_config
+        if max_new_tokens is None:
+            max_new_tokens = gc.max_new_tokens if gc.max_new_tokens is not None else gc.num_assistant_tokens
+        min_new_tokens = min_new_tokens or 0
+        processors = LogitsProcessorList(logits_processor or [])
+        threshold = getattr(gc, "assistant_confidence_threshold", None) or 0.0
+        eos = gc.eos_token_id if gc.eos_token_id is not None else self.config.eos_token_id
+        eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), device=input_ids.device)
+        if past_key_values is None:
+            past_key_values = self.new_cache()
+            self._start_session()
+        cache, session = past_key_values, self._session
+        n = input_ids.shape[1]
+        if session is not None:
+            session.calls.append((n, self._attachment.tap.calls if self._attachment else 0))
+        # keep positions computed from true features and still-valid tokens, never the last one (its output drafts)
+        keep = min(cache.true_length, cache.common_prefix(input_ids), n - 1)
+        cache.crop(keep)
+        self._sync(cache, n)
+        avail = cache.feature_length  # true features of positions < avail
+        if avail < n - 1:  # the target has not run yet (first cycle): without features, one cheap guess only
+            max_new_tokens = min(max_new_tokens, max(1, min_new_tokens))
+        previous = torch.zeros((1, n - keep, self.config.hidden_size), dtype=self.dtype, device=input_ids.device)
+        lo, hi = max(keep, 1), min(n, avail + 1)  # positions i in [lo, hi) have a true previous feature f_{i-1}
+        if hi > lo:
+            previous[:, lo - keep : hi - keep] = cache.features[:, lo - 1 : hi - 1]  # [1, n-keep, d]: f_{i-1}
+        h = self._decode(input_ids[:, keep:], previous, cache)  # [1, n-keep, d]
+        cache.true_length = max(keep, min(n, avail + 1))
+        last = h[:, -1:]  # [1, 1, d] predicted feature of position n-1
+
+        ids, scores, token = input_ids, [], None
+        for step in range(max_new_tokens):
+            if step > 0:
+                last = self._decode(token, last, cache)  # drafted position: its input is the predicted feature
+            logits = self.head(last[:, -1])  # [1, V] float32
+            if processors:
+                logits = processors(ids, logits)
+            if step < min_new_tokens and eos.numel():
+                logits[:, eos] = -float("inf")
+            probs = None
+            if gc.do_sample:
+                probs = logits.softmax(-1)
+                token = torch.multinomial(probs, 1)  # [1, 1]
+            else:
+                token = logits.argmax(-1, keepdim=True)  # [1, 1]
+            scores.append(logits)
+            ids = torch.cat([ids, token], dim=-1)
+            if eos.numel() and bool(torch.isin(token, eos)):
+                break
+            if threshold > 0 and step + 1 >= min_new_tokens:
+                probs = logits.softmax(-1) if probs is None else probs
+                if probs[0, token[0, 0]] < threshold:
+                    break
+        if session is not None:
+            session.drafted_tokens += len(scores)
+            session.draft_time_s += time.perf_counter() - t0
+        return GenerateDecoderOnlyOutput(sequences=ids, scores=tuple(scores), past_key_values=cache)
+
+    def _start_session(self) -> None:
+        att = self._attachment
+        if att is not None:
+            att.tap.cache = None  # the target's cache of an earlier generate call is stale
+            att.features.reset()
+        tap = att.tap if att is not None else None
+        self._session = _Session(tap_calls0=tap.calls if tap else 0, tap_seconds0=tap.seconds if tap else 0.0)
+
+    @property
+    def speculation_stats(self) -> SpeculationStats:
+        """Statistics of the last `generate` session (see `SpeculationStats`)."""
+        s, att = self._session, self._attachment
+        if s is None or att is None:
+            return SpeculationStats()
+        tap = att.tap
+        if not s.calls:  # the drafter was never asked (e.g. a single new token): plain decoding
+            accepted = [1] * (tap.calls - s.tap_calls0)
+        else:
+            accepted = [b[0] - a[0] for a, b in zip(s.calls, s.calls[1:])]
+        if s.calls and tap.cache is not None:
+            final_len = tap.cache.get_seq_length() + 1  # the target cache holds all verified tokens but the last
+            last_len, last_calls = s.calls[-1]
+            extra_calls = tap.calls - last_calls
+            if extra_calls > 0 and final_len > last_len:
+                accepted.append(final_len - last_len - (extra_calls - 1))
+                accepted.extend([1] * (extra_calls - 1))
+        return SpeculationStats(
+            accepted_lengths=accepted,
+            target_calls=tap.calls - s.tap_calls0,
+            drafted_tokens=s.drafted_tokens,
+            draft_time_s=s.draft_time_s,
+            verify_time_s=tap.seconds - s.tap_seconds0,
+        )
+
+
+MoAEagleConfig.register_for_auto_class()
+MoAEagleDrafterModel.register_for_auto_class("AutoModel")

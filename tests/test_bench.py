@@ -1,0 +1,285 @@
+"""`moa bench`: the whole benchmark on a tiny random target and an offline tokenizer (no downloads)."""
+
+import contextlib
+import importlib.util
+import json
+
+import pytest
+import torch
+from conftest import make_target
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import moa_hf
+from moa_hf import bench
+from moa_hf.cli import main
+
+HAS_EAGLE = importlib.util.find_spec("moa_hf.modeling.modeling_eagle") is not None
+WORDS = [f"w{i}" for i in range(122)]  # ids 6..127: the tiny target's vocabulary is 128
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+QUESTIONS = [  # a repeated phrase gives prompt lookup something to find
+    {"question_id": 81, "category": "writing", "turns": ["w1 w2 w3 w4 w5 w1 w2 w3 w4 w5 w1 w2", "ignored"]},
+    {"question_id": 201, "category": "translation", "turns": ["w9 w8 w7 w9 w8 w7 w9 w8 w7 w10 w11"]},
+]
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "<|user|>": 4, "<|assistant|>": 5}
+    vocab.update({w: i + 6 for i, w in enumerate(WORDS)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_independent(seed: int = 1) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    lm = LlamaForCausalLM(config).eval()
+    lm.generation_config.num_assistant_tokens = 3
+    lm.generation_config.assistant_confidence_threshold = 0.0
+    return lm
+
+
+def make_eagle(target):
+    from moa_hf.modeling.configuration_eagle import MoAEagleConfig
+    from moa_hf.modeling.modeling_eagle import MoAEagleDrafterModel
+
+    torch.manual_seed(2)
+    return MoAEagleDrafterModel(MoAEagleConfig.from_target_config(target.config)).eval()
+
+
+def write_questions(path, rows=QUESTIONS):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def questions_list():
+    return [{"question_id": q["question_id"], "category": bench._category(q["category"]), "prompt": q["turns"][0]}
+            for q in QUESTIONS]  # fmt: skip
+
+
+def honest_methods(target) -> list[bench.BenchMethod]:
+    torch.manual_seed(0)
+    drafter = moa_hf.build_drafter(target).eval()
+    drafter.generation_config.assistant_confidence_threshold = 0.0  # random drafter: always draft 5 tokens
+    methods = [
+        bench.vanilla_method(),
+        bench.drafter_method("moa", drafter),
+        bench.independent_method(make_independent()),
+        bench.pld_method(4),
+    ]
+    if HAS_EAGLE:
+        methods.append(bench.drafter_method("eagle", make_eagle(target)))
+    return methods
+
+
+def _no_hooks_left(model) -> bool:
+    return not (model._forward_hooks or model._forward_pre_hooks)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+def test_load_questions_groups_mt_bench_and_samples_deterministically(tmp_path):
+    rows = [{"question_id": i, "category": c, "turns": [f"q{i}"]} for i, c in enumerate(
+        ["writing", "math", "coding", "qa", "qa", "qa", "rag", "translation", "qa"], start=81)]  # fmt: skip
+    path = write_questions(tmp_path / "q.jsonl", rows)
+    a = bench.load_questions(path, per_category=2, seed=3)
+    assert a == bench.load_questions(path, per_category=2, seed=3)
+    cats = [q["category"] for q in a]
+    assert cats == ["mt_bench", "mt_bench", "translation", "qa", "qa", "rag"]  # Spec-Bench order, 2 per category
+    assert {q["question_id"] for q in a if q["category"] == "mt_bench"} <= {81, 82, 83}
+    assert len(bench.load_questions(path, per_category=0)) == len(rows)
+    assert {q["prompt"] for q in a} <= {r["turns"][0] for r in rows}
+    (tmp_path / "bad.jsonl").write_text('{"question_id": 1, "turns": ["x"]}\n')
+    with pytest.raises(bench.BenchError, match="category"):
+        bench.load_questions(tmp_path / "bad.jsonl")
+
+
+@pytest.mark.parametrize("alpha,gamma", [(0.0, 3.0), (0.3, 4.0), (0.8, 5.0), (0.95, 2.5)])
+def test_alpha_bisection_inverts_expected_length(alpha, gamma):
+    length = bench._expected_length(alpha, gamma)
+    solved = bench.solve_alpha(length, gamma)
+    assert solved == pytest.approx(alpha, abs=1e-9)
+    assert bench.speedup_bound(solved, gamma, 0.0) == pytest.approx(length)
+    assert bench.speedup_bound(solved, gamma, 0.5) == pytest.approx(length / (0.5 * gamma + 1))
+    assert bench.solve_alpha(gamma + 1.0, gamma) == 1.0 and bench.solve_alpha(1.0, gamma) == 0.0
+
+
+def test_run_benchmark_metrics_and_records():
+    target, tokenizer = make_target(), make_tokenizer()
+    methods = honest_methods(target)
+    result = bench.run_benchmark(
+        target, tokenizer, questions_list(), methods, max_new_tokens=12, warmup=1, repeats=2, progress=False
+    )
+    assert _no_hooks_left(target)
+    names = [m.name for m in methods]
+    records = result["records"]
+    assert len(records) == len(QUESTIONS) * 2 * len(methods)
+    # interleaved: the first method differs between (question, repeat) slots
+    firsts = [r["method"] for r in records if r["order"] == 0]
+    assert len(set(firsts)) == min(len(methods), len(firsts))
+    for r in records:
+        assert r["new_tokens"] == 12 and r["time_s"] > 0 and r["target_calls"] >= 1
+        assert r["matches_vanilla"], r  # fp32 target: every honest method reproduces greedy decoding
+    summary = result["methods"]
+    assert list(summary) == names
+    vanilla = summary["vanilla"]["overall"]
+    assert vanilla["acceptance_length"] == 1.0 and vanilla["speedup"] == 1.0
+    assert vanilla["theoretical_speedup"] == 1.0 and vanilla["gamma"] == 0.0 and vanilla["cost_ratio"] == 0.0
+    for name in names:
+        entry = summary[name]
+        assert set(entry["per_category"]) == {"mt_bench", "translation"}
+        for values in [entry["overall"], *entry["per_category"].values()]:
+            assert 1.0 <= values["acceptance_length"] <= 1.0 + max(values["gamma"], 0.0) + 1e-9
+            assert values["tokens_per_s"] > 0 and values["speedup"] > 0 and values["theoretical_speedup"] > 0
+            assert 0.0 <= values["alpha"] <= 1.0 and values["cost_ratio"] >= 0.0
+        for cat in entry["per_category"]:
+            assert summary["vanilla"]["per_category"][cat]["acceptance_length"] == 1.0
+    for name in ("moa", "independent") + (("eagle",) if HAS_EAGLE else ()):
+        overall = summary[name]["overall"]
+        assert overall["drafted_tokens"] > 0 and overall["gamma"] > 0 and overall["cost_ratio"] > 0
+    for r in records:
+        if r["method"] == "moa":  # what the target verified (counted on its side) is what the drafter drafted
+            assert r["verified_draft_tokens"] == r["drafted_tokens"] > 0
+    pld = summary["pld"]["overall"]
+    assert pld["drafted_tokens"] == 0 and pld["cost_ratio"] == 0.0
+    assert pld["acceptance_length"] > 1.0  # the repeated phrases are found in the prompt
+
+
+def _logit_bias_method() -> bench.BenchMethod:
+    """Breaks losslessness: a hook that pushes the target's logits towards token 7."""
+
+    @contextlib.contextmanager
+    def context(target):
+        def hook(module, args, kwargs, output):
+            output.logits[..., 7] += 1e4
+
+        handle = target.register_forward_hook(hook, with_kwargs=True)
+        try:
+            yield None
+        finally:
+            handle.remove()
+
+    return bench.BenchMethod("logit_bias", context)
+
+
+def _cache_corrupting_method() -> bench.BenchMethod:
+    """Breaks losslessness: a PLD 'drafter' that scrambles the target's cached values of layer 0 after each call."""
+
+    @contextlib.contextmanager
+    def context(target):
+        def hook(module, args, kwargs, output):
+            cache = kwargs.get("past_key_values")
+            if cache is not None:
+                values = cache.layers[0].values  # [B, Hkv, T, hd]
+                values.copy_(values.flip(-2))
+
+        handle = target.register_forward_hook(hook, with_kwargs=True)
+        try:
+            yield None
+        finally:
+            handle.remove()
+
+    return bench.BenchMethod("cache_corruptor", context, {"prompt_lookup_num_tokens": 3})
+
+
+def test_check_catches_broken_methods_and_passes_honest_ones():
+    target, tokenizer = make_target(), make_tokenizer()
+    methods = honest_methods(target) + [_logit_bias_method(), _cache_corrupting_method()]
+    check = bench.check_lossless(target, tokenizer, questions_list(), methods, max_new_tokens=10, progress=False)
+    assert _no_hooks_left(target)
+    assert "vanilla" not in check
+    for name in [m.name for m in methods if m.name != "vanilla"]:
+        entry = check[name]
+        assert entry["questions"] == len(QUESTIONS)
+        if name in ("logit_bias", "cache_corruptor"):
+            assert not entry["passed"], name
+            first = entry["mismatches"][0]
+            assert first["question_id"] in {q["question_id"] for q in QUESTIONS}
+            assert 0 <= first["position"] < 10 and first["expected"] != first["got"]
+        else:
+            assert entry["passed"] and entry["mismatches"] == [], (name, entry)
+    text = bench.format_markdown({"methods": {}, "check": check})
+    assert "logit_bias: FAIL" in text and "moa: PASS" in text
+
+
+def test_run_benchmark_needs_vanilla_and_unique_names():
+    target, tokenizer = make_target(), make_tokenizer()
+    with pytest.raises(bench.BenchError, match="vanilla"):
+        bench.run_benchmark(target, tokenizer, questions_list(), [bench.pld_method()], progress=False)
+    with pytest.raises(bench.BenchError, match="unique"):
+        bench.run_benchmark(
+            target, tokenizer, questions_list(), [bench.vanilla_method(), bench.vanilla_method()], progress=False
+        )
+
+
+def test_cli_errors_say_how_to_fix(tmp_path, capsys):
+    questions = write_questions(tmp_path / "q.jsonl")
+    assert main(["bench", "--questions", str(questions), "--methods", "vanilla,eagle"]) == 2
+    assert "moa train --kind eagle" in capsys.readouterr().err
+    assert main(["bench", "--questions", str(questions), "--methods", "vanilla,independent"]) == 2
+    assert "--kind independent" in capsys.readouterr().err
+    assert main(["bench", "--questions", str(questions), "--methods", "vanilla,bogus"]) == 2
+    assert "Unknown method" in capsys.readouterr().err
+    assert main(["bench", "--questions", str(tmp_path / "missing.jsonl"), "--methods", "vanilla"]) == 2
+    assert "--questions" in capsys.readouterr().err
+    target_dir = tmp_path / "tiny-random-llama"
+    assert main(["bench", "--questions", str(questions), "--target", str(target_dir), "--methods", "vanilla"]) == 2
+    assert "not a saved model folder" in capsys.readouterr().err
+
+
+def test_cli_end_to_end(tmp_path, capsys):
+    target, tokenizer = make_target(), make_tokenizer()
+    target_dir = tmp_path / "tiny-random-llama"  # the drafters record this target name
+    target.save_pretrained(target_dir)
+    tokenizer.save_pretrained(target_dir)
+    torch.manual_seed(0)
+    moa_hf.build_drafter(target).save_pretrained(tmp_path / "moa")
+    make_independent().save_pretrained(tmp_path / "independent")
+    methods, extra = "vanilla,moa,independent,pld", []
+    if HAS_EAGLE:
+        make_eagle(target).save_pretrained(tmp_path / "eagle")
+        methods, extra = methods + ",eagle", ["--eagle", str(tmp_path / "eagle")]
+    out = tmp_path / "out"
+    argv = [
+        "bench", "--questions", str(write_questions(tmp_path / "q.jsonl")), "--target", str(target_dir),
+        "--dtype", "bfloat16", "--max-new-tokens", "8", "--methods", methods, "--moa", str(tmp_path / "moa"),
+        "--independent", str(tmp_path / "independent"), "--pld-tokens", "4", "--warmup", "1", "--repeats", "1",
+        "--output", str(out), "--check", "--no-progress", "--seed", "1", *extra,
+    ]  # fmt: skip
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert "| method | acceptance length | tokens/s | speedup | bound |" in stdout
+    assert "### mt_bench" in stdout and "### translation" in stdout and "moa: PASS" in stdout
+    data = json.loads((out / "bench.json").read_text())
+    assert set(data["hardware"]) >= {"cpu", "cores", "torch", "device", "threads"}
+    assert data["hardware"]["device"] == "cpu" and data["hardware"]["cores"] >= 1
+    assert data["dtype"] == "bfloat16" and data["max_new_tokens"] == 8 and data["date"]
+    assert data["target"].rstrip("/").endswith("tiny-random-llama")
+    assert list(data["methods"]) == methods.split(",")
+    for entry in data["methods"].values():
+        for values in [entry["overall"], *entry["per_category"].values()]:
+            assert {"acceptance_length", "tokens_per_s", "speedup", "theoretical_speedup"} <= set(values)
+            assert {"alpha", "gamma", "cost_ratio"} <= set(values)
+        assert set(entry["per_category"]) == {"mt_bench", "translation"}
+    assert data["methods"]["vanilla"]["overall"]["acceptance_length"] == 1.0
+    assert data["methods"]["vanilla"]["overall"]["speedup"] == 1.0
+    assert data["methods"]["independent"]["info"]["num_assistant_tokens"] == 3  # as saved with the drafter
+    assert len(data["records"]) == len(QUESTIONS) * len(data["methods"])
+    record_keys = {"method", "question_id", "category", "new_tokens", "time_s", "target_calls", "drafted_tokens"}
+    assert all(record_keys | {"draft_time_s", "repeat"} <= set(r) for r in data["records"])
+    assert all(entry["passed"] for entry in data["check"].values()) and "vanilla" not in data["check"]
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "bench.md").read_text().startswith("## moa bench")
+    from moa_hf.hub_cards import load_benchmark
+
+    assert load_benchmark(out / "bench.json")["methods"]["moa"]["overall"]["speedup"] > 0  # what hub cards consume

@@ -1,0 +1,163 @@
+"""Acceptance per unit of compute: cached target states, reduced draft vocabulary, target-layer initialisation, and
+the peers trained by the same trainer (EAGLE-style drafter, independent LM)."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+import torch
+from moa_hf.training import MoATrainer, MoATrainingArguments, run_target
+from moa_hf.training.builders import build_for_kind, build_independent, frequent_tokens, init_from_target_layer
+from moa_hf.training.states import TargetStatesDataset, cache_target_states, load_target_states
+from moa_hf.training.testing import tiny_target
+from moa_hf.training.trainer import drafter_kind
+
+import moa_hf
+
+torch.set_num_threads(1)
+
+
+def random_dataset(n: int = 12, seed: int = 0, vocab: int = 100) -> datasets.Dataset:
+    g = torch.Generator().manual_seed(seed)
+    rows, prompt_lengths = [], []
+    for _ in range(n):
+        p = int(torch.randint(3, 9, (1,), generator=g))
+        r = int(torch.randint(10, 24, (1,), generator=g))
+        rows.append(torch.randint(3, vocab, (p + r,), generator=g).tolist())
+        prompt_lengths.append(p)
+    return datasets.Dataset.from_dict({"input_ids": rows, "prompt_length": prompt_lengths})
+
+
+def make_args(tmp_path, **overrides) -> MoATrainingArguments:
+    kwargs = dict(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-3,
+                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+                  eval_num_prompts=0)
+    kwargs.update(overrides)
+    return MoATrainingArguments(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+def test_cached_states_equal_the_targets_forward(tmp_path, target):
+    data = random_dataset(7)
+    folder = cache_target_states(target, data, tmp_path / "states", batch_size=3, max_length=20, progress=False)
+    cached = TargetStatesDataset(data, folder, target)
+    for i in (0, 3, 6):
+        item = cached[i]
+        ids = torch.tensor([data[i]["input_ids"][:20]])
+        states = run_target(target, ids)
+        assert len(item["input_ids"]) == ids.shape[1] == item["target_kv"].shape[0]
+        torch.testing.assert_close(item["target_kv"].float(), states.target_kv[0].bfloat16().float())
+        torch.testing.assert_close(item["final_hidden"].float(), states.final_hidden[0].bfloat16().float())
+    assert cache_target_states(target, data, folder, progress=False) == folder  # reused, not recomputed
+    with pytest.raises(ValueError, match="another dataset"):
+        TargetStatesDataset(random_dataset(5), folder)
+    with pytest.raises(ValueError, match="not by this target"):
+        load_target_states(folder, tiny_target(num_hidden_layers=2))
+
+
+def test_training_on_cached_states_matches_online_training(tmp_path, target):
+    """The same steps on cached (bf16) states and on the live target give the same losses, up to bf16 rounding."""
+    data = random_dataset(8)
+    folder = cache_target_states(target, data, tmp_path / "states", progress=False)
+    curves = []
+    for train in (data, TargetStatesDataset(data, folder)):
+        torch.manual_seed(0)
+        drafter = moa_hf.build_drafter(target)
+        trainer = MoATrainer(model=drafter, target=target, args=make_args(tmp_path), train_dataset=train)
+        trainer.train()
+        curves.append([h["loss"] for h in trainer.state.log_history if "loss" in h])
+    assert len(curves[0]) == 3
+    torch.testing.assert_close(torch.tensor(curves[1]), torch.tensor(curves[0]), rtol=2e-2, atol=1e-3)
+
+
+def test_frequent_tokens_counts_responses_only():
+    data = datasets.Dataset.from_dict({"input_ids": [[9, 9, 9, 5, 5, 7], [9, 3, 5]], "prompt_length": [3, 1]})
+    assert frequent_tokens(data, 2, vocab_size=10).tolist() == [3, 5]  # 5 x3; 3 and 7 x1, tie -> lower id
+    assert frequent_tokens(data, 5, vocab_size=10).tolist() == [0, 1, 3, 5, 7]  # padded with unused ids
+
+
+def test_draft_vocabulary_head_and_lossless_generation(target):
+    torch.manual_seed(0)
+    drafter = moa_hf.build_drafter(target, draft_vocab_size=16)
+    ids = torch.arange(40, 56)
+    drafter.init_draft_vocab(ids, target.get_output_embeddings().weight)
+    drafter.attach(target)
+    try:
+        h = torch.randn(2, 3, target.config.hidden_size)
+        full = drafter.head(h)  # [2, 3, V]
+        assert full.shape == (2, 3, target.config.vocab_size)
+        outside = torch.ones(target.config.vocab_size, dtype=torch.bool)
+        outside[ids] = False
+        assert bool(torch.isinf(full[..., outside]).all()) and bool(torch.isfinite(full[..., ids]).all())
+        expected = h @ target.get_output_embeddings().weight[ids].T  # draft head starts from the target's rows
+        torch.testing.assert_close(drafter.draft_logits(h), expected)
+        for seed in range(3):
+            g = torch.Generator().manual_seed(seed)
+            prompt = torch.randint(3, 100, (1, 6), generator=g)
+            plain = target.generate(prompt, do_sample=False, max_new_tokens=20, attention_mask=torch.ones_like(prompt))
+            spec = target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=drafter,
+                                   attention_mask=torch.ones_like(prompt))
+            assert torch.equal(plain, spec)
+    finally:
+        drafter.detach()
+    with pytest.raises(ValueError, match="distinct"):
+        drafter.init_draft_vocab(torch.zeros(16, dtype=torch.long), target.get_output_embeddings().weight)
+
+
+def test_draft_vocabulary_survives_save_and_load(tmp_path, target):
+    drafter = moa_hf.build_drafter(target, draft_vocab_size=8)
+    drafter.init_draft_vocab(torch.arange(10, 18) * 3, target.get_output_embeddings().weight)
+    drafter.save_pretrained(tmp_path)
+    loaded = moa_hf.MoADrafterModel.from_pretrained(tmp_path)
+    assert torch.equal(loaded.draft_ids, drafter.draft_ids)
+    torch.testing.assert_close(loaded.draft_head.weight, drafter.draft_head.weight)
+
+
+def test_draft_vocabulary_drafter_trains_on_the_reduced_teacher(tmp_path, target):
+    data = random_dataset(8)
+    drafter = moa_hf.build_drafter(target, draft_vocab_size=32)
+    drafter.init_draft_vocab(frequent_tokens(data, 32, 100), target.get_output_embeddings().weight)
+    before = drafter.draft_head.weight.clone()
+    trainer = MoATrainer(model=drafter, target=target, args=make_args(tmp_path), train_dataset=data)
+    trainer.train()
+    assert not torch.equal(before, drafter.draft_head.weight)  # the draft head is trained
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)
+
+
+def test_init_from_target_layer_copies_the_layer(target):
+    drafter = moa_hf.build_drafter(target)
+    copied = init_from_target_layer(drafter, target, -1)
+    layer = target.model.layers[-1]
+    assert copied >= 9 + 7
+    torch.testing.assert_close(drafter.self_attention.self_attn.q_proj.weight, layer.self_attn.q_proj.weight)
+    torch.testing.assert_close(drafter.cross_attention.mlp.down_proj.weight, layer.mlp.down_proj.weight)
+
+
+def test_independent_lm_is_the_targets_first_layers(target):
+    lm = build_independent(target, num_layers=target.config.num_hidden_layers)
+    ids = torch.randint(3, 100, (2, 9))
+    torch.testing.assert_close(lm(ids).logits, target(ids).logits)
+    small = build_independent(target, num_layers=1)
+    assert small.config.num_hidden_layers == 1 and drafter_kind(small) == "independent"
+    assert not small.get_input_embeddings().weight.requires_grad
+
+
+@pytest.mark.parametrize("kind", ["independent", "eagle"])
+def test_peers_train_with_the_same_trainer_on_cached_states(tmp_path, target, kind):
+    data = random_dataset(8)
+    folder = cache_target_states(target, data, tmp_path / "states", progress=False)
+    torch.manual_seed(0)
+    model = build_for_kind(kind, target, **({"num_layers": 1} if kind == "independent" else {}))
+    assert drafter_kind(model) == kind
+    trainer = MoATrainer(model=model, target=target, args=make_args(tmp_path, max_steps=6, learning_rate=3e-3),
+                         train_dataset=TargetStatesDataset(data, folder))
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    trainer.save_model(str(tmp_path / "saved"))
+    names = {p.name for p in (tmp_path / "saved").iterdir()}
+    assert "model.safetensors" in names

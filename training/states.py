@@ -1,0 +1,179 @@
+"""The frozen target's states, computed once per dataset and memory-mapped for every epoch.
+
+Training a drafter online runs the target over every batch of every epoch. Its outputs never change (the target is
+frozen), so `cache_target_states` runs it once over a `moa data` dataset and writes, for every token:
+
+- `target_kv.npy`: the keys/values of every layer, [N, L, 2*Hkv*hd] bfloat16 (the LSA input of MoA drafters);
+- `final_hidden.npy`: the post-norm final hidden state, [N, d] bfloat16 (the regression target, the teacher's logits
+  through the target's head, and the feature input of EAGLE-style drafters);
+
+plus `states.json` (shapes, the target's signature, one (offset, length) per example). `TargetStatesDataset` pairs a
+dataset with its states; `MoATrainer` then skips the target's forward (an epoch costs only the drafter).
+Target layer inference (N > 0) needs the last layers' own caches and is not cached: train it online.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+from transformers import PreTrainedModel
+
+from ..modeling import gather_target_kv
+
+__all__ = ["TargetStatesDataset", "cache_target_states", "load_target_states"]
+
+_META = "states.json"
+_KV, _HIDDEN = "target_kv", "final_hidden"
+_FORMAT = 1
+
+
+def _signature(target: PreTrainedModel) -> dict:
+    cfg = target.config.get_text_config()
+    return {
+        "name_or_path": getattr(target.config, "name_or_path", None),
+        "model_type": cfg.model_type,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "vocab_size": cfg.vocab_size,
+    }
+
+
+def _as_u16(x: torch.Tensor) -> np.ndarray:
+    return x.to(torch.bfloat16).contiguous().view(torch.uint16).cpu().numpy()  # bf16 bits, numpy has no bf16
+
+
+@torch.no_grad()
+def cache_target_states(
+    target: PreTrainedModel,
+    dataset,
+    output_dir: str | os.PathLike,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    progress: bool = True,
+) -> Path:
+    """Run `target` once over `dataset` (examples with `input_ids`) and write its states to `output_dir`.
+
+    Examples are batched by length (right padding, masked) and stored unpadded, truncated to `max_length`. Returns
+    the folder. An existing complete folder for the same dataset size and target is reused as is.
+    """
+    out = Path(output_dir)
+    meta_path = out / _META
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("complete") and meta["num_examples"] == len(dataset) and meta["target"] == _signature(target):
+            return out
+    out.mkdir(parents=True, exist_ok=True)
+    lengths = [min(len(ids), max_length or len(ids)) for ids in dataset["input_ids"]]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    total = int(offsets[-1])
+    cfg = target.config.get_text_config()
+    device = target.device
+    probe = target(input_ids=torch.tensor([[0]], device=device), use_cache=True)  # cache layout (L, W)
+    width = gather_target_kv(probe.past_key_values, 0, 1).shape[-1]
+    num_layers = len(probe.past_key_values.layers)
+    kv = np.lib.format.open_memmap(out / (_KV + ".npy"), mode="w+", dtype=np.uint16, shape=(total, num_layers, width))
+    hid = np.lib.format.open_memmap(
+        out / (_HIDDEN + ".npy"), mode="w+", dtype=np.uint16, shape=(total, cfg.hidden_size)
+    )
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])  # similar lengths share a batch: little padding
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc="target states", unit="tok")
+    for rows in batches:
+        T = max(lengths[i] for i in rows)
+        ids = torch.zeros(len(rows), T, dtype=torch.long)
+        mask = torch.zeros(len(rows), T, dtype=torch.long)
+        for r, i in enumerate(rows):
+            ids[r, : lengths[i]] = torch.as_tensor(dataset[i]["input_ids"][: lengths[i]])
+            mask[r, : lengths[i]] = 1
+        o = target(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=True, output_hidden_states=True,
+                   logits_to_keep=1)
+        states = gather_target_kv(o.past_key_values, 0, T)  # [B, T, L, W]
+        final = o.hidden_states[-1]  # [B, T, d] post-norm
+        for r, i in enumerate(rows):
+            a, n = offsets[i], lengths[i]
+            kv[a : a + n] = _as_u16(states[r, :n])
+            hid[a : a + n] = _as_u16(final[r, :n])
+        if bar is not None:
+            bar.update(sum(lengths[i] for i in rows))
+    if bar is not None:
+        bar.close()
+    kv.flush()
+    hid.flush()
+    meta = {
+        "format": _FORMAT,
+        "complete": True,
+        "num_examples": len(dataset),
+        "num_tokens": total,
+        "num_layers": num_layers,
+        "kv_width": int(width),
+        "hidden_size": cfg.hidden_size,
+        "dtype": "bfloat16",
+        "max_length": max_length,
+        "offsets": offsets.tolist(),
+        "target": _signature(target),
+    }
+    meta_path.write_text(json.dumps(meta))
+    return out
+
+
+class _States:
+    def __init__(self, folder: Path):
+        self.meta = json.loads((folder / _META).read_text())
+        if not self.meta.get("complete"):
+            raise ValueError(f"{folder} holds incomplete target states; run `cache_target_states` again.")
+        self.offsets = np.asarray(self.meta["offsets"], dtype=np.int64)
+        self.kv = np.load(folder / (_KV + ".npy"), mmap_mode="r")  # [N, L, W] uint16 (bf16 bits)
+        self.hidden = np.load(folder / (_HIDDEN + ".npy"), mmap_mode="r")  # [N, d]
+
+    def example(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = self.offsets[i], self.offsets[i + 1]
+        kv = torch.from_numpy(np.array(self.kv[a:b])).view(torch.bfloat16)  # [T, L, W]
+        hidden = torch.from_numpy(np.array(self.hidden[a:b])).view(torch.bfloat16)  # [T, d]
+        return kv, hidden
+
+
+def load_target_states(folder: str | os.PathLike, target: PreTrainedModel | None = None) -> _States:
+    """Open the states written by `cache_target_states` (memory-mapped); checks they belong to `target`."""
+    folder = Path(folder)
+    if not (folder / _META).exists():
+        raise FileNotFoundError(f"No target states in {folder}; build them with `cache_target_states` first.")
+    states = _States(folder)
+    if target is not None and states.meta["target"] != _signature(target):
+        raise ValueError(
+            f"The target states in {folder} were computed by {states.meta['target']}, not by this target "
+            f"({_signature(target)}); recompute them for this target."
+        )
+    return states
+
+
+class TargetStatesDataset(Dataset):
+    """A `moa data` dataset whose examples also carry the target's cached `target_kv` [T, L, W] and
+    `final_hidden` [T, d] (bf16 tensors), truncated like the states were."""
+
+    def __init__(self, dataset, states: str | os.PathLike | _States, target: PreTrainedModel | None = None):
+        self.dataset = dataset
+        self.states = states if isinstance(states, _States) else load_target_states(states, target)
+        if self.states.meta["num_examples"] != len(dataset):
+            raise ValueError(
+                f"The target states hold {self.states.meta['num_examples']} examples but the dataset has "
+                f"{len(dataset)}; they were computed for another dataset."
+            )
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict:
+        item = dict(self.dataset[i])
+        kv, hidden = self.states.example(i)
+        item["input_ids"] = list(item["input_ids"])[: kv.shape[0]]
+        item["target_kv"], item["final_hidden"] = kv, hidden
+        return item
