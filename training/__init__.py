@@ -39,6 +39,15 @@ _EXPORTS = {
     "apply_lora": "peft_utils",
     "merge_lora": "peft_utils",
     "DEFAULT_LORA_TARGETS": "peft_utils",
+    "tune_speculation": "tune",
+    "TargetStatesDataset": "states",
+    "cache_target_states": "states",
+    "load_target_states": "states",
+    "build_for_kind": "builders",
+    "build_independent": "builders",
+    "frequent_tokens": "builders",
+    "init_from_target_layer": "builders",
+    "drafter_kind": "trainer",
 }
 
 __all__ = [
@@ -50,20 +59,29 @@ __all__ = [
     "MoATrainingArguments",
     "SpecBenchPromptsError",
     "TargetStates",
+    "TargetStatesDataset",
     "apply_lora",
+    "build_for_kind",
+    "build_independent",
+    "cache_target_states",
     "build_dataset",
     "check_not_spec_bench",
     "chunked_soft_cross_entropy",
     "default_prompts",
+    "drafter_kind",
     "draw_cycle_lengths",
     "feature_loss",
     "format_prompts",
+    "frequent_tokens",
+    "init_from_target_layer",
     "load_prompts",
+    "load_target_states",
     "measure_acceptance",
     "merge_lora",
     "run_target",
     "sa_curriculum_mask",
     "staircase_restarts",
+    "tune_speculation",
     "unwrap_drafter",
     "with_own_embeddings",
 ]
@@ -87,15 +105,19 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from .evaluation import AcceptanceEvalCallback, measure_acceptance
     from .losses import chunked_soft_cross_entropy, feature_loss
     from .peft_utils import DEFAULT_LORA_TARGETS, apply_lora, merge_lora
+    from .builders import build_for_kind, build_independent, frequent_tokens, init_from_target_layer
     from .prompts import default_prompts
+    from .states import TargetStatesDataset, cache_target_states, load_target_states
     from .trainer import (
         IGNORE_INDEX,
         MoADataCollator,
         MoATrainer,
         TargetStates,
+        drafter_kind,
         draw_cycle_lengths,
         run_target,
         sa_curriculum_mask,
         staircase_restarts,
         unwrap_drafter,
     )
+    from .tune import tune_speculation

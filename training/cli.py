@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["load_target", "main", "register", "run_data", "run_train"]
+__all__ = ["load_target", "main", "register", "run_data", "run_train", "run_tune"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,8 @@ def _build_drafter(args: argparse.Namespace, target, train_data):
         overrides = dict(own_embeddings=args.own_embeddings, target_layer_inference=args.target_layer_inference)
         if args.draft_vocab_size:
             overrides["draft_vocab_size"] = args.draft_vocab_size
+        if args.lsa_hidden_size:
+            overrides["lsa_hidden_size"] = args.lsa_hidden_size
     elif args.kind == "independent":
         overrides = dict(num_layers=args.independent_layers)
     drafter = build_for_kind(args.kind, target, **overrides)
@@ -227,6 +229,67 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# moa tune
+# ---------------------------------------------------------------------------------------------------------------------
+def _csv(kind: type):
+    def parse(text: str) -> list:
+        try:
+            values = [kind(x.strip()) for x in text.split(",") if x.strip()]
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values, got {text!r}") from err
+        if not values:
+            raise argparse.ArgumentTypeError("expected at least one value")
+        return values
+
+    return parse
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    from moa_hf.bench import hardware_info
+
+    from . import tune
+    from .data import check_not_spec_bench, format_prompts, load_prompts
+
+    check_not_spec_bench(args.prompts)  # tuning on the evaluation set would be cheating: refused before any loading
+    prompts = load_prompts(args.prompts, column=args.prompt_column, num_prompts=args.num_prompts, seed=args.seed)
+    torch.manual_seed(args.seed)
+    target, tokenizer = load_target(args.target, args.dtype, args.device)
+    drafter, kind = tune.load_drafter_for_tuning(args.drafter, target, args.kind)
+    prompt_ids = format_prompts(tokenizer, prompts)
+    result = tune.tune_speculation(
+        target,
+        drafter,
+        prompt_ids,
+        num_assistant_tokens=args.num_assistant_tokens,
+        thresholds=args.thresholds,
+        schedules=args.schedules,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        progress=not args.quiet,
+        allow_other_target=args.allow_other_target,
+    )
+    result = {
+        "target": getattr(target.config, "name_or_path", None) or args.target,
+        "drafter": str(args.drafter),
+        "kind": kind,
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "prompts": args.prompts,
+        "hardware": hardware_info(target.device),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **result,
+        "written": bool(args.write),
+    }
+    folder = Path(args.drafter)
+    (folder / tune.TUNING_FILE).write_text(json.dumps(result, indent=1))
+    print(tune.format_tuning_markdown(result))
+    print(f"\nwrote {folder / tune.TUNING_FILE}")
+    if args.write:
+        tune.write_best_setting(folder, result["best"], fallback=drafter.generation_config)
+        print(f"updated {folder / 'generation_config.json'} with the best setting")
+    return 0
+
+
 def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
     p.add_argument("--target", required=True, help="`default` (SmolLM2-135M-Instruct, offline), a folder or a Hub id")
     p.add_argument("--dtype", default="auto", choices=sorted(_DTYPES), help="target dtype (auto: bf16 GPU, fp32 CPU)")
@@ -237,7 +300,7 @@ def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `moa data` and `moa train`."""
+    """Add `moa data`, `moa train` and `moa tune`."""
     p = subparsers.add_parser(
         "data",
         help="generate on-policy training data: the target answers prompts",
@@ -292,6 +355,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "states, computed once on first use, memory-mapped): epochs then cost only the drafter")
     p.add_argument("--draft-vocab-size", type=int, default=None, help="MoA: predict only the N most frequent "
                    "tokens of the target's responses in --data (a smaller, faster head; still lossless)")
+    p.add_argument("--lsa-hidden-size", type=int, default=None, help="MoA: width of the Layer Self-Attention "
+                   "(default 2 x KV heads x head dim); the LSA runs over every target layer of every token, so it "
+                   "dominates training cost")
     p.add_argument("--init-from-target-layer", type=int, default=None, metavar="I", help="start the drafter's "
                    "decoder layers from the target's layer I (e.g. -1, the last)")
     p.add_argument("--independent-layers", type=int, default=2, help="independent LM: number of decoder layers "
@@ -325,9 +391,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--report-to", default="none", help="Trainer integrations (e.g. tensorboard, wandb; default none)")
     p.set_defaults(func=run_train)
 
+    p = subparsers.add_parser(
+        "tune",
+        help="pick a drafter's fastest speculation settings (draft length, confidence threshold)",
+        description="Time greedy speculative decoding with the drafter for every setting of a grid on held-out "
+        "prompts, against the target alone (interleaved). Prints a table, writes tuning.json into the drafter "
+        "folder and, with --write, the best setting into its generation_config.json. Spec-Bench is refused.",
+    )
+    _add_target_args(p)
+    p.add_argument("--drafter", required=True, help="drafter folder (the --output of `moa train`)")
+    p.add_argument("--kind", default="auto", choices=["auto", "moa", "eagle", "independent"],
+                   help="drafter type (auto: from the folder's config.json)")
+    p.add_argument("--prompts", default="default:validation", help="held-out prompts: `default:validation`, a "
+                   ".jsonl/.txt file, a saved `datasets` folder or a dataset name (never Spec-Bench)")
+    p.add_argument("--prompt-column", default=None, help="field/column holding the prompt")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--num-assistant-tokens", type=_csv(int), default=[2, 3, 4, 5, 6, 8],
+                   help="draft lengths to try, comma-separated (default: 2,3,4,5,6,8)")
+    p.add_argument("--thresholds", type=_csv(float), default=[0.0, 0.1, 0.2, 0.3, 0.4, 0.5],
+                   help="confidence thresholds to try, comma-separated (default: 0,0.1,0.2,0.3,0.4,0.5)")
+    p.add_argument("--schedules", type=_csv(str), default=["constant"],
+                   help="draft-length schedules to try: constant, heuristic, heuristic_transient (default: constant)")
+    p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (more: less timing noise)")
+    p.add_argument("--allow-other-target", action="store_true",
+                   help="attach even if the drafter records another target name (same signature)")
+    p.add_argument("--write", action="store_true", help="save the best setting into the drafter folder's "
+                   "generation_config.json")
+    p.set_defaults(func=run_tune)
+
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m moa_hf.training.cli {data,train} ...` (what `accelerate launch -m` runs)."""
+    """`python -m moa_hf.training.cli {data,train,tune} ...` (what `accelerate launch -m` runs)."""
     parser = argparse.ArgumentParser(prog="moa")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
