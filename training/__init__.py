@@ -100,12 +100,12 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs
     from .arguments import MoATrainingArguments
+    from .builders import build_for_kind, build_independent, frequent_tokens, init_from_target_layer
     from .convert import with_own_embeddings
     from .data import SpecBenchPromptsError, build_dataset, check_not_spec_bench, format_prompts, load_prompts
     from .evaluation import AcceptanceEvalCallback, measure_acceptance
     from .losses import chunked_soft_cross_entropy, feature_loss
     from .peft_utils import DEFAULT_LORA_TARGETS, apply_lora, merge_lora
-    from .builders import build_for_kind, build_independent, frequent_tokens, init_from_target_layer
     from .prompts import default_prompts
     from .states import TargetStatesDataset, cache_target_states, load_target_states
     from .trainer import (
