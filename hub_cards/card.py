@@ -4,8 +4,14 @@ The card is rendered from `drafter_card.md` (Jinja, shipped as package data) wit
 number in it comes from the drafter's config, a `training_info` dict/JSON and a benchmark JSON written by `moa bench`;
 without a benchmark the card says that no measurement is available.
 
-`training_info` (all keys optional): {"data": str, "datasets": [Hub dataset ids], "language": str | [str],
-"tokens": int, "steps": int, "wall_time_s": float, "hardware": str, ...}; other keys are listed as they are.
+`training_info` (all keys optional, as `moa train` writes it): {"kind": str, "data": str, "datasets": [Hub ids],
+"language": str | [str], "tokens": int, "steps": int, "wall_time_s": float, "hardware": str, "final_train_loss": float,
+"acceptance_length_heldout": float, "cached_target_states": bool, "learning_curve": [{"step": int, "tokens": int,
+"wall_time_s": float, "acceptance_length": float}, ...]}; other keys are listed as they are.
+
+The benchmark (`moa bench`'s JSON) needs "hardware" and "methods" with "moa"; every other method in it ("vanilla",
+"eagle", "independent", "pld", ...) is compared with it, and its settings ("target", "dtype", "max_new_tokens",
+"questions_per_category", "date") are quoted. Older files without the newer keys still render.
 """
 
 from __future__ import annotations
@@ -52,6 +58,18 @@ HUB_LICENSES = frozenset(
     unknown other""".split()
 )
 _BENCH_KEYS = ("acceptance_length", "tokens_per_s", "speedup", "theoretical_speedup")
+# the speedup bound's inputs, shown when the benchmark has them
+_MODEL_COLUMNS = {"alpha": "α (acceptance rate)", "gamma": "γ (drafted per cycle)", "cost_ratio": "Draft cost / step"}
+BASELINE = "vanilla"  # the target alone: speedups are relative to it
+_METHOD_LABELS = {
+    METHOD: "this drafter",
+    BASELINE: "target alone",
+    "eagle": "EAGLE drafter",
+    "independent": "independent draft model",
+    "pld": "prompt lookup decoding",
+}
+MAX_CURVE_ROWS = 20  # longer learning curves are thinned in the card (the JSON keeps every point)
+_CURVE_KEYS = ("step", "tokens", "wall_time_s", "acceptance_length")
 _YAML_BLOCK = re.compile(r"\A\s*---\s*\n(.*?)\n---\s*\n", re.DOTALL)
 
 
@@ -109,6 +127,12 @@ def load_training_info(training_info: str | os.PathLike | dict | None) -> dict |
         not isinstance(datasets, list) or not all(isinstance(d, str) and d for d in datasets)
     ):
         raise ValueError(f"training_info['datasets'] must be a list of Hub dataset ids, got {datasets!r}.")
+    curve = info.get("learning_curve")
+    if curve is not None and (not isinstance(curve, list) or not all(isinstance(p, dict) for p in curve)):
+        raise ValueError(
+            "training_info['learning_curve'] must be a list of points (objects with step, tokens, wall_time_s and "
+            f"acceptance_length) as `moa train` writes it, got {type(curve).__name__}. Fix or remove that key."
+        )
     return info
 
 
@@ -145,6 +169,8 @@ def _fmt(key: str, value: Any) -> str:
         return f"{value:.2f}×"
     if key == "tokens_per_s":
         return f"{value:.1f}"
+    if key == "cost_ratio":
+        return f"{value:.3f}"
     return f"{value:.2f}"
 
 
@@ -206,26 +232,73 @@ def _architecture(drafter_or_config: MoADrafterModel | MoADrafterConfig) -> tupl
     return config, arch
 
 
+_TRAINING_LABELS = {
+    "kind": "Drafter kind",
+    "data": "Data",
+    "datasets": "Datasets",
+    "tokens": "Training tokens",
+    "steps": "Optimizer steps",
+    "wall_time_s": "Wall time",
+    "hardware": "Hardware",
+    "cached_target_states": "Trained on cached target states",
+    "final_train_loss": "Final training loss",
+    "acceptance_length_heldout": "Held-out acceptance length (end of training)",
+}
+
+
+def _fmt_training(key: str, value: Any) -> str:
+    if key == "datasets":
+        return ", ".join(f"[`{d}`](https://huggingface.co/datasets/{d})" for d in value)
+    if key in ("tokens", "steps") and _is_number(value):
+        return f"{value:,}"
+    if key == "wall_time_s" and _is_number(value):
+        return _fmt_duration(value)
+    if key == "hardware" and isinstance(value, dict):
+        return _hardware_text(value)
+    if key == "cached_target_states" and isinstance(value, bool):
+        return "yes" if value else "no"
+    if key == "final_train_loss" and _is_number(value):
+        return f"{value:.4f}"
+    if key == "acceptance_length_heldout" and _is_number(value):
+        return f"{value:.2f}"
+    return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+
+
 def _training_rows(info: dict | None) -> list[tuple[str, str]]:
     if not info:
         return []
+    keys = [k for k in _TRAINING_LABELS if k in info] + [k for k in info if k not in _TRAINING_LABELS]
     rows = []
-    known = {
-        "data": ("Data", str),
-        "datasets": ("Datasets", lambda v: ", ".join(f"[`{d}`](https://huggingface.co/datasets/{d})" for d in v)),
-        "tokens": ("Training tokens", lambda v: f"{v:,}" if _is_number(v) else str(v)),
-        "steps": ("Optimizer steps", lambda v: f"{v:,}" if _is_number(v) else str(v)),
-        "wall_time_s": ("Wall time", lambda v: _fmt_duration(v) if _is_number(v) else str(v)),
-        "hardware": ("Hardware", str),
-    }
-    for key, (label, fmt) in known.items():
-        if info.get(key) not in (None, "", []):
-            rows.append((label, fmt(info[key])))
-    for key, value in info.items():
-        if key not in known and key != "language" and value not in (None, "", []):
-            text = json.dumps(value) if isinstance(value, (dict, list)) else str(value)
-            rows.append((key.replace("_", " ").capitalize(), text.replace("|", "\\|")))
+    for key in keys:
+        value = info[key]
+        if key in ("language", "learning_curve") or value in (None, "", []):
+            continue  # the language is card metadata; the learning curve has its own table
+        label = _TRAINING_LABELS.get(key, key.replace("_", " ").capitalize())
+        rows.append((label, _fmt_training(key, value).replace("|", "\\|")))
     return rows
+
+
+def _curve_rows(info: dict | None) -> dict | None:
+    """The learning curve as table rows (thinned to at most MAX_CURVE_ROWS, first and last kept); None if absent."""
+    curve = (info or {}).get("learning_curve") or []
+    points = [p for p in curve if _is_number(p.get("acceptance_length"))]
+    if not points:
+        return None
+    shown = points
+    if len(points) > MAX_CURVE_ROWS:
+        picks = sorted({round(i * (len(points) - 1) / (MAX_CURVE_ROWS - 1)) for i in range(MAX_CURVE_ROWS)})
+        shown = [points[i] for i in picks]
+    rows = [
+        {
+            "step": f"{p['step']:,}" if _is_number(p.get("step")) else "–",
+            "tokens": f"{p['tokens']:,}" if _is_number(p.get("tokens")) else "–",
+            "wall_time": _fmt_duration(p["wall_time_s"]) if _is_number(p.get("wall_time_s")) else "–",
+            "acceptance_length": f"{p['acceptance_length']:.2f}",
+        }
+        for p in shown
+    ]
+    first, last = points[0]["acceptance_length"], points[-1]["acceptance_length"]
+    return {"rows": rows, "total": len(points), "shown": len(rows), "first": f"{first:.2f}", "last": f"{last:.2f}"}
 
 
 def _hardware_text(hardware: dict) -> str:
@@ -242,12 +315,113 @@ def _hardware_text(hardware: dict) -> str:
     return "; ".join(parts)
 
 
+def _metric_row(name: str, values: dict | None, keys: tuple[str, ...] = _BENCH_KEYS) -> dict:
+    values = values if isinstance(values, dict) else {}
+    return {"name": name, **{k: _fmt(k, values.get(k)) for k in keys}}
+
+
 def _bench_rows(method: dict, per_category: bool) -> list[dict]:
-    rows = [{"name": "**overall**", **{k: _fmt(k, method["overall"].get(k)) for k in _BENCH_KEYS}}]
+    rows = [_metric_row("**overall**", method["overall"])]
     if per_category:
         for cat, values in (method.get("per_category") or {}).items():
-            rows.append({"name": str(cat), **{k: _fmt(k, (values or {}).get(k)) for k in _BENCH_KEYS}})
+            rows.append(_metric_row(str(cat), values))
     return rows
+
+
+def _method_label(name: str, method: dict) -> str:
+    kind = _METHOD_LABELS.get(name) or (method.get("info") or {}).get("kind")
+    label = f"`{name}` ({kind})" if kind else f"`{name}`"
+    return f"**{label}**" if name == METHOD else label
+
+
+def _verdict(methods: dict) -> list[str]:
+    """Plain sentences on how the drafter did, including when it is slower than the target alone."""
+    moa = methods[METHOD]
+    overall = moa["overall"]
+    speedup, acceptance = overall["speedup"], overall["acceptance_length"]
+    tps = overall.get("tokens_per_s")
+    base_tps = ((methods.get(BASELINE) or {}).get("overall") or {}).get("tokens_per_s")
+    both = _is_number(tps) and _is_number(base_tps)
+    rates = f" ({tps:.1f} vs {base_tps:.1f} tokens/s)" if both else ""
+    if speedup < 1:
+        why = (
+            f"although each target forward pass produced {acceptance:.2f} tokens on average: drafting and verifying "
+            "cost more time than the saved target passes."
+            if acceptance > 1
+            else f"as almost no drafted token was accepted ({acceptance:.2f} tokens per target forward pass)."
+        )
+        sentences = [
+            f"**On this hardware the drafter is slower than plain decoding with the target alone: speedup "
+            f"{speedup:.2f}×, below 1{rates}**, {why}"
+        ]
+    elif speedup == 1:
+        sentences = [f"On this hardware the drafter is as fast as the target alone (speedup {speedup:.2f}×){rates}."]
+    else:
+        sentences = [
+            f"On this hardware the drafter decodes {speedup:.2f}× as fast as the target alone{rates}, with "
+            f"{acceptance:.2f} tokens per target forward pass on average."
+        ]
+    slow = [
+        f"{cat} ({values['speedup']:.2f}×)"
+        for cat, values in (moa.get("per_category") or {}).items()
+        if isinstance(values, dict) and _is_number(values.get("speedup")) and values["speedup"] < 1
+    ]
+    if slow and speedup >= 1:
+        sentences.append(f"It is slower than the target alone in: {', '.join(slow)}.")
+    elif slow and len(slow) < len(moa.get("per_category") or {}):
+        sentences.append(f"Categories where it is slower than the target alone: {', '.join(slow)}.")
+    others = {
+        name: m["overall"]["speedup"]
+        for name, m in methods.items()
+        if name not in (METHOD, BASELINE)
+        and isinstance(m, dict)
+        and isinstance(m.get("overall"), dict)
+        and _is_number(m["overall"].get("speedup"))
+    }
+    if others:
+        best = max(others, key=others.get)
+        if others[best] > speedup:
+            faster = ", ".join(
+                f"`{n}` ({v:.2f}×)" for n, v in sorted(others.items(), key=lambda kv: -kv[1]) if v > speedup
+            )
+            sentences.append(f"Faster than the drafter in this run: {faster}.")
+        else:
+            sentences.append(f"It is the fastest of the {len(others) + 1} speculative methods measured in this run.")
+    return sentences
+
+
+def _category_speedups(methods: dict) -> dict | None:
+    """Per-category speedup of the drafter and the other methods (vanilla is the 1.00× reference); None if absent."""
+    names = [METHOD] + [
+        n
+        for n, m in methods.items()
+        if n not in (METHOD, BASELINE) and isinstance(m, dict) and isinstance(m.get("per_category"), dict)
+    ]
+    if len(names) < 2 or not methods[METHOD].get("per_category"):
+        return None
+    categories = list(dict.fromkeys(c for n in names for c in methods[n].get("per_category") or {}))
+    rows = []
+    for cat in categories:
+        values = [((methods[n].get("per_category") or {}).get(cat) or {}).get("speedup") for n in names]
+        best = max((v for v in values if _is_number(v)), default=None)
+        cells = [
+            ("**" + _fmt("speedup", v) + "**") if _is_number(v) and v == best else _fmt("speedup", v) for v in values
+        ]
+        rows.append({"name": str(cat), "cells": cells})
+    return {"methods": [f"`{n}`" for n in names], "rows": rows}
+
+
+def _check_text(check: Any) -> str | None:
+    """One line on `moa bench --check` (greedy tokens vs the target alone in float32), when the benchmark ran it."""
+    if not isinstance(check, dict) or not check:
+        return None
+    parts = []
+    for name, entry in check.items():
+        if isinstance(entry, dict) and "passed" in entry:
+            n = entry.get("questions")
+            tail = f" on {n} questions" if _is_number(n) else ""
+            parts.append(f"`{name}` {'identical' if entry['passed'] else 'NOT identical'}{tail}")
+    return "; ".join(parts) or None
 
 
 def _bench_values(bench: dict | None, base_model: str) -> dict | None:
@@ -259,20 +433,42 @@ def _bench_values(bench: dict | None, base_model: str) -> dict | None:
             f"The benchmark was measured with target '{measured}', but this drafter serves '{base_model}'. Pass the "
             "benchmark JSON that `moa bench` wrote for this drafter and its target."
         )
-    moa_rows = _bench_rows(bench["methods"][METHOD], per_category=True)
-    others = [
-        {**_bench_rows(method, per_category=False)[0], "name": f"`{name}`"}
-        for name, method in bench["methods"].items()
-        if name != METHOD and isinstance(method, dict) and isinstance(method.get("overall"), dict)
-    ]
+    methods = bench["methods"]
+    moa_rows = _bench_rows(methods[METHOD], per_category=True)
+    compared = {n: m for n, m in methods.items() if isinstance(m, dict) and isinstance(m.get("overall"), dict)}
+    model_keys = tuple(k for k in _MODEL_COLUMNS if any(k in m["overall"] for m in compared.values()))
+    other_rows = (
+        [
+            {**_metric_row(_method_label(n, m), m["overall"], _BENCH_KEYS + model_keys), "is_moa": n == METHOD}
+            for n, m in compared.items()
+        ]
+        if len(compared) > 1
+        else []  # a comparison, if any
+    )
+    settings = [("Hardware", _hardware_text(bench["hardware"])), ("Target", f"`{base_model}`")]
+    for key, label in (
+        ("dtype", "Target dtype"),
+        ("max_new_tokens", "Max new tokens per prompt"),
+        ("questions_per_category", "Questions per category"),
+        ("repeats", "Repeats per question"),
+        ("date", "Date"),
+    ):
+        if bench.get(key) not in (None, ""):
+            settings.append((label, str(bench[key]).replace("|", "\\|")))
     return {
         "hardware": _hardware_text(bench["hardware"]),
         "date": bench.get("date"),
-        "target": measured or base_model,
+        "target": base_model,  # the same model (checked above); a local path the benchmark may record is not shown
         "dtype": bench.get("dtype", "the default dtype"),
         "max_new_tokens": bench.get("max_new_tokens", "–"),
+        "questions_per_category": bench.get("questions_per_category"),
+        "settings": settings,
+        "verdict": " ".join(_verdict(methods)),
         "moa_rows": moa_rows,
-        "other_rows": [{**moa_rows[0], "name": f"`{METHOD}`"}, *others] if others else [],  # a comparison, if any
+        "other_rows": other_rows,
+        "model_columns": [(k, _MODEL_COLUMNS[k]) for k in model_keys],
+        "category_speedups": _category_speedups(compared),
+        "check": _check_text(bench.get("check")),
     }
 
 
@@ -321,6 +517,7 @@ def render_card(
             repo_id=repo_id,
             arch=arch,
             training_rows=_training_rows(info),
+            curve=_curve_rows(info),
             bench=_bench_values(bench, base_model),
         )
     validate_card_metadata(card)

@@ -3,6 +3,9 @@
 A repo folder holds everything `AutoModel.from_pretrained(repo_id, trust_remote_code=True)` needs without `moa_hf`:
 `config.json` (with `auto_map`), the remote code (`configuration_moa.py`, `modeling_moa.py`), `model.safetensors`,
 `generation_config.json` and the model card `README.md` (plus the benchmark / training-info JSON the card quotes).
+
+The card quotes the benchmark and training info given explicitly, else the `benchmark.json` / `training_info.json`
+that `moa bench` / `moa train` left in the drafter's folder (for `default`: the shipped default drafter's folder).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ __all__ = [
     "AUTO_MAP",
     "REMOTE_CODE_FILES",
     "build_repo_folder",
+    "card_inputs",
     "check_repo_folder",
+    "drafter_folder",
     "load_drafter",
     "publish",
     "push_folder",
@@ -37,6 +42,10 @@ REMOTE_CODE_FILES = ("configuration_moa.py", "modeling_moa.py")
 AUTO_MAP = {"AutoConfig": "configuration_moa.MoADrafterConfig", "AutoModel": "modeling_moa.MoADrafterModel"}
 BENCHMARK_FILE = "moa_benchmark.json"
 TRAINING_INFO_FILE = "training_info.json"
+# JSON files in a drafter's folder the card quotes when none is given (the first found): `moa bench --output` writes
+# bench.json, a repo folder built by `moa publish` holds moa_benchmark.json
+FOLDER_BENCHMARK_FILES = ("benchmark.json", "bench.json", BENCHMARK_FILE)
+FOLDER_TRAINING_INFO_FILES = (TRAINING_INFO_FILE,)
 REQUIRED_FILES = ("config.json", *REMOTE_CODE_FILES, "model.safetensors", "generation_config.json", "README.md")
 _EMBEDDING_MODULES = ("embed_tokens", "lm_head")
 
@@ -75,6 +84,41 @@ def load_drafter(spec: str | os.PathLike | MoADrafterModel) -> MoADrafterModel:
             f"{path} holds a model of type {model_type!r}, not a MoA drafter ({MoADrafterConfig.model_type!r})."
         )
     return MoADrafterModel.from_pretrained(path, dtype="auto")
+
+
+def drafter_folder(spec: str | os.PathLike | MoADrafterModel) -> Path | None:
+    """The folder a drafter spec loads from (`default`: the shipped default drafter's); None for a model object."""
+    if isinstance(spec, (str, os.PathLike)):
+        if str(spec) != "default":
+            return Path(spec)
+        import moa_hf
+
+        folder = getattr(moa_hf, "default_drafter_path", None)
+        return Path(folder()) if folder is not None else None
+    return None
+
+
+def card_inputs(
+    drafter_path_or_model: str | os.PathLike | MoADrafterModel,
+    benchmark: str | os.PathLike | dict | None = None,
+    training_info: str | os.PathLike | dict | None = None,
+) -> tuple[str | os.PathLike | dict | None, str | os.PathLike | dict | None]:
+    """(benchmark, training_info) the card quotes: those given, else the JSON files found in the drafter's folder.
+
+    The folder's `benchmark.json` (else `bench.json`, else `moa_benchmark.json`) and `training_info.json` are used only
+    where the argument is None; an explicit path or dict always wins.
+    """
+    folder = drafter_folder(drafter_path_or_model)
+    if folder is None or not folder.is_dir():
+        return benchmark, training_info
+
+    def found(names: tuple[str, ...]) -> Path | None:
+        return next((folder / n for n in names if (folder / n).is_file()), None)
+
+    return (
+        benchmark if benchmark is not None else found(FOLDER_BENCHMARK_FILES),
+        training_info if training_info is not None else found(FOLDER_TRAINING_INFO_FILES),
+    )
 
 
 def _with_embeddings(drafter: MoADrafterModel, own_embeddings: bool) -> MoADrafterModel:
@@ -156,6 +200,7 @@ def build_repo_folder(
 ) -> Path:
     """Write the complete Hub repo folder of a drafter to `out_dir` and return it.
 
+    `benchmark` / `training_info` (path or dict) default to the JSON files in the drafter's folder (see `card_inputs`).
     `own_embeddings=False` publishes the drafter without embedding/LM-head copies (they are borrowed from the target
     on `attach`); True keeps the drafter's own copies (it must have them). `base_model` defaults to the target the
     drafter records (`config.target_name_or_path`).
@@ -167,6 +212,7 @@ def build_repo_folder(
     source = Path(drafter_path_or_model) if is_path else None
     _prepare_out_dir(out_dir, source, overwrite)
     drafter = _with_embeddings(load_drafter(drafter_path_or_model), own_embeddings)
+    benchmark, training_info = card_inputs(drafter_path_or_model, benchmark, training_info)
     bench = load_benchmark(benchmark)
     info = load_training_info(training_info)
     card = render_card(drafter, bench, info, repo_id=repo_id, base_model=base_model, license=license)  # fails early
@@ -320,12 +366,13 @@ def publish(
 # ---------------------------------------------------------------------------------------------------------------------
 def _run(args: argparse.Namespace) -> int:
     try:
+        bench, info = card_inputs(args.drafter, args.benchmark, args.training_info)
         result = publish(
             args.drafter,
             args.repo_id,
             args.out,
-            benchmark=args.benchmark,
-            training_info=args.training_info,
+            benchmark=bench,
+            training_info=info,
             own_embeddings=args.own_embeddings,
             base_model=args.base_model,
             license=args.license,
@@ -338,6 +385,8 @@ def _run(args: argparse.Namespace) -> int:
         )
     except (RuntimeError, ValueError, FileNotFoundError, FileExistsError) as err:
         raise SystemExit(f"moa publish: error: {err}") from err
+    for what, source in (("benchmark", bench), ("training info", info)):
+        print(f"Model card: {what} from {source}" if source is not None else f"Model card: no {what} (none found)")
     if args.push:
         print(f"Uploaded {args.repo_id}: {result}")
     else:
@@ -351,13 +400,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "publish",
         help="build (and upload) a Hugging Face Hub repo for a drafter",
         description="Build a Hub repo folder for a MoA drafter (weights, remote code, config, model card) and "
-        "optionally upload it.",
+        "optionally upload it. The card quotes --benchmark and --training-info; without them it uses the "
+        "benchmark.json (a `moa bench` result) and training_info.json (written by `moa train`) found in the "
+        "DRAFTER folder -- for `default`, the shipped default drafter's folder -- when they exist.",
     )
     p.add_argument("drafter", metavar="DRAFTER", help="a saved drafter folder, or `default`")
     p.add_argument("--repo-id", required=True, metavar="ORG/NAME", help="the Hub repo id")
     p.add_argument("--out", required=True, metavar="FOLDER", help="where to write the repo folder")
-    p.add_argument("--benchmark", metavar="JSON", help="benchmark JSON from `moa bench` (speed numbers of the card)")
-    p.add_argument("--training-info", metavar="JSON", help="training info JSON (data, tokens, steps, wall time...)")
+    p.add_argument(
+        "--benchmark",
+        metavar="JSON",
+        help="benchmark JSON from `moa bench` (speed numbers of the card; default: DRAFTER/benchmark.json if present)",
+    )
+    p.add_argument(
+        "--training-info",
+        metavar="JSON",
+        help="training info JSON from `moa train` (data, tokens, wall time, learning curve...; default: "
+        "DRAFTER/training_info.json if present)",
+    )
     p.add_argument("--own-embeddings", action="store_true", help="keep the drafter's own embedding/LM head copies")
     p.add_argument(
         "--base-model", metavar="ORG/NAME", help="Hub id of the target (default: the one the drafter records)"

@@ -5,6 +5,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,7 +21,16 @@ from safetensors.torch import load_file
 
 import moa_hf
 from moa_hf import MoADrafterModel, hub_cards, target_signature
-from moa_hf.hub import AUTO_MAP, REMOTE_CODE_FILES, build_repo_folder, check_repo_folder, load_drafter, register
+from moa_hf.hub import (
+    AUTO_MAP,
+    REMOTE_CODE_FILES,
+    build_repo_folder,
+    card_inputs,
+    check_repo_folder,
+    drafter_folder,
+    load_drafter,
+    register,
+)
 
 TARGET_ID = "moa-test/tiny-random-llama"
 REPO_ID = "moa-test/tiny-moa-drafter"
@@ -415,3 +425,201 @@ def test_attach_to_other_target_needs_matching_signature_and_opt_in(drafter_dir,
     drafter.attach(target)  # the recorded target itself
     assert drafter.is_attached
     drafter.detach()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Learning curve, all-method comparison and the JSON files next to a drafter
+# ---------------------------------------------------------------------------------------------------------------------
+METHODS = ("vanilla", "moa", "eagle", "independent", "pld")
+CATEGORIES = ("coding", "math", "writing")
+
+
+def _full_metrics(rng: random.Random, speedup: float | None = None) -> dict:
+    return {
+        **_metrics(rng),
+        **({"speedup": speedup} if speedup is not None else {}),
+        "alpha": rng.uniform(0.1, 0.9),
+        "gamma": rng.uniform(1.0, 6.0),
+        "cost_ratio": rng.uniform(0.01, 0.2),
+    }
+
+
+def _full_benchmark(seed: int, moa_speedup: float, target: str = TARGET_ID) -> dict:
+    """A benchmark in the newer `moa bench` format: five methods with per-category numbers, the run's settings."""
+    rng = random.Random(seed)
+    bench = _benchmark(seed, target)
+    bench["methods"] = {
+        name: {
+            "overall": _full_metrics(rng, moa_speedup if name == "moa" else None),
+            "per_category": {cat: _full_metrics(rng) for cat in CATEGORIES},
+            "info": {},
+        }
+        for name in METHODS
+    }
+    bench.update(questions_per_category=rng.randint(2, 80), max_new_tokens=rng.randint(32, 512))
+    return bench
+
+
+def _curve(seed: int, n: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [
+        {
+            "step": 10 * (i + 1),
+            "tokens": 1000 * (i + 1) + rng.randint(0, 999),
+            "wall_time_s": 60.0 * (i + 1),
+            "acceptance_length": rng.uniform(1.0, 4.0),
+        }
+        for i in range(n)
+    ]
+
+
+def _section(text: str, heading: str) -> str:
+    return text.split(heading + "\n", 1)[1].split("\n#", 1)[0]
+
+
+def _table(text: str, header_start: str) -> list[list[str]]:
+    """Cells of the Markdown table whose header row starts with `header_start` (separator row dropped)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return [rows[0], *rows[2:]]
+
+
+def test_card_learning_curve_and_all_methods(drafter):
+    bench = _full_benchmark(seed=5, moa_speedup=0.73)
+    info = {**TRAINING_INFO, "learning_curve": _curve(seed=5, n=7), "acceptance_length_heldout": 2.345}
+    card = render_card(drafter, bench, info, repo_id=REPO_ID)
+    meta = validate_card_metadata(card)
+    assert meta["base_model"] == TARGET_ID and meta["library_name"] == "transformers"
+    assert {"speculative-decoding", "mixture-of-attentions", "drafter"} <= set(meta["tags"])
+    text = card.text
+
+    curve = _table(_section(text, "### Learning curve"), "| Step")
+    assert curve[0] == ["Step", "Training tokens", "Wall time", "Held-out acceptance length"]
+    assert curve[1:] == [
+        [f"{p['step']:,}", f"{p['tokens']:,}", f"{p['wall_time_s'] / 60:.1f} min", f"{p['acceptance_length']:.2f}"]
+        for p in info["learning_curve"]
+    ]
+    assert "Held-out acceptance length (end of training) | 2.35" in text
+    assert "[{" not in text  # the curve is a table, not a JSON dump
+
+    speed = _section(text, "## Speed")
+    for value in (
+        bench["date"],
+        bench["dtype"],
+        bench["hardware"]["device"],
+        f"{bench['hardware']['cores']} cores",
+        f"| Max new tokens per prompt | {bench['max_new_tokens']} |",
+        f"| Questions per category | {bench['questions_per_category']} |",
+    ):
+        assert str(value) in speed
+    methods = _table(speed, "| Method")
+    assert methods[0][:5] == ["Method", "Acceptance length", "Tokens/s", "Speedup", "Theoretical speedup"]
+    assert len(methods) == 1 + len(METHODS)
+    for name, row in zip(METHODS, methods[1:]):
+        overall = bench["methods"][name]["overall"]
+        assert f"`{name}`" in row[0]
+        assert row[1:8] == [
+            f"{overall['acceptance_length']:.2f}",
+            f"{overall['tokens_per_s']:.1f}",
+            f"{overall['speedup']:.2f}×",
+            f"{overall['theoretical_speedup']:.2f}×",
+            f"{overall['alpha']:.2f}",
+            f"{overall['gamma']:.2f}",
+            f"{overall['cost_ratio']:.3f}",
+        ]
+    per_cat = _table(speed, "| Category | `moa`")
+    others = [m for m in METHODS if m != "vanilla"]
+    assert per_cat[0] == ["Category", *[f"`{m}`" for m in others]]
+    for cat, row in zip(CATEGORIES, per_cat[1:]):
+        speedups = [bench["methods"][m]["per_category"][cat]["speedup"] for m in others]
+        assert row[0] == cat
+        assert [c.strip("*") for c in row[1:]] == [f"{v:.2f}×" for v in speedups]
+        assert row[1 + speedups.index(max(speedups))].startswith("**")  # the best in bold
+
+    # honest about a drafter slower than the target alone
+    assert "slower than plain decoding" in speed and "0.73×, below 1" in speed
+    faster = [m for m in others if m != "moa" and bench["methods"][m]["overall"]["speedup"] > 0.73]
+    for m in faster:
+        assert f"`{m}` ({bench['methods'][m]['overall']['speedup']:.2f}×)" in speed
+    fast = _section(render_card(drafter, _full_benchmark(seed=5, moa_speedup=9.5), repo_id=REPO_ID).text, "## Speed")
+    assert "slower than plain decoding" not in fast and "9.50× as fast as the target alone" in fast
+    assert "fastest of the 4 speculative methods" in fast
+
+
+def test_card_long_learning_curve_is_thinned(drafter):
+    points = _curve(seed=6, n=hub_cards.card.MAX_CURVE_ROWS * 3 + 1)
+    text = render_card(drafter, training_info={"learning_curve": points}, repo_id=REPO_ID).text
+    rows = _table(_section(text, "### Learning curve"), "| Step")[1:]
+    assert len(rows) == hub_cards.card.MAX_CURVE_ROWS
+    assert rows[0][0] == f"{points[0]['step']:,}" and rows[-1][0] == f"{points[-1]['step']:,}"
+    assert f"{len(rows)} of\n{len(points)} measurements shown" in text
+
+
+def test_card_old_jsons_without_new_keys(drafter):
+    info = json.loads((moa_hf.default_drafter_path() / "training_info.json").read_text())
+    info.pop("learning_curve", None)
+    bench = _benchmark(seed=7)  # no alpha / gamma / cost_ratio, no questions_per_category, no vanilla
+    card = render_card(drafter, bench, info, repo_id=REPO_ID)
+    validate_card_metadata(card)
+    text = card.text
+    assert "Learning curve" not in text and "α" not in text and "Questions per category" not in text
+    assert f"{info['tokens']:,}" in text
+    with pytest.raises(ValueError, match="learning_curve"):
+        render_card(drafter, training_info={"learning_curve": {"step": 1}}, repo_id=REPO_ID)
+
+
+def test_publish_uses_jsons_next_to_the_drafter(tmp_path, capsys):
+    folder = tmp_path / "default_drafter"
+    shutil.copytree(moa_hf.default_drafter_path(), folder)
+    target_id = json.loads((folder / "config.json").read_text())["target_name_or_path"]
+    bench = _full_benchmark(seed=8, moa_speedup=0.61, target=target_id)
+    info = {"kind": "moa", "tokens": 987_654, "learning_curve": _curve(seed=8, n=4)}
+    (folder / "benchmark.json").write_text(json.dumps(bench))
+    (folder / "training_info.json").write_text(json.dumps(info))
+
+    out = tmp_path / "repo"
+    assert _publish_cli(["publish", str(folder), "--repo-id", REPO_ID, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"benchmark from {folder / 'benchmark.json'}" in printed
+    assert f"training info from {folder / 'training_info.json'}" in printed
+    assert json.loads((out / "moa_benchmark.json").read_text()) == bench
+    assert json.loads((out / "training_info.json").read_text()) == info
+    card = (out / "README.md").read_text()
+    assert validate_card_metadata(card)["base_model"] == target_id
+    assert f"{bench['methods']['pld']['overall']['tokens_per_s']:.1f}" in card
+    assert f"{info['learning_curve'][-1]['acceptance_length']:.2f}" in card and "987,654" in card
+    assert "slower than plain decoding" in card and "0.61×" in card
+    api = build_repo_folder(folder, REPO_ID, tmp_path / "repo_api")  # the Python API picks them up as well
+    assert json.loads((api / "moa_benchmark.json").read_text()) == bench
+    assert (api / "README.md").read_text() == (out / "README.md").read_text()
+
+    # explicit flags win over the folder's files
+    other_bench = _full_benchmark(seed=9, moa_speedup=1.87, target=target_id)
+    other_info = {"tokens": 123_123}
+    (tmp_path / "b.json").write_text(json.dumps(other_bench))
+    (tmp_path / "i.json").write_text(json.dumps(other_info))
+    out2 = tmp_path / "repo2"
+    argv = ["publish", str(folder), "--repo-id", REPO_ID, "--out", str(out2), "--benchmark", str(tmp_path / "b.json")]
+    assert _publish_cli([*argv, "--training-info", str(tmp_path / "i.json")]) == 0
+    assert json.loads((out2 / "moa_benchmark.json").read_text()) == other_bench
+    assert json.loads((out2 / "training_info.json").read_text()) == other_info
+    card = (out2 / "README.md").read_text()
+    assert "1.87×" in card and "123,123" in card and "987,654" not in card and "Learning curve" not in card
+
+
+def test_card_inputs_of_default_drafter(tmp_path):
+    folder = moa_hf.default_drafter_path()
+    expected = [
+        next((folder / n for n in names if (folder / n).is_file()), None)
+        for names in (("benchmark.json", "bench.json", "moa_benchmark.json"), ("training_info.json",))
+    ]
+    assert drafter_folder("default") == folder
+    assert list(card_inputs("default")) == expected
+    given = {"tokens": 1}
+    assert card_inputs("default", benchmark=tmp_path / "b.json", training_info=given) == (tmp_path / "b.json", given)
+    assert card_inputs(tmp_path / "nowhere") == (None, None)

@@ -223,6 +223,7 @@ def run_train(args: argparse.Namespace) -> int:
             "hardware": _hardware(),
             "final_train_loss": round(float(result.training_loss), 5),
             "acceptance_length_heldout": final.get("eval_acceptance_length"),
+            "learning_curve": _learning_curve(trainer, info_from=args.init_drafter),
         }
         (out / "training_info.json").write_text(json.dumps(info, indent=1))
         print(json.dumps({"output": str(out), **info}, indent=1))
@@ -288,6 +289,29 @@ def run_tune(args: argparse.Namespace) -> int:
         tune.write_best_setting(folder, result["best"], fallback=drafter.generation_config)
         print(f"updated {folder / 'generation_config.json'} with the best setting")
     return 0
+
+
+def _learning_curve(trainer, info_from: str | None) -> list[dict]:
+    """Held-out acceptance length vs training tokens and wall time, continuing the curve of `--init-drafter`."""
+    from .evaluation import AcceptanceEvalCallback
+
+    start = []
+    if info_from and (Path(info_from) / "training_info.json").exists():
+        start = json.loads((Path(info_from) / "training_info.json").read_text()).get("learning_curve") or []
+    tokens0 = start[-1]["tokens"] if start else 0
+    wall0 = start[-1]["wall_time_s"] if start else 0.0
+    step0 = start[-1]["step"] if start else 0
+    points = list(start)
+    for cb in trainer.callback_handler.callbacks:
+        if isinstance(cb, AcceptanceEvalCallback):
+            for h in cb.history:
+                points.append({
+                    "step": step0 + h["step"],
+                    "tokens": tokens0 + h["tokens"],
+                    "wall_time_s": round(wall0 + (h["wall_time_s"] or 0.0), 1),
+                    "acceptance_length": round(h["eval_acceptance_length"], 4),
+                })
+    return list({p["step"]: p for p in points}.values())  # one point per step (the last measurement)
 
 
 def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -113,7 +114,8 @@ class AcceptanceEvalCallback(TrainerCallback):
         self.max_new_tokens = max_new_tokens
         self.every_n_steps = every_n_steps
         self.trainer = trainer
-        self.history: list[dict[str, float]] = []
+        self.history: list[dict[str, float]] = []  # one entry per measurement: metrics, step, tokens, wall time
+        self._t0: float | None = None
 
     def _my_prompts(self) -> list[list[int]]:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -126,8 +128,14 @@ class AcceptanceEvalCallback(TrainerCallback):
         raw = measure_acceptance(self.target, drafter, self._my_prompts(), self.max_new_tokens)
         return {f"eval_{k}": v for k, v in raw.items()}
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+
     def _report(self, state, metrics: dict[str, float]) -> None:
-        self.history.append({**metrics, "step": state.global_step})
+        wall = time.perf_counter() - self._t0 if self._t0 is not None else None
+        tokens = int(state.num_input_tokens_seen or 0)
+        self.history.append({**metrics, "step": state.global_step, "tokens": tokens, "wall_time_s": wall})
         if self.trainer is not None:
             self.trainer.log(dict(metrics))
         else:
