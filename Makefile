@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test test-all lint setup
+.PHONY: demo test test-all lint setup data drafters bench hub
 
 .venv/.installed: pyproject.toml
 	python3 -m venv .venv
@@ -26,3 +26,31 @@ test-all: .venv/.installed
 
 lint: .venv/.installed
 	.venv/bin/ruff check .
+
+# ---- The default drafter and its peers, end to end (hours on a 2-core CPU; minutes on one GPU) ----------------------
+RUNS ?= runs
+PROMPTS ?= 3000
+STEPS ?= 300
+TRAIN := $(PY) -m moa_hf.cli train --target default --dtype bfloat16 --data $(RUNS)/data --states $(RUNS)/states \
+	--max-steps $(STEPS) --batch-size 8 --lr 1e-3 --warmup-steps 10 --min-cycle 2 --max-cycle 8 \
+	--eval-num-prompts 8 --eval-max-new-tokens 64 --save-steps 100 --save-total-limit 1
+
+data: .venv/.installed  ## the target answers the offline training prompts (resumable)
+	$(PY) -m moa_hf.cli data --target default --dtype bfloat16 --prompts default --num-prompts $(PROMPTS) \
+		--max-new-tokens 256 --batch-size 64 --shard-size 64 --output $(RUNS)/data
+
+drafters: .venv/.installed  ## MoA, EAGLE-style and independent drafters: same data, states, steps, batch, lr
+	$(TRAIN) --kind moa --draft-vocab-size 8192 --lsa-hidden-size 128 --eval-steps 60 --output $(RUNS)/moa
+	$(TRAIN) --kind eagle --eval-steps $(STEPS) --output $(RUNS)/eagle
+	$(TRAIN) --kind independent --eval-steps $(STEPS) --output $(RUNS)/independent
+	for kind in moa eagle independent; do $(PY) -m moa_hf.cli tune --target default --dtype bfloat16 \
+		--drafter $(RUNS)/$$kind --num-prompts 6 --max-new-tokens 64 --num-assistant-tokens 2,3,4,5,6 \
+		--thresholds 0,0.2,0.4 --write; done
+
+bench: .venv/.installed  ## Spec-Bench (needs ../shared/data/spec_bench or QUESTIONS=path)
+	$(PY) -m moa_hf.cli bench $(if $(QUESTIONS),--questions $(QUESTIONS)) --moa $(or $(MOA),default) \
+		--eagle $(RUNS)/eagle --independent $(RUNS)/independent --questions-per-category 3 \
+		--max-new-tokens 128 --output $(RUNS)/bench
+
+hub: .venv/.installed  ## the default drafter's Hub repo folder (card numbers from its benchmark.json)
+	$(PY) -m moa_hf.cli publish default --repo-id moa-hf/moa-smollm2-135m-instruct-drafter --out $(RUNS)/hub --overwrite
