@@ -523,3 +523,21 @@ def test_draft_length_policy():
             useless.observe_call(0.001, 0.06, 2, 1, 0)
     assert useless._interval == useless.max_probe_every
     assert DraftLengthPolicy(fixed=3).choose(100) == 3 and DraftLengthPolicy(fixed=3).choose(2) == 2
+
+
+def test_drafter_blob_with_draft_vocabulary_keeps_float_embeddings(tiny):
+    """An integer buffer (`draft_ids`) in the state dict must not set the dtype of the copied embedding/head."""
+    from moa_hf.serving.protocol import decode_drafter, encode_drafter
+
+    target, _ = tiny
+    drafter = moa_hf.build_drafter(target, draft_vocab_size=16)
+    drafter.init_draft_vocab(torch.arange(20, 36), target.get_output_embeddings().weight)
+    copy = decode_drafter(encode_drafter(drafter, target))
+    torch.testing.assert_close(copy.embed_tokens.weight, target.get_input_embeddings().weight)
+    assert torch.equal(copy.draft_ids, drafter.draft_ids)
+    drafter.attach(target)
+    try:
+        ids = torch.tensor([[5, 6, 7, 8]])
+        torch.testing.assert_close(copy.embed(ids), drafter.embed(ids))
+    finally:
+        drafter.detach()

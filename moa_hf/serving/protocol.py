@@ -202,7 +202,7 @@ def encode_drafter(drafter, target=None) -> bytes:
     if not drafter.config.own_embeddings:
         if target is None:
             raise ValueError("This drafter borrows the target's embedding and LM head: pass the target to copy them.")
-        dtype = next(iter(state.values())).dtype
+        dtype = next(v.dtype for v in state.values() if v.is_floating_point())  # not an integer buffer's
         state["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().to("cpu", dtype).contiguous()
         state["lm_head.weight"] = target.get_output_embeddings().weight.detach().to("cpu", dtype).contiguous()
         config["own_embeddings"] = True
