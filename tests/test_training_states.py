@@ -161,3 +161,35 @@ def test_peers_train_with_the_same_trainer_on_cached_states(tmp_path, target, ki
     trainer.save_model(str(tmp_path / "saved"))
     names = {p.name for p in (tmp_path / "saved").iterdir()}
     assert "model.safetensors" in names
+
+
+def test_moa_train_cli_on_cached_states_records_a_continuing_learning_curve(tmp_path):
+    """`moa train --states --draft-vocab-size` trains, saves the draft vocabulary and writes the held-out learning
+    curve; `--init-drafter` continues that curve (tokens and steps add up)."""
+    import json
+
+    from moa_hf.training.cli import main
+    from moa_hf.training.testing import tiny_tokenizer
+
+    folder = tmp_path / "target"
+    tiny_target().save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    random_dataset(8).save_to_disk(str(tmp_path / "data"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello there"}\n{"prompt": "one two three"}\n')
+    common = ["train", "--target", str(folder), "--dtype", "float32", "--data", str(tmp_path / "data"), "--states",
+              str(tmp_path / "states"), "--batch-size", "4", "--eval-prompts", str(prompts), "--eval-num-prompts", "2",
+              "--eval-max-new-tokens", "8", "--eval-steps", "2", "--save-steps", "100", "--quiet", "--cpu"]
+    assert main([*common, "--output", str(tmp_path / "a"), "--max-steps", "4", "--draft-vocab-size", "16",
+                 "--lsa-hidden-size", "32"]) == 0
+    info = json.loads((tmp_path / "a" / "training_info.json").read_text())
+    assert info["cached_target_states"] is True and info["kind"] == "moa"
+    curve = info["learning_curve"]
+    assert [p["step"] for p in curve] == [2, 4] and 0 < curve[0]["tokens"] < curve[1]["tokens"]
+    assert all(p["acceptance_length"] >= 1.0 for p in curve)
+    drafter = moa_hf.MoADrafterModel.from_pretrained(tmp_path / "a")
+    assert drafter.config.draft_vocab_size == 16 and drafter.config.lsa_hidden_size == 32
+    assert main([*common, "--output", str(tmp_path / "b"), "--max-steps", "2", "--init-drafter",
+                 str(tmp_path / "a")]) == 0
+    more = json.loads((tmp_path / "b" / "training_info.json").read_text())["learning_curve"]
+    assert [p["step"] for p in more] == [2, 4, 6] and more[2]["tokens"] > curve[1]["tokens"]
