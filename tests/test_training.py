@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import datasets
 import moa_hf.training as training
 import pytest
 import torch
@@ -14,7 +13,6 @@ from moa_hf.training import (
     IGNORE_INDEX,
     MoADataCollator,
     MoATrainer,
-    MoATrainingArguments,
     apply_lora,
     build_dataset,
     chunked_soft_cross_entropy,
@@ -26,7 +24,7 @@ from moa_hf.training import (
     sa_curriculum_mask,
     staircase_restarts,
 )
-from moa_hf.training.testing import tiny_target, tiny_tokenizer
+from moa_hf.training.testing import random_dataset, tiny_target, tiny_tokenizer, tiny_training_args
 from safetensors import safe_open
 from transformers import TrainerCallback
 
@@ -38,34 +36,7 @@ torch.set_num_threads(1)
 # ---------------------------------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------------------------------
-def random_dataset(n: int = 16, seed: int = 0, vocab: int = 100) -> datasets.Dataset:
-    """Random (prompt, response) token sequences of varied lengths (no generation needed)."""
-    g = torch.Generator().manual_seed(seed)
-    rows, prompt_lengths = [], []
-    for _ in range(n):
-        p = int(torch.randint(3, 9, (1,), generator=g))
-        r = int(torch.randint(10, 24, (1,), generator=g))
-        rows.append(torch.randint(3, vocab, (p + r,), generator=g).tolist())
-        prompt_lengths.append(p)
-    return datasets.Dataset.from_dict({"input_ids": rows, "prompt_length": prompt_lengths})
-
-
-def make_args(tmp_path: Path, **overrides) -> MoATrainingArguments:
-    kwargs = dict(
-        output_dir=str(tmp_path / "out"),
-        max_steps=4,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-        eval_num_prompts=0,
-    )
-    kwargs.update(overrides)
-    return MoATrainingArguments(**kwargs)
+make_args = tiny_training_args
 
 
 def make_drafter(target, seed: int = 0, **overrides):

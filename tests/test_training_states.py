@@ -6,34 +6,16 @@ from __future__ import annotations
 import datasets
 import pytest
 import torch
-from moa_hf.training import MoATrainer, MoATrainingArguments, run_target
+from moa_hf.training import MoATrainer, run_target
 from moa_hf.training.builders import build_for_kind, build_independent, frequent_tokens, init_from_target_layer
 from moa_hf.training.states import TargetStatesDataset, cache_target_states, load_target_states
-from moa_hf.training.testing import tiny_target
+from moa_hf.training.testing import random_dataset, tiny_target
+from moa_hf.training.testing import tiny_training_args as make_args
 from moa_hf.training.trainer import drafter_kind
 
 import moa_hf
 
 torch.set_num_threads(1)
-
-
-def random_dataset(n: int = 12, seed: int = 0, vocab: int = 100) -> datasets.Dataset:
-    g = torch.Generator().manual_seed(seed)
-    rows, prompt_lengths = [], []
-    for _ in range(n):
-        p = int(torch.randint(3, 9, (1,), generator=g))
-        r = int(torch.randint(10, 24, (1,), generator=g))
-        rows.append(torch.randint(3, vocab, (p + r,), generator=g).tolist())
-        prompt_lengths.append(p)
-    return datasets.Dataset.from_dict({"input_ids": rows, "prompt_length": prompt_lengths})
-
-
-def make_args(tmp_path, **overrides) -> MoATrainingArguments:
-    kwargs = dict(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-3,
-                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
-                  eval_num_prompts=0)
-    kwargs.update(overrides)
-    return MoATrainingArguments(**kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +49,7 @@ def test_training_on_cached_states_matches_online_training(tmp_path, target):
     for train in (data, TargetStatesDataset(data, folder)):
         torch.manual_seed(0)
         drafter = moa_hf.build_drafter(target)
-        trainer = MoATrainer(model=drafter, target=target, args=make_args(tmp_path), train_dataset=train)
+        trainer = MoATrainer(model=drafter, target=target, args=make_args(tmp_path, max_steps=3), train_dataset=train)
         trainer.train()
         curves.append([h["loss"] for h in trainer.state.log_history if "loss" in h])
     assert len(curves[0]) == 3
@@ -122,7 +104,7 @@ def test_draft_vocabulary_drafter_trains_on_the_reduced_teacher(tmp_path, target
     drafter = moa_hf.build_drafter(target, draft_vocab_size=32)
     drafter.init_draft_vocab(frequent_tokens(data, 32, 100), target.get_output_embeddings().weight)
     before = drafter.draft_head.weight.clone()
-    trainer = MoATrainer(model=drafter, target=target, args=make_args(tmp_path), train_dataset=data)
+    trainer = MoATrainer(model=drafter, target=target, args=make_args(tmp_path, max_steps=3), train_dataset=data)
     trainer.train()
     assert not torch.equal(before, drafter.draft_head.weight)  # the draft head is trained
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-__all__ = ["tiny_target", "tiny_tokenizer"]
+__all__ = ["random_dataset", "tiny_target", "tiny_tokenizer", "tiny_training_args"]
 
 _SPECIALS = ("<pad>", "<|im_end|>", "<|im_start|>")
 _CHAT_TEMPLATE = (
@@ -75,3 +75,38 @@ def tiny_target(
         with torch.no_grad():
             model.lm_head.weight.mul_(logit_scale)
     return model.eval()
+
+
+def random_dataset(n: int = 16, seed: int = 0, vocab: int = 100):
+    """Random (prompt, response) token sequences of varied lengths, as `moa data` writes them (no generation)."""
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+    rows, prompt_lengths = [], []
+    for _ in range(n):
+        p = int(torch.randint(3, 9, (1,), generator=g))
+        r = int(torch.randint(10, 24, (1,), generator=g))
+        rows.append(torch.randint(3, vocab, (p + r,), generator=g).tolist())
+        prompt_lengths.append(p)
+    return datasets.Dataset.from_dict({"input_ids": rows, "prompt_length": prompt_lengths})
+
+
+def tiny_training_args(tmp_path, **overrides):
+    """`MoATrainingArguments` for a few quick CPU steps in `tmp_path/out` (no saving, no reporting)."""
+    from .arguments import MoATrainingArguments
+
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        eval_num_prompts=0,
+    )
+    kwargs.update(overrides)
+    return MoATrainingArguments(**kwargs)

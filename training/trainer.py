@@ -208,25 +208,10 @@ def _accepts(model: torch.nn.Module, name: str) -> bool:
         return False
 
 
-_DRAFTER_TYPES = (MoADrafterModel, MoAEagleDrafterModel)
-
-
-def drafter_kind(model: torch.nn.Module) -> str:
-    """"moa" (MoADrafterModel), "eagle" (MoAEagleDrafterModel) or "independent" (an ordinary causal LM assistant,
-    trained by distillation from the target's distribution alone)."""
-    try:
-        drafter = unwrap_drafter(model)
-    except TypeError:
-        return "independent"
-    return "moa" if isinstance(drafter, MoADrafterModel) else "eagle"
-
-
-def unwrap_drafter(model: torch.nn.Module) -> MoADrafterModel:
-    """The MoA (or EAGLE-style) drafter inside `model` (itself, or under a PEFT / DDP / compile wrapper)."""
+def _unwrap_any(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside PEFT / DDP / torch.compile wrappers (itself when unwrapped)."""
     seen = model
     for _ in range(8):
-        if isinstance(seen, _DRAFTER_TYPES):
-            return seen
         if hasattr(seen, "get_base_model"):  # peft.PeftModel
             seen = seen.get_base_model()
         elif hasattr(seen, "module"):  # DistributedDataParallel and friends
@@ -235,23 +220,26 @@ def unwrap_drafter(model: torch.nn.Module) -> MoADrafterModel:
             seen = seen._orig_mod
         else:
             break
-    raise TypeError(
-        f"Expected a MoADrafterModel or MoAEagleDrafterModel (optionally wrapped by PEFT/DDP), got "
-        f"{type(model).__name__}."
-    )
+    return seen
 
 
-def _unwrap_any(model: torch.nn.Module) -> torch.nn.Module:
-    seen = model
-    for _ in range(8):
-        if hasattr(seen, "get_base_model"):
-            seen = seen.get_base_model()
-        elif hasattr(seen, "module"):
-            seen = seen.module
-        elif hasattr(seen, "_orig_mod"):
-            seen = seen._orig_mod
-        else:
-            break
+def drafter_kind(model: torch.nn.Module) -> str:
+    """"moa" (MoADrafterModel), "eagle" (MoAEagleDrafterModel) or "independent" (an ordinary causal LM assistant,
+    trained by distillation from the target's distribution alone)."""
+    seen = _unwrap_any(model)
+    if isinstance(seen, MoADrafterModel):
+        return "moa"
+    return "eagle" if isinstance(seen, MoAEagleDrafterModel) else "independent"
+
+
+def unwrap_drafter(model: torch.nn.Module) -> MoADrafterModel:
+    """The MoA (or EAGLE-style) drafter inside `model` (itself, or under a PEFT / DDP / compile wrapper)."""
+    seen = _unwrap_any(model)
+    if not isinstance(seen, (MoADrafterModel, MoAEagleDrafterModel)):
+        raise TypeError(
+            f"Expected a MoADrafterModel or MoAEagleDrafterModel (optionally wrapped by PEFT/DDP), got "
+            f"{type(model).__name__}."
+        )
     return seen
 
 
@@ -345,7 +333,7 @@ class MoATrainer(Trainer):
     @property
     def drafter(self) -> torch.nn.Module:
         """The drafter being trained (under any PEFT / DDP wrapper): MoA, EAGLE-style or an independent LM."""
-        return _unwrap_any(self.model) if self.kind == "independent" else unwrap_drafter(self.model)
+        return _unwrap_any(self.model)
 
     # -----------------------------------------------------------------------------------------------------------------
     # Batch preparation
