@@ -10,7 +10,6 @@ This file ships inside every Hub repo as remote code next to configuration_eagle
 modeling_moa.py (whose building blocks it reuses): it imports only torch, transformers and its sibling files.
 """
 
-import contextlib
 import time
 from dataclasses import dataclass
 
@@ -21,16 +20,14 @@ from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList,
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .configuration_eagle import MoAEagleConfig, eagle_unsupported_target_reason
-from .configuration_moa import target_signature
 from .modeling_moa import (
     MoADecoderLayer,
+    MoADrafterMixin,
     MoADrafterOutput,
     MoARMSNorm,
     MoARotaryEmbedding,
-    SpeculationStats,
     _decoder_of,
     _Session,
-    _short_name,
     _TargetTap,
 )
 
@@ -177,7 +174,7 @@ class MoAEaglePreTrainedModel(PreTrainedModel):
             module.inv_freq.copy_(module.compute_inv_freq())
 
 
-class MoAEagleDrafterModel(MoAEaglePreTrainedModel, GenerationMixin):
+class MoAEagleDrafterModel(MoADrafterMixin, MoAEaglePreTrainedModel, GenerationMixin):
     """The EAGLE drafter. Attach it to its target, then pass it as `assistant_model` to `target.generate`.
 
     ```python
@@ -211,16 +208,6 @@ class MoAEagleDrafterModel(MoAEaglePreTrainedModel, GenerationMixin):
         self._session: _Session | None = None
         self.post_init()
         self.generation_config = self.default_generation_config(self.generation_config)
-
-    @staticmethod
-    def default_generation_config(generation_config: GenerationConfig | None = None) -> GenerationConfig:
-        """Speculation defaults read by transformers' assisted generation (as `MoADrafterModel`'s): at most 5 drafted
-        tokens per cycle, constant schedule, stop drafting once the drafter's own probability falls below 0.3."""
-        gc = generation_config if generation_config is not None else GenerationConfig()
-        gc.num_assistant_tokens = 5
-        gc.num_assistant_tokens_schedule = "constant"
-        gc.assistant_confidence_threshold = 0.3
-        return gc
 
     # ----------------------------------------------------------------------------------------------------------------
     # Attaching to the target
@@ -260,91 +247,17 @@ class MoAEagleDrafterModel(MoAEaglePreTrainedModel, GenerationMixin):
         self._start_session()
         return self
 
-    def detach(self) -> "MoAEagleDrafterModel":
-        """Remove every hook from the target and drop the borrowed modules."""
-        if self._attachment is not None:
-            for handle in self._attachment.handles:
-                handle.remove()
-        self._attachment = None
-        self._session = None
-        return self
-
-    @contextlib.contextmanager
-    def attached(self, target: PreTrainedModel, allow_other_target: bool = False):
-        """`with drafter.attached(target): ...`: attached inside, detached on leaving (also on an exception)."""
-        self.attach(target, allow_other_target=allow_other_target)
-        try:
-            yield self
-        finally:
-            self.detach()
-
-    @property
-    def is_attached(self) -> bool:
-        return self._attachment is not None
-
     def check_target(self, target: PreTrainedModel, allow_other_target: bool = False) -> None:
         """Raise a `ValueError` saying what is wrong if this drafter cannot serve `target`."""
         reason = eagle_unsupported_target_reason(target.config)
         if reason is not None:
             raise ValueError(f"This target cannot be served by an EAGLE drafter: {reason}.")
-        sig = target_signature(target.config)
-        head = target.get_output_embeddings()
-        if head is not None and hasattr(head, "weight"):
-            sig["vocab_size"] = head.weight.shape[0]
-        diffs = [
-            f"{key}: drafter {value} != target {sig[key]}"
-            for key, value in self.config.signature().items()
-            if sig.get(key) != value
-        ]
-        if diffs:
-            raise ValueError(
-                "The target's signature does not match the one this EAGLE drafter was built for ("
-                + "; ".join(diffs)
-                + "). Use a drafter trained for this target, or build one with "
-                "`MoAEagleConfig.from_target_config(target.config)`."
-            )
-        expected = self.config.target_name_or_path
-        actual = getattr(target.config, "name_or_path", "") or ""
-        if expected and actual and not allow_other_target and _short_name(expected) != _short_name(actual):
-            raise ValueError(
-                f"This drafter was trained for target '{expected}' but is being attached to '{actual}'. Their "
-                "signatures match, so it will run, but its acceptance may be poor. Pass `allow_other_target=True` "
-                "to attach anyway."
-            )
+        self._check_signature(target, allow_other_target)
         _decoder_of(target)  # raises if the decoder (whose output the drafter reads) cannot be found
 
     # ----------------------------------------------------------------------------------------------------------------
     # Borrowed or own embedding / head
     # -----------------------------------------------------------------------------------------------------------------
-    def get_input_embeddings(self):
-        if self.config.own_embeddings:
-            return self.embed_tokens
-        return self._attachment.embed if self._attachment is not None else None
-
-    def get_output_embeddings(self):
-        if self.config.own_embeddings:
-            return self.lm_head
-        return self._attachment.lm_head if self._attachment is not None else None
-
-    def _require(self, what: str):
-        if not self.config.own_embeddings and self._attachment is None:
-            raise RuntimeError(
-                f"The drafter needs the target's {what}: call `drafter.attach(target)` first (or use "
-                "`with drafter.attached(target):`), or build the drafter with `own_embeddings=True`."
-            )
-
-    def copy_embeddings_from(self, target: PreTrainedModel) -> None:
-        """Copy the target's embedding and LM head into the drafter's own (`own_embeddings=True`)."""
-        if not self.config.own_embeddings:
-            raise ValueError("copy_embeddings_from needs a drafter built with `own_embeddings=True`.")
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-            self.lm_head.weight.copy_(target.get_output_embeddings().weight)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        self._require("embedding")
-        return self.get_input_embeddings()(input_ids).to(self.dtype)
-
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The (borrowed or own) LM head on predicted features [..., d] -> float32 logits [..., V]."""
         self._require("LM head")
@@ -530,38 +443,9 @@ class MoAEagleDrafterModel(MoAEaglePreTrainedModel, GenerationMixin):
         return GenerateDecoderOnlyOutput(sequences=ids, scores=tuple(scores), past_key_values=cache)
 
     def _start_session(self) -> None:
-        att = self._attachment
-        if att is not None:
-            att.tap.cache = None  # the target's cache of an earlier generate call is stale
-            att.features.reset()
-        tap = att.tap if att is not None else None
-        self._session = _Session(tap_calls0=tap.calls if tap else 0, tap_seconds0=tap.seconds if tap else 0.0)
-
-    @property
-    def speculation_stats(self) -> SpeculationStats:
-        """Statistics of the last `generate` session (see `SpeculationStats`)."""
-        s, att = self._session, self._attachment
-        if s is None or att is None:
-            return SpeculationStats()
-        tap = att.tap
-        if not s.calls:  # the drafter was never asked (e.g. a single new token): plain decoding
-            accepted = [1] * (tap.calls - s.tap_calls0)
-        else:
-            accepted = [b[0] - a[0] for a, b in zip(s.calls, s.calls[1:])]
-        if s.calls and tap.cache is not None:
-            final_len = tap.cache.get_seq_length() + 1  # the target cache holds all verified tokens but the last
-            last_len, last_calls = s.calls[-1]
-            extra_calls = tap.calls - last_calls
-            if extra_calls > 0 and final_len > last_len:
-                accepted.append(final_len - last_len - (extra_calls - 1))
-                accepted.extend([1] * (extra_calls - 1))
-        return SpeculationStats(
-            accepted_lengths=accepted,
-            target_calls=tap.calls - s.tap_calls0,
-            drafted_tokens=s.drafted_tokens,
-            draft_time_s=s.draft_time_s,
-            verify_time_s=tap.seconds - s.tap_seconds0,
-        )
+        if self._attachment is not None:
+            self._attachment.features.reset()  # features of an earlier generate call are stale
+        super()._start_session()
 
 
 MoAEagleConfig.register_for_auto_class()
