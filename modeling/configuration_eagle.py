@@ -2,7 +2,7 @@
 
 from transformers import PreTrainedConfig
 
-from .configuration_moa import _SIGNATURE_KEYS, _text_config, target_signature
+from .configuration_moa import _SIGNATURE_KEYS, _text_config, target_layer_defaults
 
 __all__ = ["MoAEagleConfig", "eagle_unsupported_target_reason"]
 
@@ -96,22 +96,6 @@ class MoAEagleConfig(PreTrainedConfig):
         reason = eagle_unsupported_target_reason(target_config)
         if reason is not None:
             raise ValueError(f"Cannot build an EAGLE drafter for this target: {reason}.")
-        cfg = _text_config(target_config)
-        sig = target_signature(cfg)
-        kwargs = dict(sig)
-        kwargs.update(
-            target_name_or_path=getattr(target_config, "name_or_path", None) or None,
-            hidden_size=sig["target_hidden_size"],
-            intermediate_size=getattr(cfg, "intermediate_size", None) or 4 * sig["target_hidden_size"],
-            num_attention_heads=sig["target_num_attention_heads"],
-            num_key_value_heads=sig["target_num_key_value_heads"],
-            head_dim=sig["target_head_dim"],
-            rope_theta=sig["target_rope_theta"],
-            rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
-            max_position_embeddings=getattr(cfg, "max_position_embeddings", 8192),
-            bos_token_id=getattr(cfg, "bos_token_id", None),
-            eos_token_id=getattr(cfg, "eos_token_id", None),
-            pad_token_id=getattr(cfg, "pad_token_id", None),
-        )
+        kwargs = target_layer_defaults(target_config)
         kwargs.update(overrides)
         return cls(**kwargs)

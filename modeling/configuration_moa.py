@@ -2,7 +2,7 @@
 
 from transformers import PreTrainedConfig
 
-__all__ = ["MoADrafterConfig", "target_signature", "unsupported_target_reason"]
+__all__ = ["MoADrafterConfig", "target_layer_defaults", "target_signature", "unsupported_target_reason"]
 
 # Attributes of a target config that the drafter depends on ("the target's signature").
 _SIGNATURE_KEYS = (
@@ -64,6 +64,28 @@ def unsupported_target_reason(target_config) -> str | None:
             "full-attention cache. Set `sliding_window=None` if the checkpoint does not actually use it"
         )
     return None
+
+
+def target_layer_defaults(target_config) -> dict:
+    """Config fields of a drafter layer at the target's own shape: the target's signature plus its width, heads,
+    MLP size, RoPE theta, norm eps, context length and special token ids (shared by every drafter type)."""
+    cfg = _text_config(target_config)
+    sig = target_signature(cfg)
+    return dict(
+        sig,
+        target_name_or_path=getattr(target_config, "name_or_path", None) or None,
+        hidden_size=sig["target_hidden_size"],
+        intermediate_size=getattr(cfg, "intermediate_size", None) or 4 * sig["target_hidden_size"],
+        num_attention_heads=sig["target_num_attention_heads"],
+        num_key_value_heads=sig["target_num_key_value_heads"],
+        head_dim=sig["target_head_dim"],
+        rope_theta=sig["target_rope_theta"],
+        rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
+        max_position_embeddings=getattr(cfg, "max_position_embeddings", 8192),
+        bos_token_id=getattr(cfg, "bos_token_id", None),
+        eos_token_id=getattr(cfg, "eos_token_id", None),
+        pad_token_id=getattr(cfg, "pad_token_id", None),
+    )
 
 
 class MoADrafterConfig(PreTrainedConfig):
@@ -182,22 +204,6 @@ class MoADrafterConfig(PreTrainedConfig):
         reason = unsupported_target_reason(target_config)
         if reason is not None:
             raise ValueError(f"Cannot build a MoA drafter for this target: {reason}.")
-        cfg = _text_config(target_config)
-        sig = target_signature(cfg)
-        kwargs = dict(sig)
-        kwargs.update(
-            target_name_or_path=getattr(target_config, "name_or_path", None) or None,
-            hidden_size=sig["target_hidden_size"],
-            intermediate_size=getattr(cfg, "intermediate_size", 4 * sig["target_hidden_size"]),
-            num_attention_heads=sig["target_num_attention_heads"],
-            num_key_value_heads=sig["target_num_key_value_heads"],
-            head_dim=sig["target_head_dim"],
-            rope_theta=sig["target_rope_theta"],
-            rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
-            max_position_embeddings=getattr(cfg, "max_position_embeddings", 8192),
-            bos_token_id=getattr(cfg, "bos_token_id", None),
-            eos_token_id=getattr(cfg, "eos_token_id", None),
-            pad_token_id=getattr(cfg, "pad_token_id", None),
-        )
+        kwargs = target_layer_defaults(target_config)
         kwargs.update(overrides)
         return cls(**kwargs)
