@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import PreTrainedModel
 
-from ..modeling import gather_target_kv
+from ..modeling import gather_target_kv, target_signature
 
 __all__ = ["TargetStatesDataset", "cache_target_states", "load_target_states"]
 
@@ -33,14 +33,7 @@ _FORMAT = 1
 
 
 def _signature(target: PreTrainedModel) -> dict:
-    cfg = target.config.get_text_config()
-    return {
-        "name_or_path": getattr(target.config, "name_or_path", None),
-        "model_type": cfg.model_type,
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "vocab_size": cfg.vocab_size,
-    }
+    return {"name_or_path": getattr(target.config, "name_or_path", None), **target_signature(target.config)}
 
 
 def _as_u16(x: torch.Tensor) -> np.ndarray:
