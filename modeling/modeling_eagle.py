@@ -89,10 +89,13 @@ class MoAEagleCache:
         differ = (self.tokens[:, :n] != input_ids[:, :n]).any(0).nonzero()
         return int(differ[0]) if differ.numel() else n
 
-    def crop(self, length: int) -> None:
-        """Keep positions < `length`; a negative value removes that many tokens (transformers' convention)."""
-        if length < 0:
-            length = max(0, self.get_seq_length() + length)
+    def crop(self, n: int) -> None:
+        """transformers' convention: `crop(-k)` drops the last k positions and `crop(0)` none (assisted generation
+        calls it so after a fully accepted draft); a positive `n` keeps positions < n (see `truncate`)."""
+        self.truncate(max(0, self.get_seq_length() + n) if n <= 0 else n)
+
+    def truncate(self, length: int) -> None:
+        """Keep positions < `length` (0 empties the cache)."""
         for layer in self.layers:
             layer.crop(length)
         if self.tokens is not None:
@@ -401,7 +404,7 @@ class MoAEagleDrafterModel(MoADrafterMixin, MoAEaglePreTrainedModel, GenerationM
             session.calls.append((n, self._attachment.tap.calls if self._attachment else 0))
         # keep positions computed from true features and still-valid tokens, never the last one (its output drafts)
         keep = min(cache.true_length, cache.common_prefix(input_ids), n - 1)
-        cache.crop(keep)
+        cache.truncate(keep)
         self._sync(cache, n)
         avail = cache.feature_length  # true features of positions < avail
         if avail < n - 1:  # the target has not run yet (first cycle): without features, one cheap guess only

@@ -32,6 +32,7 @@ __all__ = [
     "SpeculationStats",
     "cycle_starts_from_restarts",
     "gather_target_kv",
+    "lookup_continuation",
 ]
 
 
@@ -197,6 +198,24 @@ def cycle_starts_from_restarts(restart: torch.Tensor) -> torch.Tensor:
     return torch.cummax(marks, dim=1).values  # [B, T]
 
 
+def lookup_continuation(ids: torch.Tensor, max_ngram: int, max_tokens: int, min_ngram: int = 1) -> torch.Tensor:
+    """Prompt lookup: the tokens that followed an earlier occurrence of the longest suffix n-gram of `ids` [T].
+
+    n runs from `max_ngram` down to `min_ngram`; among the matches of one n the most recent one with `max_tokens`
+    tokens after it wins (else the earliest, which has the longest continuation). Returns [<= max_tokens] ids, empty
+    when no n-gram of `ids` ends earlier than its last token.
+    """
+    T = ids.shape[0]
+    for n in range(min(max_ngram, T - 1), max(min_ngram, 1) - 1, -1):
+        windows = ids[: T - 1].unfold(0, n, 1)  # [T-n, n]: the n-gram starting at i, for i + n <= T - 1
+        hits = (windows == ids[T - n :]).all(dim=1).nonzero().flatten()  # [M] starts of matches
+        if hits.numel():
+            full = hits[hits + n + max_tokens <= T]  # matches followed by max_tokens tokens
+            start = int(full[-1] if full.numel() else hits[0]) + n
+            return ids[start : start + max_tokens]
+    return ids[:0]
+
+
 class MoADrafterCache:
     """Everything the drafter keeps between drafting calls; all of it rolls back to any length with `crop`.
 
@@ -244,10 +263,19 @@ class MoADrafterCache:
             k, v = torch.cat([self.ca_keys, k], dim=2), torch.cat([self.ca_values, v], dim=2)
         self.ca_keys, self.ca_values = k, v
 
-    def crop(self, length: int) -> None:
-        """Keep positions < `length`; a negative value removes that many tokens (transformers' convention)."""
-        if length < 0:
-            length = max(0, self.get_seq_length() + length)
+    def crop_self(self, length: int) -> None:
+        """Keep the SA keys/values of positions < `length` only; the CA memory (verified context) stays."""
+        if self.sa_keys is not None:
+            self.sa_keys, self.sa_values = self.sa_keys[:, :, :length], self.sa_values[:, :, :length]
+            self.tokens = self.tokens[:, :length]
+
+    def crop(self, n: int) -> None:
+        """transformers' convention: `crop(-k)` drops the last k positions and `crop(0)` none (assisted generation
+        calls it so after a fully accepted draft); a positive `n` keeps positions < n (see `truncate`)."""
+        self.truncate(max(0, self.get_seq_length() + n) if n <= 0 else n)
+
+    def truncate(self, length: int) -> None:
+        """Keep positions < `length` (0 empties the cache)."""
         if self.sa_keys is not None:
             self.sa_keys, self.sa_values = self.sa_keys[:, :, :length], self.sa_values[:, :, :length]
             self.tokens = self.tokens[:, :length]
@@ -282,6 +310,8 @@ class SpeculationStats:
     drafted_tokens: int = 0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    lookup_cycles: int = 0  # cycles whose draft came from prompt lookup (see `default_generation_config`)
+    lookup_tokens: int = 0  # tokens of `drafted_tokens` proposed by prompt lookup
 
     @property
     def mean_accepted_length(self) -> float:
@@ -300,6 +330,8 @@ class SpeculationStats:
             "generated_tokens": self.generated_tokens,
             "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s,
+            "lookup_cycles": self.lookup_cycles,
+            "lookup_tokens": self.lookup_tokens,
         }
 
 
@@ -352,6 +384,8 @@ class _Session:
     tap_seconds0: float = 0.0
     drafted_tokens: int = 0
     draft_time_s: float = 0.0
+    lookup_cycles: int = 0
+    lookup_tokens: int = 0
     context_reads: list = field(default_factory=list)  # (start, end) target positions read, per cycle
 
 
@@ -368,6 +402,7 @@ class MoADrafterMixin:
 
     _attachment = None
     _session: "_Session | None" = None
+    supports_prompt_lookup = False  # True where `generate` drafts from `_lookup_proposal` first
 
     @staticmethod
     def default_generation_config(generation_config: GenerationConfig | None = None) -> GenerationConfig:
@@ -378,11 +413,20 @@ class MoADrafterMixin:
           draft and shrinks it by 1 otherwise (and writes it back into this config).
         - `assistant_confidence_threshold`: stop drafting early once the drafter's probability of its own token
           falls below this value (0 drafts always `num_assistant_tokens`).
+        - `prompt_lookup_num_tokens` (MoA drafter; None or 0: off): before running its network, the drafter looks
+          for the longest suffix n-gram of the verified text earlier in it (`max_matching_ngram_size` down to
+          `prompt_lookup_min_ngram` tokens) and, on a match, proposes up to this many tokens that followed it
+          (capped by `num_assistant_tokens`). Such a cycle costs the drafter no forward pass; the context of the
+          tokens verified meanwhile is read at the next network cycle. Copy-heavy text (summaries, RAG, code edits)
+          gains most; output stays exact because the target verifies every token.
         """
         gc = generation_config if generation_config is not None else GenerationConfig()
         gc.num_assistant_tokens = 5
         gc.num_assistant_tokens_schedule = "constant"
         gc.assistant_confidence_threshold = 0.3
+        gc.prompt_lookup_num_tokens = None
+        gc.max_matching_ngram_size = 3
+        gc.prompt_lookup_min_ngram = 2
         return gc
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -470,6 +514,45 @@ class MoADrafterMixin:
         return self.get_input_embeddings()(input_ids).to(self.dtype)
 
     # ----------------------------------------------------------------------------------------------------------------
+    # Prompt lookup: drafts that cost no forward pass
+    # -----------------------------------------------------------------------------------------------------------------
+    def _lookup_proposal(
+        self, input_ids: torch.Tensor, max_new_tokens: int, min_new_tokens: int, eos: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The tokens [n] that prompt lookup proposes after `input_ids` [1, T], or None (lookup off or no match)."""
+        gc = self.generation_config
+        num = min(int(getattr(gc, "prompt_lookup_num_tokens", None) or 0), max_new_tokens)
+        if num <= 0:
+            return None
+        max_ngram = int(getattr(gc, "max_matching_ngram_size", None) or 2)
+        min_ngram = int(getattr(gc, "prompt_lookup_min_ngram", None) or 1)
+        tokens = lookup_continuation(input_ids[0], max_ngram, num, min_ngram)
+        if eos.numel() and tokens.numel():
+            at_eos = torch.isin(tokens, eos).nonzero().flatten()
+            if at_eos.numel():  # stop at the first end-of-sequence token, or before it while it is still banned
+                first = int(at_eos[0])
+                tokens = tokens[: first + 1] if first >= min_new_tokens else tokens[:first]
+        return tokens if tokens.numel() else None
+
+    def _proposal_output(
+        self, input_ids: torch.Tensor, tokens: torch.Tensor, cache, t0: float
+    ) -> GenerateDecoderOnlyOutput:
+        """A drafting call's output for proposed `tokens` [n]: one-hot scores, i.e. the proposal distribution of a
+        deterministic proposer, so speculative sampling against the target stays exact."""
+        scores = input_ids.new_full((tokens.shape[0], self.config.vocab_size), -float("inf"), dtype=torch.float32)
+        scores[torch.arange(tokens.shape[0]), tokens] = 0.0  # [n, V]
+        if self._session is not None:
+            self._session.drafted_tokens += tokens.shape[0]
+            self._session.lookup_cycles += 1
+            self._session.lookup_tokens += tokens.shape[0]
+            self._session.draft_time_s += time.perf_counter() - t0
+        return GenerateDecoderOnlyOutput(
+            sequences=torch.cat([input_ids, tokens[None]], dim=-1),
+            scores=tuple(scores[:, None].unbind(0)),  # n x [1, V]
+            past_key_values=cache,
+        )
+
+    # ----------------------------------------------------------------------------------------------------------------
     # Session statistics
     # -----------------------------------------------------------------------------------------------------------------
     def _start_session(self) -> None:
@@ -502,6 +585,8 @@ class MoADrafterMixin:
             drafted_tokens=s.drafted_tokens,
             draft_time_s=s.draft_time_s,
             verify_time_s=tap.seconds - s.tap_seconds0,
+            lookup_cycles=s.lookup_cycles,
+            lookup_tokens=s.lookup_tokens,
         )
 
 
@@ -541,6 +626,8 @@ class MoADrafterModel(MoADrafterMixin, MoAPreTrainedModel, GenerationMixin):
     print(drafter.speculation_stats.mean_accepted_length)
     ```
     """
+
+    supports_prompt_lookup = True  # verified context is read from the target's cache, so skipped cycles cost nothing
 
     def __init__(self, config: MoADrafterConfig):
         super().__init__(config)
@@ -876,8 +963,12 @@ class MoADrafterModel(MoADrafterMixin, MoAPreTrainedModel, GenerationMixin):
         num_verified = input_ids.shape[1]
         if session is not None:
             session.calls.append((num_verified, self._attachment.tap.calls if self._attachment else 0))
-        # keep SA state only for the tokens it was computed from, and never for the last one (its output drafts)
-        past_key_values.crop(min(past_key_values.common_prefix(input_ids), num_verified - 1))
+        proposal = self._lookup_proposal(input_ids, max_new_tokens, min_new_tokens, eos)
+        if proposal is not None:  # the SA cache and CA memory catch up lazily at the next network cycle
+            return self._proposal_output(input_ids, proposal, past_key_values, t0)
+        # keep SA state only for the tokens it was computed from, and never for the last one (its output drafts);
+        # the CA memory holds verified tokens only, which stay verified (after lookup cycles SA lags behind it)
+        past_key_values.crop_self(min(past_key_values.common_prefix(input_ids), num_verified - 1))
         self._sync(past_key_values, num_verified)
 
         ids, new_ids, scores = input_ids, input_ids[:, past_key_values.get_seq_length() :], []

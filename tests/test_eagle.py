@@ -321,8 +321,12 @@ def test_cache_crop_semantics():
     cache.append_features(torch.zeros(1, 4, 8))
     cache.true_length = 5
     assert cache.common_prefix(torch.tensor([[0, 1, 2, 9, 4, 5]])) == 3
+    cache.crop(-0)  # transformers after a fully accepted draft: drop nothing
+    assert (cache.get_seq_length(), cache.feature_length, cache.true_length) == (5, 4, 5)
     cache.crop(-2)
     assert (cache.get_seq_length(), cache.feature_length, cache.true_length) == (3, 3, 3)
     assert all(layer.keys.shape[2] == 3 for layer in cache.layers)
     cache.crop(1)
     assert (cache.get_seq_length(), cache.feature_length, cache.true_length, cache.tokens.shape[1]) == (1, 1, 1, 1)
+    cache.truncate(0)
+    assert (cache.get_seq_length(), cache.feature_length, cache.true_length) == (0, 0, 0)

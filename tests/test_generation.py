@@ -243,3 +243,125 @@ def test_sampling_follows_target_distribution():
     p_value = float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(chi2 / 2.0)))
     assert p_value > 1e-3, (chi2, df, p_value)
     assert accepted > 0  # drafts were really accepted, so speculative sampling was exercised
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Prompt lookup inside the drafter (`generation_config.prompt_lookup_num_tokens`)
+# ---------------------------------------------------------------------------------------------------------------------
+def test_lookup_continuation_picks_longest_recent_match():
+    from moa_hf.modeling.modeling_moa import lookup_continuation
+
+    ids = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7, 3, 5, 6, 7])
+    assert lookup_continuation(ids, 3, 4).tolist() == [3, 5, 6, 7]  # most recent "5 6 7" with 4 tokens after it
+    assert lookup_continuation(ids, 3, 2).tolist() == [3, 5]
+    assert lookup_continuation(ids, 3, 10).tolist() == [8, 9, 5, 6, 7, 3, 5, 6, 7]  # none has 10: the earliest
+    assert lookup_continuation(torch.tensor([1, 2, 1, 2, 1, 2]), 2, 4).tolist() == [1, 2, 1, 2]
+    assert lookup_continuation(torch.tensor([1, 2, 3, 2]), 3, 4).tolist() == [3, 2]  # falls back to a 1-gram
+    assert lookup_continuation(torch.tensor([1, 2, 3, 2]), 3, 4, min_ngram=2).numel() == 0
+    assert lookup_continuation(torch.tensor([4]), 3, 4).numel() == 0
+
+
+def test_lookup_stops_at_eos_and_respects_min_new_tokens():
+    target = make_target("llama")
+    drafter = moa_hf.build_drafter(target).eval()
+    drafter.generation_config.prompt_lookup_num_tokens = 5
+    ids = torch.tensor([[5, 6, 2, 9, 9, 5, 6]])  # "5 6" was followed by eos (2)
+    eos = torch.tensor([2])
+    assert drafter._lookup_proposal(ids, 5, 0, eos).tolist() == [2]
+    assert drafter._lookup_proposal(ids, 5, 1, eos) is None  # eos banned for now: nothing left to propose
+    drafter.generation_config.prompt_lookup_num_tokens = None
+    assert drafter._lookup_proposal(ids, 5, 0, eos) is None
+
+
+@pytest.mark.parametrize("tli", [0, 1])
+def test_lookup_hybrid_is_exact_and_reads_context_lazily(tli):
+    """Lookup cycles skip the network; the next network cycle reads every verified position it missed, once."""
+    target = make_target("llama")
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6]])
+    ref = target.generate(prompt, max_new_tokens=40, do_sample=False)
+    drafter = _oracle(target, ref[0].tolist(), 0.6, target_layer_inference=tli)
+    gc = drafter.generation_config
+    gc.prompt_lookup_num_tokens, gc.num_assistant_tokens, gc.assistant_confidence_threshold = 6, 6, 0.0
+    seen = []
+    with moa_hf.attached(drafter, target):
+        real_sync = drafter._sync
+
+        def spy(cache, num_verified):
+            seen.append(cache)
+            return real_sync(cache, num_verified)
+
+        drafter._sync = spy
+        out = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter)
+        stats, reads = drafter.speculation_stats, drafter._session.context_reads
+    assert torch.equal(out, ref)
+    assert stats.lookup_cycles > 0 and stats.lookup_cycles < len(stats.accepted_lengths)  # both kinds of cycles
+    assert stats.lookup_tokens <= stats.drafted_tokens and stats.generated_tokens == 40
+    assert reads[0][0] == 0 and all(a[1] == b[0] for a, b in zip(reads, reads[1:]))  # contiguous, no gaps
+    # the CA memory built lazily equals the one computed at once from the final target cache
+    cache = seen[-1]
+    full = target(out[:, :-1], use_cache=True, past_key_values=DynamicCache(config=target.config)).past_key_values
+    with torch.no_grad():
+        eager = moa_hf.MoADrafterCache()
+        drafter.extend_context(eager, drafter.compute_context(gather_target_kv(full, 0, cache.context_length)))
+    torch.testing.assert_close(cache.ca_keys, eager.ca_keys, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.ca_values, eager.ca_values, atol=1e-5, rtol=1e-5)
+
+
+def test_lookup_sampling_follows_target_distribution():
+    """One-hot scores of looked-up tokens keep speculative sampling exact (chi-square test on two tokens)."""
+    target = make_target("llama", seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)
+    kw = dict(do_sample=True, top_k=3, temperature=0.9, max_new_tokens=2)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.9), TopKLogitsWarper(3)])
+    with torch.no_grad():  # a prompt "7 21 x 7 21" after which x is the target's likeliest token
+        grid = torch.tensor([[7, 21, x, 7, 21] for x in range(128)])
+        p_x = target(grid).logits[:, -1].float().softmax(-1)[torch.arange(128), torch.arange(128)]  # [128]
+    ids = grid[int(p_x.argmax())][None]  # lookup proposes "x 7" after "7 21"
+    joint = _exact_pair_distribution(target, ids, processors)
+    assert max(joint.values()) > 0.2  # the looked-up pair is likely enough to be accepted often
+    drafter = moa_hf.build_drafter(target).eval()
+    drafter.generation_config.prompt_lookup_num_tokens = 2
+    drafter.generation_config.num_assistant_tokens = 2
+    counts, n, accepted = {}, 600, 0
+    torch.manual_seed(0)
+    with moa_hf.attached(drafter, target):
+        for _ in range(n):
+            out = target.generate(ids, assistant_model=drafter, **kw)
+            counts[tuple(out[0, 5:7].tolist())] = counts.get(tuple(out[0, 5:7].tolist()), 0) + 1
+            assert drafter.speculation_stats.lookup_cycles >= 1
+            accepted += drafter.speculation_stats.accepted_lengths[0] > 1
+    assert set(counts) <= set(joint), "sampled a pair the target gives zero probability"
+    keys = [k for k in joint if joint[k] * n >= 5]
+    rest = 1.0 - sum(joint[k] for k in keys)
+    chi2 = sum((counts.get(k, 0) - n * joint[k]) ** 2 / (n * joint[k]) for k in keys)
+    df = len(keys) - 1
+    if rest * n >= 5:
+        chi2 += (n - sum(counts.get(k, 0) for k in keys) - n * rest) ** 2 / (n * rest)
+        df += 1
+    assert float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(chi2 / 2.0))) > 1e-3, (chi2, df)
+    assert accepted > n // 10  # looked-up drafts were really accepted, so speculative sampling was exercised
+
+
+@pytest.mark.parametrize("p_right", [1.0, 0.8])
+def test_fully_accepted_cycles_keep_the_drafter_cache(p_right):
+    """transformers calls `crop(-0)` after a fully accepted draft: nothing may be dropped (no context re-read)."""
+    target = make_target("llama")
+    ref = target.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=30, do_sample=False)
+    drafter = _oracle(target, ref[0].tolist(), p_right)
+    drafter.generation_config.assistant_confidence_threshold = 0.0
+    drafter.generation_config.num_assistant_tokens = 4
+    with moa_hf.attached(drafter, target):
+        out = target.generate(ref[:, :4], max_new_tokens=30, do_sample=False, assistant_model=drafter)
+        reads, stats = drafter._session.context_reads, drafter.speculation_stats
+    assert torch.equal(out, ref) and max(stats.accepted_lengths) == 5
+    assert all(a[1] == b[0] for a, b in zip(reads, reads[1:])), reads  # every position read once, in order
+    cache = moa_hf.MoADrafterCache()
+    cache.append_self(torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8))
+    cache.tokens = torch.zeros(1, 6, dtype=torch.long)
+    cache.crop(-0)
+    assert cache.get_seq_length() == 6
+    cache.crop(-2)
+    assert cache.get_seq_length() == 4
+    cache.truncate(0)
+    assert cache.get_seq_length() == 0

@@ -44,7 +44,7 @@ def test_one_row_per_setting_baseline_one_and_config_restored(kind):
     assert result["best"] in result["rows"]
     assert result["best"]["speedup"] == max(row["speedup"] for row in result["rows"])
     if kind != "independent":  # a near-uniform random drafter stops after one token under a 0.5 threshold
-        drafted = {tuple(r[k] for k in SETTING_KEYS): r["drafted_tokens"] for r in result["rows"]}
+        drafted = {tuple(r[k] for k in SETTING_KEYS[:3]): r["drafted_tokens"] for r in result["rows"]}
         assert drafted[(3, 0.5, "constant")] < drafted[(3, 0.0, "constant")]
     table = format_tuning_markdown(result)
     assert table.count("\n| ") == 1 + 8 + 1 and "**" in table  # header, baseline + 8 rows, best in bold
@@ -116,7 +116,8 @@ def test_cli_tune_writes_tuning_json_and_best_setting(saved, capsys):
     assert moa_main([*args, "--write"]) == 0
     tuning = json.loads((drafter_dir / "tuning.json").read_text())
     written = json.loads(gc_file.read_text())
-    assert {k: written[k] for k in SETTING_KEYS} == {k: tuning["best"][k] for k in SETTING_KEYS}
+    assert {k: written[k] for k in SETTING_KEYS[:3]} == {k: tuning["best"][k] for k in SETTING_KEYS[:3]}
+    assert written.get("prompt_lookup_num_tokens") is None  # lookup off (the grid's default)
     assert written["num_assistant_tokens"] in (2, 4) and written["assistant_confidence_threshold"] in (0.0, 0.5)
     assert tuning["written"] is True
 
@@ -128,3 +129,21 @@ def test_cli_tune_refuses_spec_bench(tmp_path):
     renamed.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["Write a poem."]}) + "\n")
     with pytest.raises(SpecBenchPromptsError):  # by its records
         moa_main(["tune", "--target", "missing", "--drafter", "missing", "--prompts", str(renamed)])
+
+
+def test_lookup_axis_for_moa_and_refused_elsewhere():
+    """Prompt lookup is part of the MoA grid: on a repetitive prompt it lifts acceptance; other drafters refuse it."""
+    target = make_target("llama")
+    prompt = [5, 6, 7, 8, 9, 10, 11] * 3
+    torch.manual_seed(0)
+    drafter = moa_hf.build_drafter(target).eval()
+    result = tune_speculation(target, drafter, [prompt], num_assistant_tokens=(6,), thresholds=(0.0,),
+                              lookup_tokens=(0, 6), lookup_min_ngrams=(1, 3), max_new_tokens=30, progress=False)
+    rows = {(r["prompt_lookup_num_tokens"], r["prompt_lookup_min_ngram"]): r for r in result["rows"]}
+    assert set(rows) == {(0, None), (6, 1), (6, 3)}  # lookup off once, not once per minimum n-gram
+    assert rows[(6, 1)]["acceptance_length"] > rows[(0, None)]["acceptance_length"]
+    assert all(r["identical_outputs"] == 1 for r in result["rows"])
+    assert "off" in format_tuning_markdown(result) and "6 (1)" in format_tuning_markdown(result)
+    eagle = build_for_kind("eagle", target).eval()
+    with pytest.raises(TuneError, match="no prompt lookup"):
+        tune_speculation(target, eagle, [prompt], lookup_tokens=(4,), progress=False)

@@ -265,6 +265,8 @@ def run_tune(args: argparse.Namespace) -> int:
         num_assistant_tokens=args.num_assistant_tokens,
         thresholds=args.thresholds,
         schedules=args.schedules,
+        lookup_tokens=args.lookup_tokens,
+        lookup_min_ngrams=args.lookup_min_ngrams,
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         progress=not args.quiet,
@@ -437,6 +439,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="confidence thresholds to try, comma-separated (default: 0,0.1,0.2,0.3,0.4,0.5)")
     p.add_argument("--schedules", type=_csv(str), default=["constant"],
                    help="draft-length schedules to try: constant, heuristic, heuristic_transient (default: constant)")
+    p.add_argument("--lookup-tokens", type=_csv(int), default=[0], help="MoA drafter: prompt-lookup draft "
+                   "lengths to try (0: off; capped by the draft length), comma-separated (default: 0)")
+    p.add_argument("--lookup-min-ngrams", type=_csv(int), default=[2], help="MoA drafter: shortest n-gram match "
+                   "that drafts by lookup instead of the network, comma-separated (default: 2)")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (more: less timing noise)")
     p.add_argument("--allow-other-target", action="store_true",
                    help="attach even if the drafter records another target name (same signature)")

@@ -32,7 +32,13 @@ __all__ = [
     "write_best_setting",
 ]
 
-SETTING_KEYS = ("num_assistant_tokens", "assistant_confidence_threshold", "num_assistant_tokens_schedule")
+SETTING_KEYS = (
+    "num_assistant_tokens",
+    "assistant_confidence_threshold",
+    "num_assistant_tokens_schedule",
+    "prompt_lookup_num_tokens",  # MoA drafter only (0: off): see `MoADrafterMixin.default_generation_config`
+    "prompt_lookup_min_ngram",
+)
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 TUNING_FILE = "tuning.json"
 
@@ -72,13 +78,23 @@ def _speculation_config(drafter, setting: dict | None) -> Iterator[None]:
         return
     original = drafter.generation_config
     gc = copy.deepcopy(original)
-    for key in SETTING_KEYS:
-        setattr(gc, key, setting[key])
+    for key, value in _config_values(setting, getattr(drafter, "supports_prompt_lookup", False)).items():
+        setattr(gc, key, value)
     drafter.generation_config = gc  # a "heuristic" schedule writes its final draft length back into this copy
     try:
         yield
     finally:
         drafter.generation_config = original
+
+
+def _config_values(setting: dict, lookup: bool) -> dict:
+    """The generation-config fields of `setting`. Lookup fields only for a drafter with its own prompt lookup, and
+    "off" as None: a plain causal LM's `generate` would read a 0 there as a request for transformers' prompt lookup."""
+    values = {key: setting[key] for key in SETTING_KEYS[:3]}
+    if lookup:
+        values["prompt_lookup_num_tokens"] = setting.get("prompt_lookup_num_tokens") or None
+        values["prompt_lookup_min_ngram"] = setting.get("prompt_lookup_min_ngram")
+    return values
 
 
 def _sync(device: torch.device) -> None:
@@ -137,20 +153,30 @@ def _generate_once(
     }
 
 
-def _grid(num_assistant_tokens, thresholds, schedules) -> list[dict]:
+def _grid(num_assistant_tokens, thresholds, schedules, lookup_tokens=(0,), lookup_min_ngrams=(2,)) -> list[dict]:
     settings = []
-    for k, threshold, schedule in itertools.product(num_assistant_tokens, thresholds, schedules):
+    lookups = sorted(
+        {(int(n), int(m) if int(n) > 0 else None) for n in lookup_tokens for m in lookup_min_ngrams},
+        key=lambda x: (x[0], x[1] or 0),
+    )
+    for k, threshold, schedule, (lookup, min_ngram) in itertools.product(
+        num_assistant_tokens, thresholds, schedules, lookups
+    ):
         if int(k) < 1:
             raise TuneError(f"num_assistant_tokens must be >= 1, got {k}.")
         if not 0.0 <= float(threshold) < 1.0:
             raise TuneError(f"Confidence thresholds must lie in [0, 1), got {threshold}.")
         if schedule not in SCHEDULES:
             raise TuneError(f"Unknown schedule {schedule!r}; use one of {SCHEDULES}.")
+        if lookup < 0 or (min_ngram is not None and min_ngram < 1):
+            raise TuneError(f"Lookup tokens must be >= 0 and minimum n-grams >= 1, got {lookup}, {min_ngram}.")
         settings.append(
             {
                 "num_assistant_tokens": int(k),
                 "assistant_confidence_threshold": float(threshold),
                 "num_assistant_tokens_schedule": schedule,
+                "prompt_lookup_num_tokens": lookup,
+                "prompt_lookup_min_ngram": min_ngram,
             }
         )
     if not settings:
@@ -188,6 +214,8 @@ def tune_speculation(
     num_assistant_tokens: Sequence[int] = (2, 3, 4, 5, 6, 8),
     thresholds: Sequence[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5),
     schedules: Sequence[str] = ("constant",),
+    lookup_tokens: Sequence[int] = (0,),
+    lookup_min_ngrams: Sequence[int] = (2,),
     max_new_tokens: int = 96,
     repeats: int = 1,
     progress: bool = True,
@@ -202,15 +230,22 @@ def tune_speculation(
     ``speedup`` (over the baseline's tokens/s), ``acceptance_length`` (new tokens / target forward calls; 1.0 for the
     baseline), ``drafted_tokens`` (MoA/EAGLE only) and ``identical_outputs`` (prompts whose greedy output equals the
     baseline's: all of them, up to low-precision rounding, as speculative decoding is lossless). A "heuristic" schedule
-    starts from the setting's draft length at every prompt. Returns ``{"baseline", "rows", "best", ...}``, best by
-    speedup (ties: higher acceptance length). The drafter's generation config is left as it was.
+    starts from the setting's draft length at every prompt. `lookup_tokens` (0: off) and `lookup_min_ngrams` set the
+    MoA drafter's prompt lookup (`prompt_lookup_num_tokens`, `prompt_lookup_min_ngram`). Returns ``{"baseline",
+    "rows", "best", ...}``, best by speedup (ties: higher acceptance length). The drafter's generation config is
+    left as it was.
     """
     prompts = [list(p) for p in prompt_ids]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise TuneError("Give at least one prompt, each with at least one token.")
     if max_new_tokens < 1 or repeats < 1:
         raise TuneError(f"max_new_tokens and repeats must be >= 1 (got {max_new_tokens}, {repeats}).")
-    settings = _grid(num_assistant_tokens, thresholds, schedules)
+    settings = _grid(num_assistant_tokens, thresholds, schedules, lookup_tokens, lookup_min_ngrams)
+    if any(s["prompt_lookup_num_tokens"] for s in settings) and not getattr(drafter, "supports_prompt_lookup", False):
+        raise TuneError(
+            f"{type(drafter).__name__} has no prompt lookup of its own; tune it with lookup tokens 0 (for prompt "
+            "lookup without a drafter use `target.generate(prompt_lookup_num_tokens=...)`)."
+        )
     runs: list[dict | None] = [None, *settings]  # None: the target alone (the baseline)
     records: list[list[dict]] = [[] for _ in runs]
     outputs: dict[tuple[int, int], list[int]] = {}  # (run, prompt) -> last greedy output
@@ -295,6 +330,11 @@ def _fmt(value, digits: int = 2, suffix: str = "") -> str:
     return "–" if value is None else f"{value:.{digits}f}{suffix}"
 
 
+def _lookup_cell(row: dict) -> str:
+    lookup = row.get("prompt_lookup_num_tokens") or 0
+    return f"{lookup} ({row.get('prompt_lookup_min_ngram')})" if lookup else "off"
+
+
 def format_tuning_markdown(result: dict) -> str:
     """A Markdown table: the baseline, then the settings from fastest to slowest (the best in bold)."""
     n = result["num_prompts"]
@@ -302,17 +342,19 @@ def format_tuning_markdown(result: dict) -> str:
         f"## moa tune: {n} prompts, up to {result['max_new_tokens']} new tokens, greedy, "
         f"{result['repeats']} repeat(s)",
         "",
-        "| draft tokens | threshold | schedule | acceptance length | tokens/s | speedup | same output |",
-        "|---:|---:|---|---:|---:|---:|---:|",
+        "| draft tokens | threshold | schedule | lookup tokens (min n-gram) | acceptance length | tokens/s | speedup "
+        "| same output |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     b = result["baseline"]
-    lines.append(f"| (target alone) | | | {_fmt(b['acceptance_length'])} | {_fmt(b['tokens_per_s'], 1)} | 1.00x | |")
+    lines.append(f"| (target alone) | | | | {_fmt(b['acceptance_length'])} | {_fmt(b['tokens_per_s'], 1)} | 1.00x | |")
     best = result["best"]
     for row in sorted(result["rows"], key=_rank, reverse=True):
         cells = [
             str(row["num_assistant_tokens"]),
             _fmt(row["assistant_confidence_threshold"]),
             row["num_assistant_tokens_schedule"],
+            _lookup_cell(row),
             _fmt(row["acceptance_length"]),
             _fmt(row["tokens_per_s"], 1),
             _fmt(row["speedup"], 2, "x"),
@@ -325,14 +367,15 @@ def format_tuning_markdown(result: dict) -> str:
         "",
         f"Best: num_assistant_tokens={best['num_assistant_tokens']}, "
         f"assistant_confidence_threshold={best['assistant_confidence_threshold']}, "
-        f"num_assistant_tokens_schedule={best['num_assistant_tokens_schedule']} "
+        f"num_assistant_tokens_schedule={best['num_assistant_tokens_schedule']}, "
+        f"prompt_lookup_num_tokens={best.get('prompt_lookup_num_tokens') or 0} "
         f"({_fmt(best['speedup'], 2, 'x')}, acceptance length {_fmt(best['acceptance_length'])}).",
     ]
     return "\n".join(lines)
 
 
 def write_best_setting(path: str | Path, setting: dict, fallback: GenerationConfig | None = None) -> GenerationConfig:
-    """Set the 3 speculation fields of the drafter folder's `generation_config.json` to `setting` (saved in place).
+    """Set the speculation fields of the drafter folder's `generation_config.json` to `setting` (saved in place).
 
     A folder without one starts from `fallback` (e.g. the loaded drafter's config).
     """
@@ -342,7 +385,7 @@ def write_best_setting(path: str | Path, setting: dict, fallback: GenerationConf
         if fallback is None:
             raise
         gc = copy.deepcopy(fallback)
-    for key in SETTING_KEYS:
-        setattr(gc, key, setting[key])
+    for key, value in _config_values(setting, "prompt_lookup_num_tokens" in setting).items():
+        setattr(gc, key, value)
     gc.save_pretrained(str(path))
     return gc

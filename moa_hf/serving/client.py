@@ -539,7 +539,7 @@ class MoAClient:
             ids = torch.tensor([tokens], device=drafter.device)  # [1, T]
             keep = min(cache.common_prefix(ids), len(tokens) - 1)
             if keep < cache.get_seq_length():
-                cache.crop(keep)
+                cache.truncate(keep)
             logits = drafter.draft_step(ids[:, cache.get_seq_length() :], cache)[0]  # [V]
             if s["do_sample"]:
                 top_k = min(self.draft_top_k, s["top_k"]) if s["top_k"] > 0 else self.draft_top_k
@@ -622,7 +622,7 @@ class MoAClient:
         tokens = torch.tensor([run.verified + run.pending], device=self.drafter.device)  # [1, T]
         keep = min(cache.common_prefix(tokens), tokens.shape[1] - 1)
         if keep < cache.get_seq_length():
-            cache.crop(keep)
+            cache.truncate(keep)
         if result.context is not None:
             skip = cache.context_length - result.context_start
             if skip < 0:
