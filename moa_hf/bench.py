@@ -46,7 +46,7 @@ __all__ = [
     "summarize",
 ]
 
-ALL_METHODS = ("vanilla", "moa", "eagle", "independent", "pld")
+ALL_METHODS = ("vanilla", "moa", "moa_nolookup", "eagle", "independent", "pld")
 # Spec-Bench groups the 80 MT-bench questions (ids 81-160) into one category.
 MT_BENCH_CATEGORIES = frozenset(
     {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -203,6 +203,7 @@ def drafter_method(name: str, drafter, allow_other_target: bool = False, info: d
         **(info or {}),
         "num_assistant_tokens": getattr(gc, "num_assistant_tokens", None),
         "assistant_confidence_threshold": getattr(gc, "assistant_confidence_threshold", None),
+        "prompt_lookup_num_tokens": getattr(gc, "prompt_lookup_num_tokens", None),
     }
     return BenchMethod(name, context, {"assistant_model": drafter}, read_stats, info)
 
@@ -294,11 +295,13 @@ def build_methods(
             methods.append(vanilla_method())
         elif name == "pld":
             methods.append(pld_method(pld_tokens))
-        elif name in ("moa", "eagle"):
-            path = moa if name == "moa" else eagle
+        elif name in ("moa", "moa_nolookup", "eagle"):
+            path = eagle if name == "eagle" else moa
             if not path:
                 raise BenchError(f"Method '{name}' needs a drafter: {_BUILD_HINT[name]}.")
-            drafter, path = _load_drafter(name, path, target)
+            drafter, path = _load_drafter("eagle" if name == "eagle" else "moa", path, target)
+            if name == "moa_nolookup":  # the same drafter with its prompt lookup off: what the network alone gives
+                drafter.generation_config.prompt_lookup_num_tokens = None
             if hasattr(drafter, "check_target"):
                 try:
                     drafter.check_target(target, allow_other_target=allow_other_target)

@@ -75,12 +75,19 @@ def honest_methods(target) -> list[bench.BenchMethod]:
     methods = [
         bench.vanilla_method(),
         bench.drafter_method("moa", drafter),
+        bench.drafter_method("moa_lookup", _with_lookup(moa_hf.build_drafter(target).eval())),
         bench.independent_method(make_independent()),
         bench.pld_method(4),
     ]
     if HAS_EAGLE:
         methods.append(bench.drafter_method("eagle", make_eagle(target)))
     return methods
+
+
+def _with_lookup(drafter, tokens: int = 4):
+    drafter.generation_config.prompt_lookup_num_tokens = tokens
+    drafter.generation_config.prompt_lookup_min_ngram = 1
+    return drafter
 
 
 def _no_hooks_left(model) -> bool:
@@ -243,9 +250,9 @@ def test_cli_end_to_end(tmp_path, capsys):
     target.save_pretrained(target_dir)
     tokenizer.save_pretrained(target_dir)
     torch.manual_seed(0)
-    moa_hf.build_drafter(target).save_pretrained(tmp_path / "moa")
+    _with_lookup(moa_hf.build_drafter(target)).save_pretrained(tmp_path / "moa")
     make_independent().save_pretrained(tmp_path / "independent")
-    methods, extra = "vanilla,moa,independent,pld", []
+    methods, extra = "vanilla,moa,moa_nolookup,independent,pld", []
     if HAS_EAGLE:
         make_eagle(target).save_pretrained(tmp_path / "eagle")
         methods, extra = methods + ",eagle", ["--eagle", str(tmp_path / "eagle")]
@@ -274,6 +281,8 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert data["methods"]["vanilla"]["overall"]["acceptance_length"] == 1.0
     assert data["methods"]["vanilla"]["overall"]["speedup"] == 1.0
     assert data["methods"]["independent"]["info"]["num_assistant_tokens"] == 3  # as saved with the drafter
+    assert data["methods"]["moa"]["info"]["prompt_lookup_num_tokens"] == 4  # as saved
+    assert data["methods"]["moa_nolookup"]["info"]["prompt_lookup_num_tokens"] is None  # the same drafter, lookup off
     assert len(data["records"]) == len(QUESTIONS) * len(data["methods"])
     record_keys = {"method", "question_id", "category", "new_tokens", "time_s", "target_calls", "drafted_tokens"}
     assert all(record_keys | {"draft_time_s", "repeat"} <= set(r) for r in data["records"])
