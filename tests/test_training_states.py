@@ -171,7 +171,19 @@ def test_moa_train_cli_on_cached_states_records_a_continuing_learning_curve(tmp_
     assert all(p["acceptance_length"] >= 1.0 for p in curve)
     drafter = moa_hf.MoADrafterModel.from_pretrained(tmp_path / "a")
     assert drafter.config.draft_vocab_size == 16 and drafter.config.lsa_hidden_size == 32
-    assert main([*common, "--output", str(tmp_path / "b"), "--max-steps", "2", "--init-drafter",
+    # continue on the first dataset plus a new one: the first one's states are reused, the new one's computed
+    random_dataset(6, seed=1).save_to_disk(str(tmp_path / "data2"))
+    kv_file = tmp_path / "states" / "target_kv.npy"
+    before = kv_file.stat().st_mtime_ns
+    two = [str(tmp_path / "data"), str(tmp_path / "data2")]
+    more_args = [a for a in common if a not in (str(tmp_path / "data"), str(tmp_path / "states"))]
+    more_args[more_args.index("--data") + 1 : more_args.index("--data") + 1] = two
+    more_args[more_args.index("--states") + 1 : more_args.index("--states") + 1] = [
+        str(tmp_path / "states"), str(tmp_path / "states2")]  # fmt: skip
+    assert main([*more_args, "--output", str(tmp_path / "b"), "--max-steps", "2", "--init-drafter",
                  str(tmp_path / "a")]) == 0
+    assert kv_file.stat().st_mtime_ns == before and (tmp_path / "states2" / "states.json").exists()
     more = json.loads((tmp_path / "b" / "training_info.json").read_text())["learning_curve"]
     assert [p["step"] for p in more] == [2, 4, 6] and more[2]["tokens"] > curve[1]["tokens"]
+    with pytest.raises(SystemExit, match="one per --data folder"):
+        main([*more_args, "--states", "x", "y", "z", "--output", str(tmp_path / "c"), "--max-steps", "1"])

@@ -145,11 +145,22 @@ def run_train(args: argparse.Namespace) -> int:
     if args.eval_prompts and args.eval_prompts != "none" and args.eval_num_prompts > 0:
         eval_prompts = load_prompts(args.eval_prompts, split="validation", num_prompts=args.eval_num_prompts)
     if args.states:
+        from torch.utils.data import ConcatDataset
+
         from .states import TargetStatesDataset, cache_target_states
 
-        folder = cache_target_states(target, train_data, args.states, batch_size=args.batch_size,
-                                     max_length=args.max_length, progress=not args.quiet)
-        cached = TargetStatesDataset(train_data, folder, target)
+        if len(args.states) not in (1, len(parts)):
+            raise SystemExit(
+                f"--states takes one folder (for all --data together) or one per --data folder; got "
+                f"{len(args.states)} for {len(parts)} datasets."
+            )
+        pairs = [(train_data, args.states[0])] if len(args.states) == 1 else list(zip(parts, args.states))
+        cached = [
+            TargetStatesDataset(data, cache_target_states(target, data, folder, batch_size=args.batch_size,
+                                                          max_length=args.max_length, progress=not args.quiet), target)
+            for data, folder in pairs
+        ]
+        cached = cached[0] if len(cached) == 1 else ConcatDataset(cached)
     drafter = _build_drafter(args, target, train_data)
     if args.states:
         train_data = cached
@@ -377,8 +388,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="resume from the latest checkpoint in --output, or from the given checkpoint folder")
     p.add_argument("--kind", default="moa", choices=["moa", "eagle", "independent"], help="drafter type: MoA "
                    "(default), the EAGLE-style peer, or an independent small LM distilled from the target")
-    p.add_argument("--states", default=None, help="folder of the target's cached states (K/V and final hidden "
-                   "states, computed once on first use, memory-mapped): epochs then cost only the drafter")
+    p.add_argument("--states", default=None, nargs="+", help="folder of the target's cached states (K/V and final "
+                   "hidden states, computed once on first use, memory-mapped): epochs then cost only the drafter; "
+                   "one folder per --data folder reuses each dataset's states")
     p.add_argument("--draft-vocab-size", type=int, default=None, help="MoA: predict only the N most frequent "
                    "tokens of the target's responses in --data (a smaller, faster head; still lossless)")
     p.add_argument("--lsa-hidden-size", type=int, default=None, help="MoA: width of the Layer Self-Attention "
