@@ -453,3 +453,21 @@ def test_public_exports():
     assert sorted(training.__all__) == sorted(_EXPORTS)
     for name in training.__all__:
         assert getattr(training, name) is not None
+
+
+def test_measure_acceptance_uses_default_settings_without_lookup():
+    """Learning-curve points measure the network with fixed settings, whatever the drafter's tuned ones."""
+    target = tiny_target()
+    drafter = moa_hf.build_drafter(target).eval()
+    own = drafter.generation_config
+    own.num_assistant_tokens, own.assistant_confidence_threshold = 6, 0.0  # own: always 6 tokens
+    own.prompt_lookup_num_tokens, own.prompt_lookup_min_ngram = 4, 1
+    prompt = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
+    with drafter.attached(target):
+        measure_acceptance(target, drafter, prompt, max_new_tokens=12)
+        stats = drafter.speculation_stats
+        # default threshold 0.3: a random drafter stops after one token (its own settings would draft 6)
+        assert stats.lookup_cycles == 0 and stats.drafted_tokens <= len(stats.accepted_lengths)
+        assert drafter.generation_config is own and own.prompt_lookup_num_tokens == 4
+        target.generate(torch.tensor(prompt), max_new_tokens=12, do_sample=False, assistant_model=drafter)
+        assert drafter.speculation_stats.lookup_cycles > 0  # its own settings are back

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Sequence
@@ -25,6 +26,9 @@ def measure_acceptance(
 
     Returns ``acceptance_length`` (tokens per target call, averaged over all drafting cycles of all prompts),
     ``acceptance_cycles`` and ``acceptance_tokens``. The drafter is attached to `target` if it is not already.
+    A MoA/EAGLE drafter runs with the library's default speculation settings (`default_generation_config`: 5 tokens,
+    threshold 0.3, no prompt lookup), not its tuned ones, so that the points of a learning curve stay comparable and
+    measure the network alone.
     """
     from .trainer import _unwrap_any, drafter_kind
 
@@ -38,6 +42,9 @@ def measure_acceptance(
     pad = target.generation_config.pad_token_id
     if pad is None:
         pad = target.config.get_text_config().pad_token_id
+    own_config = getattr(base, "generation_config", None)
+    if not independent:
+        base.generation_config = base.default_generation_config(copy.deepcopy(own_config))
     try:
         for ids in prompt_ids:
             input_ids = torch.tensor([list(ids)], dtype=torch.long, device=target.device)  # [1, P]
@@ -65,6 +72,8 @@ def measure_acceptance(
                 accepted.extend(base.speculation_stats.accepted_lengths)
     finally:
         base.train(was_training)
+        if not independent:
+            base.generation_config = own_config
     total, cycles = float(sum(accepted)), float(len(accepted))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         sums = torch.tensor([total, cycles], dtype=torch.float64, device=target.device)
