@@ -623,3 +623,13 @@ def test_card_inputs_of_default_drafter(tmp_path):
     given = {"tokens": 1}
     assert card_inputs("default", benchmark=tmp_path / "b.json", training_info=given) == (tmp_path / "b.json", given)
     assert card_inputs(tmp_path / "nowhere") == (None, None)
+
+
+def test_card_says_whether_prompt_lookup_is_on(drafter):
+    assert "Prompt lookup is on" not in render_card(drafter, repo_id=REPO_ID).text
+    drafter.generation_config.prompt_lookup_num_tokens, drafter.generation_config.prompt_lookup_min_ngram = 10, 2
+    try:
+        text = render_card(drafter, repo_id=REPO_ID).text
+    finally:
+        drafter.generation_config.prompt_lookup_num_tokens = None
+    assert "Prompt lookup is on (`prompt_lookup_num_tokens` = 10" in text and "`prompt_lookup_min_ngram` = 2" in text
