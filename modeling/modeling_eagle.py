@@ -10,14 +10,12 @@ This file ships inside every Hub repo as remote code next to configuration_eagle
 modeling_moa.py (whose building blocks it reuses): it imports only torch, transformers and its sibling files.
 """
 
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, PreTrainedModel
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers import GenerationMixin, PreTrainedModel
 
 from .configuration_eagle import MoAEagleConfig, eagle_unsupported_target_reason
 from .modeling_moa import (
@@ -365,44 +363,10 @@ class MoAEagleDrafterModel(MoADrafterMixin, MoAEaglePreTrainedModel, GenerationM
             if self._session is not None:
                 self._session.context_reads.append((start, end))
 
-    @torch.no_grad()
-    def generate(
-        self,
-        input_ids: torch.LongTensor,
-        generation_config: GenerationConfig | None = None,
-        logits_processor=None,
-        past_key_values: MoAEagleCache | None = None,
-        max_new_tokens: int | None = None,
-        min_new_tokens: int | None = None,
-        **kwargs,
-    ) -> GenerateDecoderOnlyOutput:
-        """Draft tokens after `input_ids` (all verified). Called by transformers' `AssistedCandidateGenerator`.
-
-        Returns the sequences, the processed scores of every drafted token (so speculative sampling is exact) and
-        the drafter's cache. A call without `past_key_values` starts a new session.
-        """
-        t0 = time.perf_counter()
-        if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"The EAGLE drafter drafts for one sequence at a time (got batch size {input_ids.shape[0]}); "
-                "transformers' assisted generation supports batch size 1 only. Loop over the prompts."
-            )
-        gc = generation_config if generation_config is not None else self.generation_config
-        if max_new_tokens is None:
-            max_new_tokens = gc.max_new_tokens if gc.max_new_tokens is not None else gc.num_assistant_tokens
-        min_new_tokens = min_new_tokens or 0
-        processors = LogitsProcessorList(logits_processor or [])
-        threshold = getattr(gc, "assistant_confidence_threshold", None) or 0.0
-        eos = gc.eos_token_id if gc.eos_token_id is not None else self.config.eos_token_id
-        eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), device=input_ids.device)
-        if past_key_values is None:
-            past_key_values = self.new_cache()
-            self._start_session()
-        cache, session = past_key_values, self._session
+    def _prepare_draft(self, input_ids: torch.Tensor, cache: MoAEagleCache, max_new_tokens: int, min_new_tokens: int):
+        """Keep positions computed from true features and still-valid tokens (never the last one: its output
+        drafts), feed the rest with the target's true features, then chain-draft on predicted features."""
         n = input_ids.shape[1]
-        if session is not None:
-            session.calls.append((n, self._attachment.tap.calls if self._attachment else 0))
-        # keep positions computed from true features and still-valid tokens, never the last one (its output drafts)
         keep = min(cache.true_length, cache.common_prefix(input_ids), n - 1)
         cache.truncate(keep)
         self._sync(cache, n)
@@ -417,33 +381,13 @@ class MoAEagleDrafterModel(MoADrafterMixin, MoAEaglePreTrainedModel, GenerationM
         cache.true_length = max(keep, min(n, avail + 1))
         last = h[:, -1:]  # [1, 1, d] predicted feature of position n-1
 
-        ids, scores, token = input_ids, [], None
-        for step in range(max_new_tokens):
-            if step > 0:
-                last = self._decode(token, last, cache)  # drafted position: its input is the predicted feature
-            logits = self.head(last[:, -1])  # [1, V] float32
-            if processors:
-                logits = processors(ids, logits)
-            if step < min_new_tokens and eos.numel():
-                logits[:, eos] = -float("inf")
-            probs = None
-            if gc.do_sample:
-                probs = logits.softmax(-1)
-                token = torch.multinomial(probs, 1)  # [1, 1]
-            else:
-                token = logits.argmax(-1, keepdim=True)  # [1, 1]
-            scores.append(logits)
-            ids = torch.cat([ids, token], dim=-1)
-            if eos.numel() and bool(torch.isin(token, eos)):
-                break
-            if threshold > 0 and step + 1 >= min_new_tokens:
-                probs = logits.softmax(-1) if probs is None else probs
-                if probs[0, token[0, 0]] < threshold:
-                    break
-        if session is not None:
-            session.drafted_tokens += len(scores)
-            session.draft_time_s += time.perf_counter() - t0
-        return GenerateDecoderOnlyOutput(sequences=ids, scores=tuple(scores), past_key_values=cache)
+        def next_logits(token: torch.Tensor | None) -> torch.Tensor:
+            nonlocal last
+            if token is not None:  # a drafted position: its input is the previous predicted feature
+                last = self._decode(token, last, cache)
+            return self.head(last[:, -1])  # [1, V] float32
+
+        return next_logits, max_new_tokens
 
     def _start_session(self) -> None:
         if self._attachment is not None:

@@ -514,6 +514,86 @@ class MoADrafterMixin:
         return self.get_input_embeddings()(input_ids).to(self.dtype)
 
     # ----------------------------------------------------------------------------------------------------------------
+    # One drafting call of assisted generation
+    # -----------------------------------------------------------------------------------------------------------------
+    def new_cache(self):
+        raise NotImplementedError
+
+    def _prepare_draft(self, input_ids: torch.Tensor, cache, max_new_tokens: int, min_new_tokens: int):
+        """Bring `cache` up to date with the verified `input_ids` [1, n]; return `(next_logits, max_new_tokens)`:
+        `next_logits(token)` gives the [1, V] logits of the next drafted token (token None: the first, after
+        `input_ids`; else after the drafted [1, 1] `token`)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.LongTensor,
+        generation_config: GenerationConfig | None = None,
+        logits_processor=None,
+        past_key_values=None,
+        max_new_tokens: int | None = None,
+        min_new_tokens: int | None = None,
+        **kwargs,
+    ) -> GenerateDecoderOnlyOutput:
+        """Draft tokens after `input_ids` (all verified). Called by transformers' `AssistedCandidateGenerator`.
+
+        Returns the sequences, the processed scores of every drafted token (so speculative sampling is exact) and
+        the drafter's cache. A call without `past_key_values` starts a new session.
+        """
+        t0 = time.perf_counter()
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"{type(self).__name__} drafts for one sequence at a time (got batch size {input_ids.shape[0]}); "
+                "transformers' assisted generation supports batch size 1 only. Loop over the prompts."
+            )
+        gc = generation_config if generation_config is not None else self.generation_config
+        if max_new_tokens is None:
+            max_new_tokens = gc.max_new_tokens if gc.max_new_tokens is not None else gc.num_assistant_tokens
+        min_new_tokens = min_new_tokens or 0
+        processors = LogitsProcessorList(logits_processor or [])
+        threshold = getattr(gc, "assistant_confidence_threshold", None) or 0.0
+        eos = gc.eos_token_id if gc.eos_token_id is not None else self.config.eos_token_id
+        eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), device=input_ids.device)
+        if past_key_values is None:
+            past_key_values = self.new_cache()
+            self._start_session()
+        session = self._session
+        if session is not None:
+            session.calls.append((input_ids.shape[1], self._attachment.tap.calls if self._attachment else 0))
+        if self.supports_prompt_lookup:
+            proposal = self._lookup_proposal(input_ids, max_new_tokens, min_new_tokens, eos)
+            if proposal is not None:  # the caches catch up lazily at the next network cycle
+                return self._proposal_output(input_ids, proposal, past_key_values, t0)
+        next_logits, max_new_tokens = self._prepare_draft(input_ids, past_key_values, max_new_tokens, min_new_tokens)
+
+        ids, scores, token = input_ids, [], None
+        for step in range(max_new_tokens):
+            logits = next_logits(token)  # [1, V]
+            if processors:
+                logits = processors(ids, logits)
+            if step < min_new_tokens and eos.numel():
+                logits[:, eos] = -float("inf")
+            probs = None
+            if gc.do_sample:
+                probs = logits.softmax(-1)
+                token = torch.multinomial(probs, 1)  # [1, 1]
+            else:
+                token = logits.argmax(-1, keepdim=True)  # [1, 1]
+            scores.append(logits)
+            ids = torch.cat([ids, token], dim=-1)
+            if eos.numel() and bool(torch.isin(token, eos)):
+                break
+            if threshold > 0 and step + 1 >= min_new_tokens:
+                probs = logits.softmax(-1) if probs is None else probs
+                if probs[0, token[0, 0]] < threshold:
+                    break
+        if session is not None:
+            session.drafted_tokens += len(scores)
+            session.draft_time_s += time.perf_counter() - t0
+        return GenerateDecoderOnlyOutput(sequences=ids, scores=tuple(scores), past_key_values=past_key_values)
+
+    # ----------------------------------------------------------------------------------------------------------------
     # Prompt lookup: drafts that cost no forward pass
     # -----------------------------------------------------------------------------------------------------------------
     def _lookup_proposal(
@@ -926,76 +1006,26 @@ class MoADrafterModel(MoADrafterMixin, MoAPreTrainedModel, GenerationMixin):
             h = self._tli(h, pos[-1:][None], cache.tli)
         return self.head(h)[:, -1]  # [B, V] float32
 
-    @torch.no_grad()
-    def generate(
-        self,
-        input_ids: torch.LongTensor,
-        generation_config: GenerationConfig | None = None,
-        logits_processor=None,
-        past_key_values: MoADrafterCache | None = None,
-        max_new_tokens: int | None = None,
-        min_new_tokens: int | None = None,
-        **kwargs,
-    ) -> GenerateDecoderOnlyOutput:
-        """Draft tokens after `input_ids` (all verified). Called by transformers' `AssistedCandidateGenerator`.
+    def new_cache(self) -> MoADrafterCache:
+        return MoADrafterCache()
 
-        Returns the sequences, the processed scores of every drafted token (so speculative sampling is exact) and
-        the drafter's cache. A call without `past_key_values` starts a new session.
+    def _prepare_draft(
+        self, input_ids: torch.Tensor, cache: MoADrafterCache, max_new_tokens: int, min_new_tokens: int
+    ):
+        """Roll the SA cache back to the tokens it was computed from (never the last one: its output drafts), read
+        the context of newly verified tokens (LSA), and draft with SA + CA per token (see `MoADrafterMixin.generate`).
         """
-        t0 = time.perf_counter()
-        if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"The MoA drafter drafts for one sequence at a time (got batch size {input_ids.shape[0]}); "
-                "transformers' assisted generation supports batch size 1 only. Loop over the prompts."
-            )
-        gc = generation_config if generation_config is not None else self.generation_config
-        if max_new_tokens is None:
-            max_new_tokens = gc.max_new_tokens if gc.max_new_tokens is not None else gc.num_assistant_tokens
-        min_new_tokens = min_new_tokens or 0
-        processors = LogitsProcessorList(logits_processor or [])
-        threshold = getattr(gc, "assistant_confidence_threshold", None) or 0.0
-        eos = gc.eos_token_id if gc.eos_token_id is not None else self.config.eos_token_id
-        eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), device=input_ids.device)
-        if past_key_values is None:
-            past_key_values = MoADrafterCache()
-            self._start_session()
-        session = self._session
         num_verified = input_ids.shape[1]
-        if session is not None:
-            session.calls.append((num_verified, self._attachment.tap.calls if self._attachment else 0))
-        proposal = self._lookup_proposal(input_ids, max_new_tokens, min_new_tokens, eos)
-        if proposal is not None:  # the SA cache and CA memory catch up lazily at the next network cycle
-            return self._proposal_output(input_ids, proposal, past_key_values, t0)
-        # keep SA state only for the tokens it was computed from, and never for the last one (its output drafts);
         # the CA memory holds verified tokens only, which stay verified (after lookup cycles SA lags behind it)
-        past_key_values.crop_self(min(past_key_values.common_prefix(input_ids), num_verified - 1))
-        self._sync(past_key_values, num_verified)
+        cache.crop_self(min(cache.common_prefix(input_ids), num_verified - 1))
+        self._sync(cache, num_verified)
+        pending = input_ids[:, cache.get_seq_length() :]  # [1, P] verified tokens not yet in the SA cache
 
-        ids, new_ids, scores = input_ids, input_ids[:, past_key_values.get_seq_length() :], []
-        for step in range(max_new_tokens):
-            logits = self._decode(new_ids, past_key_values)  # [1, V]
-            if processors:
-                logits = processors(ids, logits)
-            if step < min_new_tokens and eos.numel():
-                logits[:, eos] = -float("inf")
-            probs = None
-            if gc.do_sample:
-                probs = logits.softmax(-1)
-                token = torch.multinomial(probs, 1)  # [1, 1]
-            else:
-                token = logits.argmax(-1, keepdim=True)  # [1, 1]
-            scores.append(logits)
-            ids, new_ids = torch.cat([ids, token], dim=-1), token
-            if eos.numel() and bool(torch.isin(token, eos)):
-                break
-            if threshold > 0 and step + 1 >= min_new_tokens:
-                probs = logits.softmax(-1) if probs is None else probs
-                if probs[0, token[0, 0]] < threshold:
-                    break
-        if session is not None:
-            session.drafted_tokens += len(scores)
-            session.draft_time_s += time.perf_counter() - t0
-        return GenerateDecoderOnlyOutput(sequences=ids, scores=tuple(scores), past_key_values=past_key_values)
+        def next_logits(token: torch.Tensor | None) -> torch.Tensor:
+            return self._decode(pending if token is None else token, cache)  # [1, V]
+
+        return next_logits, max_new_tokens
+
 
 def _decoder_of(target: nn.Module) -> nn.Module:
     decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", target)
