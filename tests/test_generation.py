@@ -61,26 +61,31 @@ def test_random_drafter_equality_and_fresh_sessions():
             assert stats.draft_time_s > 0 and stats.verify_time_s > 0
 
 
+def _spy_on_sync(drafter) -> list:
+    """Record (cache, num_verified) of every `_sync` call (an attribute of our own drafter, not of the target)."""
+    calls, real_sync = [], drafter._sync
+
+    def spy(cache, num_verified):
+        calls.append((cache, num_verified))
+        return real_sync(cache, num_verified)
+
+    drafter._sync = spy
+    return calls
+
+
 def test_hooks_read_exactly_the_verified_positions():
     target = make_target("llama")
     ref = target.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=30, do_sample=False)
     drafter = _oracle(target, ref[0].tolist(), 0.7)
     drafter.generation_config.assistant_confidence_threshold = 0.0
-    calls = []
     with moa_hf.attached(drafter, target):
-        real_sync = drafter._sync
-
-        def spy(cache, num_verified):
-            calls.append(num_verified)
-            return real_sync(cache, num_verified)
-
-        drafter._sync = spy  # instance attribute on our own drafter, not on the target
+        calls = _spy_on_sync(drafter)
         out = target.generate(ref[:, :4], max_new_tokens=30, do_sample=False, assistant_model=drafter)
         reads = drafter._session.context_reads
     assert torch.equal(out, ref)
     # one read per cycle after the first, contiguous, ending at the last verified token that has target state
     assert reads[0][0] == 0 and all(a[1] == b[0] for a, b in zip(reads, reads[1:]))
-    assert [end for _, end in reads] == [n - 1 for n in calls[1:]]
+    assert [end for _, end in reads] == [n - 1 for _, n in calls[1:]]
     # and the context the drafter accumulated equals the one computed from the final verified sequence
     full = target(out[:, :-1], use_cache=True, past_key_values=DynamicCache(config=target.config)).past_key_values
     with torch.no_grad():
@@ -210,27 +215,19 @@ def _exact_pair_distribution(target, ids, processors):
     return joint
 
 
-def test_sampling_follows_target_distribution():
-    """Speculative sampling with the drafter's processed scores keeps the target's distribution (chi-square test)."""
-    target = make_target("llama", seed=3)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(8.0)  # peaky distributions: a few likely tokens
-    ids = torch.tensor([[7, 21, 40]])
+def _sampled_pairs_p_value(target, drafter, ids, joint, n=600, each=None) -> tuple[float, int]:
+    """Sample the next two tokens n times with the drafter; chi-square p-value against the exact `joint`, and how
+    many samples accepted a drafted token. `each()` runs after every sample (extra checks)."""
     kw = dict(do_sample=True, top_k=3, temperature=0.9, max_new_tokens=2)
-    processors = LogitsProcessorList([TemperatureLogitsWarper(0.9), TopKLogitsWarper(3)])
-    joint = _exact_pair_distribution(target, ids, processors)
-    drafter = NoisyCopyDrafter(moa_hf.build_drafter(target).config).eval()  # close to, not equal to, the target
-    drafter.oracle = copy.deepcopy(target)
-    drafter.generation_config.assistant_confidence_threshold = 0.0
-    drafter.generation_config.num_assistant_tokens = 2
-    counts, n, accepted = {}, 600, 0
+    counts, accepted, start = {}, 0, ids.shape[1]
     torch.manual_seed(0)
     with moa_hf.attached(drafter, target):
         for _ in range(n):
-            out = target.generate(ids, assistant_model=drafter, **kw)
-            key = tuple(out[0, 3:5].tolist())
+            key = tuple(target.generate(ids, assistant_model=drafter, **kw)[0, start : start + 2].tolist())
             counts[key] = counts.get(key, 0) + 1
             accepted += drafter.speculation_stats.accepted_lengths[0] > 1
+            if each is not None:
+                each()
     assert set(counts) <= set(joint), "sampled a pair the target gives zero probability"
     keys = [k for k in joint if joint[k] * n >= 5]
     rest = 1.0 - sum(joint[k] for k in keys)
@@ -240,8 +237,23 @@ def test_sampling_follows_target_distribution():
         observed_rest = n - sum(counts.get(k, 0) for k in keys)
         chi2 += (observed_rest - n * rest) ** 2 / (n * rest)
         df += 1
-    p_value = float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(chi2 / 2.0)))
-    assert p_value > 1e-3, (chi2, df, p_value)
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(chi2 / 2.0))), accepted
+
+
+def test_sampling_follows_target_distribution():
+    """Speculative sampling with the drafter's processed scores keeps the target's distribution (chi-square test)."""
+    target = make_target("llama", seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)  # peaky distributions: a few likely tokens
+    ids = torch.tensor([[7, 21, 40]])
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.9), TopKLogitsWarper(3)])
+    joint = _exact_pair_distribution(target, ids, processors)
+    drafter = NoisyCopyDrafter(moa_hf.build_drafter(target).config).eval()  # close to, not equal to, the target
+    drafter.oracle = copy.deepcopy(target)
+    drafter.generation_config.assistant_confidence_threshold = 0.0
+    drafter.generation_config.num_assistant_tokens = 2
+    p_value, accepted = _sampled_pairs_p_value(target, drafter, ids, joint)
+    assert p_value > 1e-3, p_value
     assert accepted > 0  # drafts were really accepted, so speculative sampling was exercised
 
 
@@ -282,15 +294,8 @@ def test_lookup_hybrid_is_exact_and_reads_context_lazily(tli):
     drafter = _oracle(target, ref[0].tolist(), 0.6, target_layer_inference=tli)
     gc = drafter.generation_config
     gc.prompt_lookup_num_tokens, gc.num_assistant_tokens, gc.assistant_confidence_threshold = 6, 6, 0.0
-    seen = []
     with moa_hf.attached(drafter, target):
-        real_sync = drafter._sync
-
-        def spy(cache, num_verified):
-            seen.append(cache)
-            return real_sync(cache, num_verified)
-
-        drafter._sync = spy
+        seen = _spy_on_sync(drafter)
         out = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter)
         stats, reads = drafter.speculation_stats, drafter._session.context_reads
     assert torch.equal(out, ref)
@@ -298,7 +303,7 @@ def test_lookup_hybrid_is_exact_and_reads_context_lazily(tli):
     assert stats.lookup_tokens <= stats.drafted_tokens and stats.generated_tokens == 40
     assert reads[0][0] == 0 and all(a[1] == b[0] for a, b in zip(reads, reads[1:]))  # contiguous, no gaps
     # the CA memory built lazily equals the one computed at once from the final target cache
-    cache = seen[-1]
+    cache = seen[-1][0]
     full = target(out[:, :-1], use_cache=True, past_key_values=DynamicCache(config=target.config)).past_key_values
     with torch.no_grad():
         eager = moa_hf.MoADrafterCache()
@@ -312,7 +317,6 @@ def test_lookup_sampling_follows_target_distribution():
     target = make_target("llama", seed=3)
     with torch.no_grad():
         target.lm_head.weight.mul_(8.0)
-    kw = dict(do_sample=True, top_k=3, temperature=0.9, max_new_tokens=2)
     processors = LogitsProcessorList([TemperatureLogitsWarper(0.9), TopKLogitsWarper(3)])
     with torch.no_grad():  # a prompt "7 21 x 7 21" after which x is the target's likeliest token
         grid = torch.tensor([[7, 21, x, 7, 21] for x in range(128)])
@@ -323,24 +327,13 @@ def test_lookup_sampling_follows_target_distribution():
     drafter = moa_hf.build_drafter(target).eval()
     drafter.generation_config.prompt_lookup_num_tokens = 2
     drafter.generation_config.num_assistant_tokens = 2
-    counts, n, accepted = {}, 600, 0
-    torch.manual_seed(0)
-    with moa_hf.attached(drafter, target):
-        for _ in range(n):
-            out = target.generate(ids, assistant_model=drafter, **kw)
-            counts[tuple(out[0, 5:7].tolist())] = counts.get(tuple(out[0, 5:7].tolist()), 0) + 1
-            assert drafter.speculation_stats.lookup_cycles >= 1
-            accepted += drafter.speculation_stats.accepted_lengths[0] > 1
-    assert set(counts) <= set(joint), "sampled a pair the target gives zero probability"
-    keys = [k for k in joint if joint[k] * n >= 5]
-    rest = 1.0 - sum(joint[k] for k in keys)
-    chi2 = sum((counts.get(k, 0) - n * joint[k]) ** 2 / (n * joint[k]) for k in keys)
-    df = len(keys) - 1
-    if rest * n >= 5:
-        chi2 += (n - sum(counts.get(k, 0) for k in keys) - n * rest) ** 2 / (n * rest)
-        df += 1
-    assert float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(chi2 / 2.0))) > 1e-3, (chi2, df)
-    assert accepted > n // 10  # looked-up drafts were really accepted, so speculative sampling was exercised
+
+    def used_lookup():
+        assert drafter.speculation_stats.lookup_cycles >= 1
+
+    p_value, accepted = _sampled_pairs_p_value(target, drafter, ids, joint, n=600, each=used_lookup)
+    assert p_value > 1e-3, p_value
+    assert accepted > 60  # looked-up drafts were really accepted, so speculative sampling was exercised
 
 
 @pytest.mark.parametrize("p_right", [1.0, 0.8])
