@@ -241,6 +241,9 @@ _TRAINING_LABELS = {
     "tokens": "Training tokens",
     "steps": "Optimizer steps",
     "wall_time_s": "Wall time",
+    "total_tokens": "Training tokens, all runs",
+    "total_steps": "Optimizer steps, all runs",
+    "total_wall_time_s": "Wall time, all runs",
     "hardware": "Hardware",
     "cached_target_states": "Trained on cached target states",
     "final_train_loss": "Final training loss",
@@ -251,9 +254,9 @@ _TRAINING_LABELS = {
 def _fmt_training(key: str, value: Any) -> str:
     if key == "datasets":
         return ", ".join(f"[`{d}`](https://huggingface.co/datasets/{d})" for d in value)
-    if key in ("tokens", "steps") and _is_number(value):
+    if key in ("tokens", "steps", "total_tokens", "total_steps") and _is_number(value):
         return f"{value:,}"
-    if key == "wall_time_s" and _is_number(value):
+    if key in ("wall_time_s", "total_wall_time_s") and _is_number(value):
         return _fmt_duration(value)
     if key == "hardware" and isinstance(value, dict):
         return _hardware_text(value)
@@ -273,8 +276,8 @@ def _training_rows(info: dict | None) -> list[tuple[str, str]]:
     rows = []
     for key in keys:
         value = info[key]
-        if key in ("language", "learning_curve") or value in (None, "", []):
-            continue  # the language is card metadata; the learning curve has its own table
+        if key in ("language", "learning_curve", "previous_runs") or value in (None, "", []):
+            continue  # the language is card metadata; the learning curve has its own table; runs are in the totals
         label = _TRAINING_LABELS.get(key, key.replace("_", " ").capitalize())
         rows.append((label, _fmt_training(key, value).replace("|", "\\|")))
     return rows

@@ -633,3 +633,11 @@ def test_card_says_whether_prompt_lookup_is_on(drafter):
     finally:
         drafter.generation_config.prompt_lookup_num_tokens = None
     assert "Prompt lookup is on (`prompt_lookup_num_tokens` = 10" in text and "`prompt_lookup_min_ngram` = 2" in text
+
+
+def test_card_shows_totals_over_continued_runs(drafter):
+    info = {**TRAINING_INFO, "previous_runs": [{"tokens": 1000, "steps": 10}], "total_tokens": 123_457_789,
+            "total_steps": 4331, "total_wall_time_s": 7300.0}
+    text = render_card(drafter, training_info=info, repo_id=REPO_ID).text
+    assert "| Training tokens, all runs | 123,457,789 |" in text and "| Optimizer steps, all runs | 4,331 |" in text
+    assert "previous_runs" not in text and "Previous runs" not in text

@@ -183,7 +183,10 @@ def test_moa_train_cli_on_cached_states_records_a_continuing_learning_curve(tmp_
     assert main([*more_args, "--output", str(tmp_path / "b"), "--max-steps", "2", "--init-drafter",
                  str(tmp_path / "a")]) == 0
     assert kv_file.stat().st_mtime_ns == before and (tmp_path / "states2" / "states.json").exists()
-    more = json.loads((tmp_path / "b" / "training_info.json").read_text())["learning_curve"]
+    info_b = json.loads((tmp_path / "b" / "training_info.json").read_text())
+    more = info_b["learning_curve"]
     assert [p["step"] for p in more] == [2, 4, 6] and more[2]["tokens"] > curve[1]["tokens"]
+    assert [r["steps"] for r in info_b["previous_runs"]] == [4] and info_b["total_steps"] == 6
+    assert info_b["total_tokens"] == info["tokens"] + info_b["tokens"]
     with pytest.raises(SystemExit, match="one per --data folder"):
         main([*more_args, "--states", "x", "y", "z", "--output", str(tmp_path / "c"), "--max-steps", "1"])

@@ -236,6 +236,7 @@ def run_train(args: argparse.Namespace) -> int:
             "acceptance_length_heldout": final.get("eval_acceptance_length"),
             "learning_curve": _learning_curve(trainer, info_from=args.init_drafter),
         }
+        info.update(_totals(info, info_from=args.init_drafter))
         (out / "training_info.json").write_text(json.dumps(info, indent=1))
         print(json.dumps({"output": str(out), **info}, indent=1))
     return 0
@@ -302,6 +303,23 @@ def run_tune(args: argparse.Namespace) -> int:
         tune.write_best_setting(folder, result["best"], fallback=drafter.generation_config)
         print(f"updated {folder / 'generation_config.json'} with the best setting")
     return 0
+
+
+def _totals(info: dict, info_from: str | None) -> dict:
+    """`previous_runs` (the `--init-drafter`'s own record and its earlier runs) and totals over all runs."""
+    prev_file = Path(info_from) / "training_info.json" if info_from else None
+    if prev_file is None or not prev_file.exists():
+        return {}
+    prev = json.loads(prev_file.read_text())
+    own = {k: v for k, v in prev.items() if k not in ("learning_curve", "previous_runs") and not k.startswith("total")}
+    runs = [*prev.get("previous_runs", []), own]
+    everything = [*runs, info]
+    return {
+        "previous_runs": runs,
+        "total_tokens": sum(int(r.get("tokens") or 0) for r in everything),
+        "total_steps": sum(int(r.get("steps") or 0) for r in everything),
+        "total_wall_time_s": round(sum(float(r.get("wall_time_s") or 0.0) for r in everything), 1),
+    }
 
 
 def _learning_curve(trainer, info_from: str | None) -> list[dict]:
