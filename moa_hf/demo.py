@@ -43,6 +43,13 @@ def run_demo(dtype: str = "bfloat16", max_new_tokens: int = 96, drafter_path: st
     print(
         f"drafter parameters (trainable, own): {n_params / 1e6:.2f}M; embedding and LM head borrowed from the target"
     )
+    gc = drafter.generation_config
+    lookup = getattr(gc, "prompt_lookup_num_tokens", None)
+    print(
+        f"speculation (the drafter's generation_config): up to {gc.num_assistant_tokens} tokens per cycle, confidence "
+        f"threshold {gc.assistant_confidence_threshold}, prompt lookup "
+        + (f"on (up to {lookup} tokens, n-grams >= {getattr(gc, 'prompt_lookup_min_ngram', 1)})" if lookup else "off")
+    )
     totals = {"vanilla_s": 0.0, "moa_s": 0.0, "tokens": 0, "accepted": [], "differ": 0}
     with attached(drafter, target):
         for prompt in PROMPTS:
@@ -68,6 +75,7 @@ def run_demo(dtype: str = "bfloat16", max_new_tokens: int = 96, drafter_path: st
             print(f"\n> {prompt}\n{answer.strip()[:300]}")
             print(
                 f"  [{n_new} tokens, acceptance length {stats.mean_accepted_length:.2f}, "
+                f"{stats.lookup_cycles}/{len(stats.accepted_lengths)} cycles drafted by lookup, "
                 f"vanilla {t1 - t0:.2f}s, moa {t2 - t1:.2f}s, identical to target alone: {same}]"
             )
     acc = sum(totals["accepted"]) / max(1, len(totals["accepted"]))

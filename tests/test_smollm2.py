@@ -43,3 +43,30 @@ def test_smollm2_greedy_equality_and_streamer(smollm2, which):
             assert torch.equal(out, ref), prompt
             assert streamer.text == tok.decode(out[0, inputs["input_ids"].shape[1]:])
             assert drafter.speculation_stats.generated_tokens == out.shape[1] - inputs["input_ids"].shape[1]
+
+
+def test_smollm2_prompt_lookup_hybrid_is_exact(smollm2):
+    """The shipped drafter with prompt lookup forced on: copy-heavy answers draft by lookup, output unchanged."""
+    target, tok = smollm2
+    drafter = moa_hf.load_default_drafter(torch.float32)
+    drafter.generation_config.prompt_lookup_num_tokens, drafter.generation_config.prompt_lookup_min_ngram = 8, 2
+    drafter.generation_config.num_assistant_tokens = 8
+    prompt = "Repeat this sentence twice: the quick brown fox jumps over the lazy dog near the river bank."
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    inputs = tok(text, return_tensors="pt")
+    with moa_hf.attached(drafter, target):
+        ref = target.generate(**inputs, max_new_tokens=40, do_sample=False)
+        out = target.generate(**inputs, max_new_tokens=40, do_sample=False, assistant_model=drafter)
+        stats = drafter.speculation_stats
+    assert torch.equal(out, ref)
+    assert 0 < stats.lookup_cycles < len(stats.accepted_lengths) and stats.mean_accepted_length > 1.5
+
+
+def test_demo_runs_and_reports_identical_outputs(smollm2, capsys):
+    from moa_hf.demo import run_demo
+
+    result = run_demo(dtype="float32", max_new_tokens=8)
+    out = capsys.readouterr().out
+    assert result["acceptance_length"] >= 1.0 and result["speedup"] > 0 and result["vanilla_tokens_per_s"] > 0
+    assert out.count("identical to target alone: True") == out.count("acceptance length") - 1  # all but "overall"
+    assert "speculation (the drafter's generation_config)" in out
