@@ -198,6 +198,9 @@ def cycle_starts_from_restarts(restart: torch.Tensor) -> torch.Tensor:
     return torch.cummax(marks, dim=1).values  # [B, T]
 
 
+LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM = 3, 2  # prompt lookup n-gram sizes where a generation config names none
+
+
 def lookup_continuation(ids: torch.Tensor, max_ngram: int, max_tokens: int, min_ngram: int = 1) -> torch.Tensor:
     """Prompt lookup: the tokens that followed an earlier occurrence of the longest suffix n-gram of `ids` [T].
 
@@ -425,8 +428,8 @@ class MoADrafterMixin:
         gc.num_assistant_tokens_schedule = "constant"
         gc.assistant_confidence_threshold = 0.3
         gc.prompt_lookup_num_tokens = None
-        gc.max_matching_ngram_size = 3
-        gc.prompt_lookup_min_ngram = 2
+        gc.max_matching_ngram_size = LOOKUP_MAX_NGRAM
+        gc.prompt_lookup_min_ngram = LOOKUP_MIN_NGRAM
         return gc
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -604,8 +607,8 @@ class MoADrafterMixin:
         num = min(int(getattr(gc, "prompt_lookup_num_tokens", None) or 0), max_new_tokens)
         if num <= 0:
             return None
-        max_ngram = int(getattr(gc, "max_matching_ngram_size", None) or 2)
-        min_ngram = int(getattr(gc, "prompt_lookup_min_ngram", None) or 1)
+        max_ngram = int(getattr(gc, "max_matching_ngram_size", None) or LOOKUP_MAX_NGRAM)
+        min_ngram = int(getattr(gc, "prompt_lookup_min_ngram", None) or LOOKUP_MIN_NGRAM)
         tokens = lookup_continuation(input_ids[0], max_ngram, num, min_ngram)
         if eos.numel() and tokens.numel():
             at_eos = torch.isin(tokens, eos).nonzero().flatten()
