@@ -405,7 +405,7 @@ class MoADrafterMixin:
 
     _attachment = None
     _session: "_Session | None" = None
-    supports_prompt_lookup = False  # True where `generate` drafts from `_lookup_proposal` first
+    supports_prompt_lookup = False  # True where `generate` drafts from `lookup_proposal` first
 
     @staticmethod
     def default_generation_config(generation_config: GenerationConfig | None = None) -> GenerationConfig:
@@ -565,7 +565,7 @@ class MoADrafterMixin:
         if session is not None:
             session.calls.append((input_ids.shape[1], self._attachment.tap.calls if self._attachment else 0))
         if self.supports_prompt_lookup:
-            proposal = self._lookup_proposal(input_ids, max_new_tokens, min_new_tokens, eos)
+            proposal = self.lookup_proposal(input_ids, max_new_tokens, min_new_tokens, eos)
             if proposal is not None:  # the caches catch up lazily at the next network cycle
                 return self._proposal_output(input_ids, proposal, past_key_values, t0)
         next_logits, max_new_tokens = self._prepare_draft(input_ids, past_key_values, max_new_tokens, min_new_tokens)
@@ -599,10 +599,12 @@ class MoADrafterMixin:
     # ----------------------------------------------------------------------------------------------------------------
     # Prompt lookup: drafts that cost no forward pass
     # -----------------------------------------------------------------------------------------------------------------
-    def _lookup_proposal(
+    def lookup_proposal(
         self, input_ids: torch.Tensor, max_new_tokens: int, min_new_tokens: int, eos: torch.Tensor
     ) -> torch.Tensor | None:
-        """The tokens [n] that prompt lookup proposes after `input_ids` [1, T], or None (lookup off or no match)."""
+        """The tokens [n] that prompt lookup proposes after `input_ids` [1, T], or None (lookup off or no match):
+        at most `max_new_tokens`, up to and including the first `eos` token (or before it while fewer than
+        `min_new_tokens` were drafted). Settings from `self.generation_config` (see `default_generation_config`)."""
         gc = self.generation_config
         num = min(int(getattr(gc, "prompt_lookup_num_tokens", None) or 0), max_new_tokens)
         if num <= 0:

@@ -279,10 +279,10 @@ def test_lookup_stops_at_eos_and_respects_min_new_tokens():
     drafter.generation_config.prompt_lookup_num_tokens = 5
     ids = torch.tensor([[5, 6, 2, 9, 9, 5, 6]])  # "5 6" was followed by eos (2)
     eos = torch.tensor([2])
-    assert drafter._lookup_proposal(ids, 5, 0, eos).tolist() == [2]
-    assert drafter._lookup_proposal(ids, 5, 1, eos) is None  # eos banned for now: nothing left to propose
+    assert drafter.lookup_proposal(ids, 5, 0, eos).tolist() == [2]
+    assert drafter.lookup_proposal(ids, 5, 1, eos) is None  # eos banned for now: nothing left to propose
     drafter.generation_config.prompt_lookup_num_tokens = None
-    assert drafter._lookup_proposal(ids, 5, 0, eos) is None
+    assert drafter.lookup_proposal(ids, 5, 0, eos) is None
 
 
 @pytest.mark.parametrize("tli", [0, 1])

@@ -1,5 +1,6 @@
 """Client-server speculative decoding: loopback equality, disconnection, emulated links, bad input, CLI."""
 
+import copy
 import json
 import os
 import random
@@ -541,3 +542,21 @@ def test_drafter_blob_with_draft_vocabulary_keeps_float_embeddings(tiny):
         torch.testing.assert_close(copy.embed(ids), drafter.embed(ids))
     finally:
         drafter.detach()
+
+
+def test_client_prompt_lookup_is_exact_and_saves_calls(tiny, server):
+    """A drafter with prompt lookup on drafts copies for free on the client; the server still verifies all."""
+    target, drafter = tiny
+    looking = copy.deepcopy(drafter)
+    looking.generation_config.prompt_lookup_num_tokens, looking.generation_config.prompt_lookup_min_ngram = 6, 1
+    prompt = [5, 6, 7, 8, 9, 10, 11] * 3
+    ref = reference(target, prompt, 30)
+    with MoAClient(server.url, drafter=looking, draft_length=6) as client:
+        result = client.generate(prompt, max_new_tokens=30)
+        sampled = client.generate(prompt, 20, do_sample=True, temperature=0.7, top_k=20, seed=3)
+    with MoAClient(server.url, drafter=drafter, draft_length=6) as client:
+        plain = client.generate(prompt, max_new_tokens=30)
+    assert result.token_ids == ref == plain.token_ids and result.unverified_tokens == 0
+    assert result.stats["lookup_drafted_tokens"] > 0 and plain.stats["lookup_drafted_tokens"] == 0
+    assert result.server_calls < plain.server_calls
+    assert len(sampled.token_ids) == 20 and sampled.unverified_tokens == 0 and sampled.stats["lookup_drafted_tokens"]

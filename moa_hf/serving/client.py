@@ -197,6 +197,7 @@ class _Run:
     failed_calls: int = 0
     recreations: int = 0
     drafted: int = 0
+    lookup_drafted: int = 0  # of `drafted`: proposed by the drafter's prompt lookup
     accepted_lengths: list[int] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)
     bytes_up: int = 0
@@ -533,6 +534,18 @@ class MoAClient:
         t0 = time.perf_counter()
         drafter, cache = self.drafter, run.cache
         s = run.sampling
+        if getattr(drafter, "supports_prompt_lookup", False):
+            ids = torch.tensor([run.verified + run.pending], device=drafter.device)  # [1, T]
+            eos = torch.tensor(sorted(self._eos), dtype=torch.long, device=drafter.device)
+            looked_up = drafter.lookup_proposal(ids, k, 0, eos)
+            if looked_up is not None:  # free draft tokens, q one-hot (exact); the SA cache catches up later
+                tokens = looked_up.tolist()
+                run.pending.extend(tokens)
+                run.dists.extend({"ids": [t], "probs": [1.0]} if s["do_sample"] else None for t in tokens)
+                run.drafted += len(tokens)
+                run.lookup_drafted += len(tokens)
+                run.draft_s += time.perf_counter() - t0
+                return
         n = 0
         for _ in range(k):
             tokens = run.verified + run.pending
@@ -673,6 +686,7 @@ class MoAClient:
                 "failed_calls": run.failed_calls,
                 "session_recreations": run.recreations,
                 "drafted_tokens": run.drafted,
+                "lookup_drafted_tokens": run.lookup_drafted,
                 "mean_accepted_length": sum(run.accepted_lengths) / calls,
                 "accepted_lengths": run.accepted_lengths,
                 "draft_lengths": run.draft_lengths,
