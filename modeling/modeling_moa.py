@@ -424,6 +424,7 @@ class MoADrafterMixin:
           gains most; output stays exact because the target verifies every token.
         """
         gc = generation_config if generation_config is not None else GenerationConfig()
+        gc._from_model_config = False  # our own settings: transformers drops extra keys of a "from model config" one
         gc.num_assistant_tokens = 5
         gc.num_assistant_tokens_schedule = "constant"
         gc.assistant_confidence_threshold = 0.3

@@ -251,3 +251,14 @@ def test_drafter_without_target_says_attach():
     drafter = moa_hf.build_drafter(make_target("llama"))
     with pytest.raises(RuntimeError, match="attach"):
         drafter.draft_step(torch.tensor([[3, 4]]), MoADrafterCache())
+
+
+def test_speculation_settings_survive_save_and_load(tmp_path):
+    """Every speculation setting, the drafter's own `prompt_lookup_min_ngram` included, comes back from disk."""
+    drafter = moa_hf.build_drafter(make_target("llama"))
+    gc = drafter.generation_config
+    gc.num_assistant_tokens, gc.prompt_lookup_num_tokens, gc.prompt_lookup_min_ngram = 7, 9, 1
+    drafter.save_pretrained(tmp_path)
+    loaded = MoADrafterModel.from_pretrained(tmp_path).generation_config
+    assert (loaded.num_assistant_tokens, loaded.prompt_lookup_num_tokens, loaded.prompt_lookup_min_ngram) == (7, 9, 1)
+    assert loaded.max_matching_ngram_size == 3

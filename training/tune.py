@@ -387,5 +387,6 @@ def write_best_setting(path: str | Path, setting: dict, fallback: GenerationConf
         gc = copy.deepcopy(fallback)
     for key, value in _config_values(setting, "prompt_lookup_num_tokens" in setting).items():
         setattr(gc, key, value)
+    gc._from_model_config = False  # else transformers drops `prompt_lookup_min_ngram` when loading it
     gc.save_pretrained(str(path))
     return gc
