@@ -22,9 +22,10 @@ from .modeling_moa import (
     MoADecoderLayer,
     MoADrafterMixin,
     MoADrafterOutput,
-    MoARMSNorm,
+    MoAPreTrainedModel,
     MoARotaryEmbedding,
     _decoder_of,
+    _RollbackCache,
     _Session,
     _TargetTap,
 )
@@ -52,7 +53,7 @@ class _LayerKV:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
 
-class MoAEagleCache:
+class MoAEagleCache(_RollbackCache):
     """Everything the EAGLE drafter keeps between drafting calls; all of it rolls back to any length with `crop`.
 
     - keys/values of every position fed so far (0..seq_length-1), per drafter layer, and the tokens fed;
@@ -78,19 +79,6 @@ class MoAEagleCache:
     def append_features(self, features: torch.Tensor) -> None:
         """Append the target's true features [B, T, d] of the next verified positions."""
         self.features = features if self.features is None else torch.cat([self.features, features], dim=1)
-
-    def common_prefix(self, input_ids: torch.Tensor) -> int:
-        """Length of the longest prefix of `input_ids` that the cached keys/values were computed from."""
-        if self.tokens is None:
-            return 0
-        n = min(self.tokens.shape[1], input_ids.shape[1])
-        differ = (self.tokens[:, :n] != input_ids[:, :n]).any(0).nonzero()
-        return int(differ[0]) if differ.numel() else n
-
-    def crop(self, n: int) -> None:
-        """transformers' convention: `crop(-k)` drops the last k positions and `crop(0)` none (assisted generation
-        calls it so after a fully accepted draft); a positive `n` keeps positions < n (see `truncate`)."""
-        self.truncate(max(0, self.get_seq_length() + n) if n <= 0 else n)
 
     def truncate(self, length: int) -> None:
         """Keep positions < `length` (0 empties the cache)."""
@@ -152,27 +140,13 @@ class _EagleAttachment:
 # -------------------------------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------------------------------
-class MoAEaglePreTrainedModel(PreTrainedModel):
+class MoAEaglePreTrainedModel(MoAPreTrainedModel):
+    """The MoA drafter's base (same weight initialisation) with the EAGLE drafter's config."""
+
     config_class = MoAEagleConfig
     config: MoAEagleConfig
     base_model_prefix = "eagle"
-    supports_gradient_checkpointing = False
     _no_split_modules = ["MoADecoderLayer"]
-    _supports_sdpa = True
-
-    @torch.no_grad()
-    def _init_weights(self, module):
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            module.weight.normal_(0.0, std)
-            if module.bias is not None:
-                module.bias.zero_()
-        elif isinstance(module, nn.Embedding):
-            module.weight.normal_(0.0, std)
-        elif isinstance(module, MoARMSNorm):
-            module.weight.fill_(1.0)
-        elif isinstance(module, MoARotaryEmbedding):
-            module.inv_freq.copy_(module.compute_inv_freq())
 
 
 class MoAEagleDrafterModel(MoADrafterMixin, MoAEaglePreTrainedModel, GenerationMixin):

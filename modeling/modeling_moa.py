@@ -219,7 +219,27 @@ def lookup_continuation(ids: torch.Tensor, max_ngram: int, max_tokens: int, min_
     return ids[:0]
 
 
-class MoADrafterCache:
+class _RollbackCache:
+    """What both drafter caches share: the tokens they were computed from (`tokens`, [B, T]), their longest
+    still-valid prefix, and transformers' `crop` convention on top of each cache's own `truncate(length)`."""
+
+    tokens: torch.Tensor | None = None
+
+    def common_prefix(self, input_ids: torch.Tensor) -> int:
+        """Length of the longest prefix of `input_ids` that the cached keys/values were computed from."""
+        if self.tokens is None:
+            return 0
+        n = min(self.tokens.shape[1], input_ids.shape[1])
+        differ = (self.tokens[:, :n] != input_ids[:, :n]).any(0).nonzero()
+        return int(differ[0]) if differ.numel() else n
+
+    def crop(self, n: int) -> None:
+        """transformers' convention: `crop(-k)` drops the last k positions and `crop(0)` none (assisted generation
+        calls it so after a fully accepted draft); a positive `n` keeps positions < n (see `truncate`)."""
+        self.truncate(max(0, self.get_seq_length() + n) if n <= 0 else n)
+
+
+class MoADrafterCache(_RollbackCache):
     """Everything the drafter keeps between drafting calls; all of it rolls back to any length with `crop`.
 
     - SA keys/values of every token fed so far (positions 0..seq_length-1).
@@ -241,14 +261,6 @@ class MoADrafterCache:
     @property
     def context_length(self) -> int:
         return 0 if self.ca_keys is None else self.ca_keys.shape[2]
-
-    def common_prefix(self, input_ids: torch.Tensor) -> int:
-        """Length of the longest prefix of `input_ids` that the cached SA keys/values were computed from."""
-        if self.tokens is None:
-            return 0
-        n = min(self.tokens.shape[1], input_ids.shape[1])
-        differ = (self.tokens[:, :n] != input_ids[:, :n]).any(0).nonzero()
-        return int(differ[0]) if differ.numel() else n
 
     @property
     def tli_length(self) -> int:
@@ -272,16 +284,9 @@ class MoADrafterCache:
             self.sa_keys, self.sa_values = self.sa_keys[:, :, :length], self.sa_values[:, :, :length]
             self.tokens = self.tokens[:, :length]
 
-    def crop(self, n: int) -> None:
-        """transformers' convention: `crop(-k)` drops the last k positions and `crop(0)` none (assisted generation
-        calls it so after a fully accepted draft); a positive `n` keeps positions < n (see `truncate`)."""
-        self.truncate(max(0, self.get_seq_length() + n) if n <= 0 else n)
-
     def truncate(self, length: int) -> None:
         """Keep positions < `length` (0 empties the cache)."""
-        if self.sa_keys is not None:
-            self.sa_keys, self.sa_values = self.sa_keys[:, :, :length], self.sa_values[:, :, :length]
-            self.tokens = self.tokens[:, :length]
+        self.crop_self(length)
         if self.ca_keys is not None:
             self.ca_keys, self.ca_values = self.ca_keys[:, :, :length], self.ca_values[:, :, :length]
         if self.tli_length > length:
@@ -395,6 +400,14 @@ class _Session:
 # -------------------------------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------------------------------
+def _one_hot_scores(tokens: torch.Tensor, config) -> list[torch.Tensor]:
+    """n x [1, V] scores of proposed `tokens` [n]: one-hot, i.e. the proposal distribution of a deterministic
+    proposer, so speculative sampling against the target stays exact."""
+    scores = torch.full((tokens.shape[0], config.vocab_size), -float("inf"), device=tokens.device)  # [n, V]
+    scores[torch.arange(tokens.shape[0]), tokens] = 0.0
+    return list(scores[:, None].unbind(0))
+
+
 class MoADrafterMixin:
     """What every drafter of this library shares (`MoADrafterModel`, `MoAEagleDrafterModel`): speculation
     defaults, detaching, the target signature check, borrowed or own embedding / head, and session statistics.
@@ -565,12 +578,27 @@ class MoADrafterMixin:
         session = self._session
         if session is not None:
             session.calls.append((input_ids.shape[1], self._attachment.tap.calls if self._attachment else 0))
-        if self.supports_prompt_lookup:
-            proposal = self.lookup_proposal(input_ids, max_new_tokens, min_new_tokens, eos)
-            if proposal is not None:  # the caches catch up lazily at the next network cycle
-                return self._proposal_output(input_ids, proposal, past_key_values, t0)
-        next_logits, max_new_tokens = self._prepare_draft(input_ids, past_key_values, max_new_tokens, min_new_tokens)
+        proposal = self.lookup_proposal(input_ids, max_new_tokens, min_new_tokens, eos)
+        if proposal is not None:  # no forward pass: the caches catch up lazily at the next network cycle
+            ids, scores = torch.cat([input_ids, proposal[None]], dim=-1), _one_hot_scores(proposal, self.config)
+            if session is not None:
+                session.lookup_cycles += 1
+                session.lookup_tokens += len(scores)
+        else:
+            ids, scores = self._draft_with_network(
+                input_ids, past_key_values, gc, processors, eos, threshold, max_new_tokens, min_new_tokens
+            )
+        if session is not None:
+            session.drafted_tokens += len(scores)
+            session.draft_time_s += time.perf_counter() - t0
+        return GenerateDecoderOnlyOutput(sequences=ids, scores=tuple(scores), past_key_values=past_key_values)
 
+    def _draft_with_network(
+        self, input_ids, cache, gc, processors, eos, threshold, max_new_tokens: int, min_new_tokens: int
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The drafting loop (gpt-fast style): the sequence with up to `max_new_tokens` drafted tokens, and the
+        processed [1, V] scores of each."""
+        next_logits, max_new_tokens = self._prepare_draft(input_ids, cache, max_new_tokens, min_new_tokens)
         ids, scores, token = input_ids, [], None
         for step in range(max_new_tokens):
             logits = next_logits(token)  # [1, V]
@@ -592,10 +620,7 @@ class MoADrafterMixin:
                 probs = logits.softmax(-1) if probs is None else probs
                 if probs[0, token[0, 0]] < threshold:
                     break
-        if session is not None:
-            session.drafted_tokens += len(scores)
-            session.draft_time_s += time.perf_counter() - t0
-        return GenerateDecoderOnlyOutput(sequences=ids, scores=tuple(scores), past_key_values=past_key_values)
+        return ids, scores
 
     # ----------------------------------------------------------------------------------------------------------------
     # Prompt lookup: drafts that cost no forward pass
@@ -606,13 +631,11 @@ class MoADrafterMixin:
         """The tokens [n] that prompt lookup proposes after `input_ids` [1, T], or None (lookup off or no match):
         at most `max_new_tokens`, up to and including the first `eos` token (or before it while fewer than
         `min_new_tokens` were drafted). Settings from `self.generation_config` (see `default_generation_config`)."""
-        gc = self.generation_config
-        num = min(int(getattr(gc, "prompt_lookup_num_tokens", None) or 0), max_new_tokens)
-        if num <= 0:
+        settings = self.lookup_settings(self.generation_config) if self.supports_prompt_lookup else None
+        if settings is None or max_new_tokens <= 0:
             return None
-        max_ngram = int(getattr(gc, "max_matching_ngram_size", None) or LOOKUP_MAX_NGRAM)
-        min_ngram = int(getattr(gc, "prompt_lookup_min_ngram", None) or LOOKUP_MIN_NGRAM)
-        tokens = lookup_continuation(input_ids[0], max_ngram, num, min_ngram)
+        num, max_ngram, min_ngram = settings
+        tokens = lookup_continuation(input_ids[0], max_ngram, min(num, max_new_tokens), min_ngram)
         if eos.numel() and tokens.numel():
             at_eos = torch.isin(tokens, eos).nonzero().flatten()
             if at_eos.numel():  # stop at the first end-of-sequence token, or before it while it is still banned
@@ -620,23 +643,14 @@ class MoADrafterMixin:
                 tokens = tokens[: first + 1] if first >= min_new_tokens else tokens[:first]
         return tokens if tokens.numel() else None
 
-    def _proposal_output(
-        self, input_ids: torch.Tensor, tokens: torch.Tensor, cache, t0: float
-    ) -> GenerateDecoderOnlyOutput:
-        """A drafting call's output for proposed `tokens` [n]: one-hot scores, i.e. the proposal distribution of a
-        deterministic proposer, so speculative sampling against the target stays exact."""
-        scores = input_ids.new_full((tokens.shape[0], self.config.vocab_size), -float("inf"), dtype=torch.float32)
-        scores[torch.arange(tokens.shape[0]), tokens] = 0.0  # [n, V]
-        if self._session is not None:
-            self._session.drafted_tokens += tokens.shape[0]
-            self._session.lookup_cycles += 1
-            self._session.lookup_tokens += tokens.shape[0]
-            self._session.draft_time_s += time.perf_counter() - t0
-        return GenerateDecoderOnlyOutput(
-            sequences=torch.cat([input_ids, tokens[None]], dim=-1),
-            scores=tuple(scores[:, None].unbind(0)),  # n x [1, V]
-            past_key_values=cache,
-        )
+    @staticmethod
+    def lookup_settings(generation_config: GenerationConfig) -> tuple[int, int, int] | None:
+        """(tokens, longest n-gram, shortest n-gram) of prompt lookup in `generation_config`; None when off."""
+        num = int(getattr(generation_config, "prompt_lookup_num_tokens", None) or 0)
+        if num <= 0:
+            return None
+        max_ngram = int(getattr(generation_config, "max_matching_ngram_size", None) or LOOKUP_MAX_NGRAM)
+        return num, max_ngram, int(getattr(generation_config, "prompt_lookup_min_ngram", None) or LOOKUP_MIN_NGRAM)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Session statistics
@@ -757,9 +771,6 @@ class MoADrafterModel(MoADrafterMixin, MoAPreTrainedModel, GenerationMixin):
         self.post_init()
         self.generation_config = self.default_generation_config(self.generation_config)
 
-    # ----------------------------------------------------------------------------------------------------------------
-    # Speculation defaults
-    # -----------------------------------------------------------------------------------------------------------------
     # ----------------------------------------------------------------------------------------------------------------
     # Attaching to the target
     # -----------------------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,13 @@ def _run(cmd: list[str], tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
+def _free_port() -> int:
+    """A free local TCP port for the rendezvous (the default 29500 may still be held by an earlier run)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _losses(out: Path) -> dict[int, float]:
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
     return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
@@ -53,7 +61,8 @@ def test_two_process_ddp_matches_one_process(tmp_path):
     # accelerate 1.x: `--cpu` with several processes expects MPI; `--multi_gpu` on a machine without GPUs launches
     # torchrun processes that use the gloo backend on the CPU (and `--cpu` of `moa train` keeps them there).
     _run([ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
-          "no", "--dynamo_backend", "no", *_train_cmd(folder, data, ddp, batch_size=4)], tmp_path)
+          "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+          *_train_cmd(folder, data, ddp, batch_size=4)], tmp_path)
 
     state = json.loads((ddp / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["epoch"] == pytest.approx(1.0)  # 2 processes x 4 examples per step over 32 examples

@@ -534,18 +534,17 @@ class MoAClient:
         t0 = time.perf_counter()
         drafter, cache = self.drafter, run.cache
         s = run.sampling
-        if getattr(drafter, "supports_prompt_lookup", False):
-            ids = torch.tensor([run.verified + run.pending], device=drafter.device)  # [1, T]
-            eos = torch.tensor(sorted(self._eos), dtype=torch.long, device=drafter.device)
-            looked_up = drafter.lookup_proposal(ids, k, 0, eos)
-            if looked_up is not None:  # free draft tokens, q one-hot (exact); the SA cache catches up later
-                tokens = looked_up.tolist()
-                run.pending.extend(tokens)
-                run.dists.extend({"ids": [t], "probs": [1.0]} if s["do_sample"] else None for t in tokens)
-                run.drafted += len(tokens)
-                run.lookup_drafted += len(tokens)
-                run.draft_s += time.perf_counter() - t0
-                return
+        ids = torch.tensor([run.verified + run.pending], device=drafter.device)  # [1, T]
+        eos = torch.tensor(sorted(self._eos), dtype=torch.long, device=drafter.device)
+        looked_up = drafter.lookup_proposal(ids, k, 0, eos)  # None when the drafter's lookup is off or finds nothing
+        if looked_up is not None:  # free draft tokens, q one-hot (exact); the SA cache catches up later
+            tokens = looked_up.tolist()
+            run.pending.extend(tokens)
+            run.dists.extend({"ids": [t], "probs": [1.0]} if s["do_sample"] else None for t in tokens)
+            run.drafted += len(tokens)
+            run.lookup_drafted += len(tokens)
+            run.draft_s += time.perf_counter() - t0
+            return
         n = 0
         for _ in range(k):
             tokens = run.verified + run.pending
