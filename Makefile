@@ -41,10 +41,11 @@ data: .venv/.installed  ## the target answers the offline training prompts (resu
 
 drafters: .venv/.installed  ## MoA, EAGLE-style and independent drafters: same data, states, steps, batch, lr
 	$(TRAIN) --kind moa --draft-vocab-size 8192 --lsa-hidden-size 128 --eval-steps 60 --output $(RUNS)/moa
+	$(PY) -m moa_hf.cli datastore $(RUNS)/moa --data $(RUNS)/data
 	$(TRAIN) --kind eagle --eval-steps $(STEPS) --output $(RUNS)/eagle
 	$(TRAIN) --kind independent --eval-steps $(STEPS) --output $(RUNS)/independent
-	$(PY) -m moa_hf.cli tune --target default --dtype bfloat16 --drafter $(RUNS)/moa --num-prompts 12 \
-		--max-new-tokens 96 --num-assistant-tokens 6,10 --thresholds 0.3,0.5 --lookup-tokens 0,10 \
+	$(PY) -m moa_hf.cli tune --target default --dtype bfloat16 --drafter $(RUNS)/moa --num-prompts 8 \
+		--max-new-tokens 96 --num-assistant-tokens 10 --thresholds 0.3,0.5,0.7 --lookup-tokens 0,10 \
 		--lookup-min-ngrams 1,2 --write
 	for kind in eagle independent; do $(PY) -m moa_hf.cli tune --target default --dtype bfloat16 \
 		--drafter $(RUNS)/$$kind --num-prompts 6 --max-new-tokens 64 --num-assistant-tokens 2,3,4,5,6 \
@@ -52,7 +53,7 @@ drafters: .venv/.installed  ## MoA, EAGLE-style and independent drafters: same d
 
 bench: .venv/.installed  ## Spec-Bench (needs ../shared/data/spec_bench or QUESTIONS=path)
 	$(PY) -m moa_hf.cli bench $(if $(QUESTIONS),--questions $(QUESTIONS)) --moa $(or $(MOA),default) \
-		--eagle $(RUNS)/eagle --independent $(RUNS)/independent --questions-per-category 2 --check \
+		--eagle $(RUNS)/eagle --independent $(RUNS)/independent --questions-per-category 4 --check \
 		--max-new-tokens 128 --output $(RUNS)/bench
 
 hub: .venv/.installed  ## the default drafter's Hub repo folder (card numbers from its benchmark.json)

@@ -49,6 +49,12 @@ def test_default_prompts_are_varied_deterministic_and_split():
     for name, test in families.items():
         assert sum(map(test, train)) >= 30, name
     assert any("language reference" in p for p in val)
+    docs = default_prompts(60, split="documents")
+    assert len(docs) == len(set(docs)) == 60 and default_prompts(60, split="documents") == docs
+    assert not set(docs) & (set(val) | set(default_prompts(5000)))
+    assert sum(len(p) > 1500 for p in docs) >= 20  # long passages the answer draws on
+    for task in ("Summarise", "answer the question", "List the rules", "Translate", "Rewrite"):
+        assert sum(p.startswith(task) or task in p[:80] for p in docs) >= 4, task
     with pytest.raises(ValueError, match="split"):
         default_prompts(3, split="test")
 

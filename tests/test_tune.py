@@ -111,7 +111,8 @@ def test_cli_tune_writes_tuning_json_and_best_setting(saved, capsys):
     assert moa_main(args) == 0
     assert json.loads(gc_file.read_text()) == original  # no --write: untouched
     tuning = json.loads((drafter_dir / "tuning.json").read_text())
-    assert tuning["kind"] == "moa" and len(tuning["rows"]) == 4 and tuning["prompts"] == "default:validation"
+    assert tuning["kind"] == "moa" and len(tuning["rows"]) == 4
+    assert tuning["prompts"] == ["default:validation", "default:documents"] and tuning["num_prompts"] == 4
     assert "| (target alone) |" in capsys.readouterr().out
     assert moa_main([*args, "--write"]) == 0
     tuning = json.loads((drafter_dir / "tuning.json").read_text())
@@ -129,6 +130,9 @@ def test_cli_tune_refuses_spec_bench(tmp_path):
     renamed.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["Write a poem."]}) + "\n")
     with pytest.raises(SpecBenchPromptsError):  # by its records
         moa_main(["tune", "--target", "missing", "--drafter", "missing", "--prompts", str(renamed)])
+    with pytest.raises(SpecBenchPromptsError):  # any of several sources
+        moa_main(["tune", "--target", "missing", "--drafter", "missing", "--prompts", "default:validation",
+                  "spec_bench/question.jsonl"])
 
 
 def test_lookup_axis_for_moa_and_refused_elsewhere():

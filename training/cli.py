@@ -264,8 +264,13 @@ def run_tune(args: argparse.Namespace) -> int:
     from . import tune
     from .data import check_not_spec_bench, format_prompts, load_prompts
 
-    check_not_spec_bench(args.prompts)  # tuning on the evaluation set would be cheating: refused before any loading
-    prompts = load_prompts(args.prompts, column=args.prompt_column, num_prompts=args.num_prompts, seed=args.seed)
+    for source in args.prompts:  # tuning on the evaluation set would be cheating: refused before any loading
+        check_not_spec_bench(source)
+    prompts = [
+        prompt
+        for source in args.prompts
+        for prompt in load_prompts(source, column=args.prompt_column, num_prompts=args.num_prompts, seed=args.seed)
+    ]
     torch.manual_seed(args.seed)
     target, tokenizer = load_target(args.target, args.dtype, args.device)
     drafter, kind = tune.load_drafter_for_tuning(args.drafter, target, args.kind)
@@ -290,6 +295,7 @@ def run_tune(args: argparse.Namespace) -> int:
         "kind": kind,
         "dtype": str(target.dtype).removeprefix("torch."),
         "prompts": args.prompts,
+        "num_prompts": len(prompts),
         "hardware": hardware_info(target.device),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         **result,
@@ -302,6 +308,44 @@ def run_tune(args: argparse.Namespace) -> int:
     if args.write:
         tune.write_best_setting(folder, result["best"], fallback=drafter.generation_config)
         print(f"updated {folder / 'generation_config.json'} with the best setting")
+    return 0
+
+
+def run_datastore(args: argparse.Namespace) -> int:
+    """Store the responses of `moa data` folders in a drafter as its n-gram datastore (in place)."""
+    import datasets
+
+    from moa_hf.hub import load_drafter
+
+    from .data import _METADATA
+
+    drafter = load_drafter(args.drafter)
+    responses, tokens = [], 0
+    for folder in args.data:
+        meta_file = Path(folder) / _METADATA
+        if not meta_file.is_file():
+            raise FileNotFoundError(f"{folder} is not a `moa data` folder (no {_METADATA}); make one with `moa data`.")
+        target = json.loads(meta_file.read_text()).get("target")
+        expected = drafter.config.target_name_or_path
+        if target and expected and target != expected and not args.allow_other_target:
+            raise ValueError(
+                f"{folder} holds responses of {target}, but the drafter serves {expected}: a datastore must hold the "
+                "target's own responses. Pass --allow-other-target if the two are the same model."
+            )
+        for row in datasets.load_from_disk(str(folder)):
+            response = row["input_ids"][row["prompt_length"] :]
+            if args.max_tokens is not None and tokens + len(response) > args.max_tokens:
+                break
+            responses.append(response)
+            tokens += len(response)
+    drafter.set_datastore(responses)
+    drafter.save_pretrained(args.drafter)
+    drafter.generation_config.prompt_lookup_datastore = True
+    drafter.generation_config.save_pretrained(args.drafter)
+    print(
+        f"datastore of {args.drafter}: {len(responses)} responses, {tokens:,} tokens, "
+        f"{drafter.config.datastore_ngram}-gram keys ({2 * 4 * drafter.config.datastore_size / 2**20:.1f} MiB)"
+    )
     return 0
 
 
@@ -355,7 +399,7 @@ def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `moa data`, `moa train` and `moa tune`."""
+    """Add `moa data`, `moa train`, `moa tune` and `moa datastore`."""
     p = subparsers.add_parser(
         "data",
         help="generate on-policy training data: the target answers prompts",
@@ -458,10 +502,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--drafter", required=True, help="drafter folder (the --output of `moa train`)")
     p.add_argument("--kind", default="auto", choices=["auto", "moa", "eagle", "independent"],
                    help="drafter type (auto: from the folder's config.json)")
-    p.add_argument("--prompts", default="default:validation", help="held-out prompts: `default:validation`, a "
-                   ".jsonl/.txt file, a saved `datasets` folder or a dataset name (never Spec-Bench)")
+    p.add_argument("--prompts", nargs="+", default=["default:validation", "default:documents"],
+                   help="held-out prompt sources, --num-prompts from each: `default:validation` (chat, maths, "
+                   "tutorials), `default:documents` (summarise / answer from / translate a passage), a .jsonl/.txt "
+                   "file, a saved `datasets` folder or a dataset name (never Spec-Bench); default: both offline "
+                   "splits")
     p.add_argument("--prompt-column", default=None, help="field/column holding the prompt")
-    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts taken from each --prompts source")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--num-assistant-tokens", type=_csv(int), default=[2, 3, 4, 5, 6, 8],
                    help="draft lengths to try, comma-separated (default: 2,3,4,5,6,8)")
@@ -471,14 +518,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="draft-length schedules to try: constant, heuristic, heuristic_transient (default: constant)")
     p.add_argument("--lookup-tokens", type=_csv(int), default=[0], help="MoA drafter: prompt-lookup draft "
                    "lengths to try (0: off; capped by the draft length), comma-separated (default: 0)")
-    p.add_argument("--lookup-min-ngrams", type=_csv(int), default=[2], help="MoA drafter: shortest n-gram match "
-                   "that drafts by lookup instead of the network, comma-separated (default: 2)")
+    p.add_argument("--lookup-min-ngrams", type=_csv(int), default=[1], help="MoA drafter: shortest n-gram match "
+                   "that drafts by lookup instead of the network, comma-separated (default: 1)")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (more: less timing noise)")
     p.add_argument("--allow-other-target", action="store_true",
                    help="attach even if the drafter records another target name (same signature)")
     p.add_argument("--write", action="store_true", help="save the best setting into the drafter folder's "
                    "generation_config.json")
     p.set_defaults(func=run_tune)
+
+    p = subparsers.add_parser(
+        "datastore",
+        help="store the target's own responses in a drafter as its n-gram datastore",
+        description="Put the responses of `moa data` folders (the target's own outputs) into a MoA drafter's "
+        "n-gram datastore, saved with its weights (REST-style lookup: with prompt lookup on, a cycle without a match "
+        "of 2+ tokens in the text proposes what those responses continue with). Writes the drafter folder in place.",
+    )
+    p.add_argument("drafter", help="drafter folder (the --output of `moa train`)")
+    p.add_argument("--data", nargs="+", required=True, help="`moa data` output folder(s)")
+    p.add_argument("--max-tokens", type=int, default=None, help="stop adding responses at this many tokens")
+    p.add_argument("--allow-other-target", action="store_true", help="accept data of another target name")
+    p.set_defaults(func=run_datastore)
 
 
 def main(argv: list[str] | None = None) -> int:

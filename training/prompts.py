@@ -7,6 +7,8 @@ Two disjoint splits, built from different material and different template famili
   short stories, everyday chat requests and general-knowledge questions.
 - ``validation``: sections of the Python language reference (`pydoc_data.topics`, shipped with CPython), and held-out
   template families (compare / rewrite / plan / percentages and fractions / dialogues) over held-out topic lists.
+- ``documents``: held out as well, for tuning on copy-heavy use: longer language-reference passages to summarise,
+  answer questions from, extract rules from, translate or rewrite (the regime of summarisation and RAG prompts).
 
 Everything is deterministic for a given seed and Python version.
 """
@@ -23,7 +25,7 @@ from collections.abc import Callable, Iterator
 
 __all__ = ["SPLITS", "default_prompts", "stdlib_entries"]
 
-SPLITS = ("train", "validation")
+SPLITS = ("train", "validation", "documents")
 
 # Standard-library packages that are tests, demos, GUI toolkits or tooling rather than library material.
 _SKIP_MODULES = {
@@ -127,13 +129,14 @@ def stdlib_entries() -> list[tuple[str, str, str, str]]:
     return entries
 
 
-def _language_reference() -> list[tuple[str, str]]:
-    """(topic, text) sections of the Python language reference shipped with CPython (`pydoc_data.topics`)."""
+def _language_reference(limit: int = _MAX_DOC_CHARS) -> list[tuple[str, str]]:
+    """(topic, text) sections of the Python language reference shipped with CPython (`pydoc_data.topics`), each cut
+    to its leading paragraphs (at most about `limit` characters)."""
     try:
         from pydoc_data.topics import topics
     except ImportError:  # some distributions strip it
         return []
-    return [(name, _first_paragraphs(text)) for name, text in sorted(topics.items()) if len(text) > 200]
+    return [(name, _first_paragraphs(text, limit)) for name, text in sorted(topics.items()) if len(text) > 200]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -343,6 +346,34 @@ def _heldout_math_prompts(rng: random.Random) -> Iterator[str]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Document families (held out; long passages the answer draws on, as in summarisation and RAG)
+# ---------------------------------------------------------------------------------------------------------------------
+_DOC_CHARS = 2400  # about 500-700 tokens of passage
+_DOCUMENT_TEMPLATES = (
+    "Summarise the following text in one paragraph:\n\n{t}",
+    "Read the passage and answer the question using only the passage.\n\nPassage:\n{t}\n\n"
+    "Question: what does the passage say about {n}?",
+    "List the rules stated in this text, one per line, quoting it where you can:\n\n{t}",
+    "Rewrite this documentation for a beginner and keep every code example:\n\n{t}",
+)
+_TRANSLATE_TEMPLATE = "Translate the following text into {lang}:\n\n{t}"
+
+
+def _document_prompts(rng: random.Random) -> Iterator[str]:
+    long_sections, short_sections = _language_reference(_DOC_CHARS), dict(_language_reference(600))
+    pairs = [(i, form) for i in range(len(long_sections)) for form in range(len(_DOCUMENT_TEMPLATES) + 1)]
+    rng.shuffle(pairs)
+    for i, form in pairs:
+        name, text = long_sections[i]
+        topic = name.replace("-", " ")
+        if form == len(_DOCUMENT_TEMPLATES):
+            lang = rng.choice(("French", "Spanish", "German"))
+            yield _TRANSLATE_TEMPLATE.format(lang=lang, t=short_sections[name])
+        else:
+            yield _DOCUMENT_TEMPLATES[form].format(n=topic, t=text)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Mixing
 # ---------------------------------------------------------------------------------------------------------------------
 _FAMILIES: dict[str, tuple[tuple[Callable[[random.Random], Iterator[str]], float], ...]] = {
@@ -360,8 +391,9 @@ _FAMILIES: dict[str, tuple[tuple[Callable[[random.Random], Iterator[str]], float
         (_heldout_chat_prompts, 0.35),
         (_heldout_math_prompts, 0.25),
     ),
+    "documents": ((_document_prompts, 1.0),),
 }
-_DEFAULT_COUNTS = {"train": 10000, "validation": 200}
+_DEFAULT_COUNTS = {"train": 10000, "validation": 200, "documents": 100}
 _MAX_SHARE_FACTOR = 2.0  # no family gives more than twice its share, even when others run out
 _MAX_REPEATS = 2000  # consecutive duplicates after which a combinatorial family counts as exhausted
 
@@ -386,11 +418,11 @@ def _draw(family: Iterator[str], count: int, seen: set[str]) -> tuple[list[str],
 
 
 def default_prompts(num_prompts: int | None = None, split: str = "train", seed: int = 0) -> list[str]:
-    """Up to `num_prompts` distinct prompts of `split` ("train" or "validation"), deterministic for a seed.
+    """Up to `num_prompts` distinct prompts of `split` (see `SPLITS`), deterministic for a seed.
 
     Each family contributes its share; shares of families that run out of material go to the others (up to twice
     their own share). Fewer prompts than asked come back when the material runs out. Defaults: 10000 train, 200
-    validation prompts.
+    validation and 100 documents prompts.
     """
     if split not in SPLITS:
         raise ValueError(f"Unknown prompt split {split!r}; use one of {SPLITS}.")

@@ -153,7 +153,7 @@ def _generate_once(
     }
 
 
-def _grid(num_assistant_tokens, thresholds, schedules, lookup_tokens=(0,), lookup_min_ngrams=(2,)) -> list[dict]:
+def _grid(num_assistant_tokens, thresholds, schedules, lookup_tokens=(0,), lookup_min_ngrams=(1,)) -> list[dict]:
     settings = []
     lookups = sorted(
         {(int(n), int(m) if int(n) > 0 else None) for n in lookup_tokens for m in lookup_min_ngrams},
@@ -215,7 +215,7 @@ def tune_speculation(
     thresholds: Sequence[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5),
     schedules: Sequence[str] = ("constant",),
     lookup_tokens: Sequence[int] = (0,),
-    lookup_min_ngrams: Sequence[int] = (2,),
+    lookup_min_ngrams: Sequence[int] = (1,),
     max_new_tokens: int = 96,
     repeats: int = 1,
     progress: bool = True,
