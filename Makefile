@@ -41,7 +41,6 @@ data: .venv/.installed  ## the target answers the offline training prompts (resu
 
 drafters: .venv/.installed  ## MoA, EAGLE-style and independent drafters: same data, states, steps, batch, lr
 	$(TRAIN) --kind moa --draft-vocab-size 8192 --lsa-hidden-size 128 --eval-steps 60 --output $(RUNS)/moa
-	$(PY) -m moa_hf.cli datastore $(RUNS)/moa --data $(RUNS)/data
 	$(TRAIN) --kind eagle --eval-steps $(STEPS) --output $(RUNS)/eagle
 	$(TRAIN) --kind independent --eval-steps $(STEPS) --output $(RUNS)/independent
 	$(PY) -m moa_hf.cli tune --target default --dtype bfloat16 --drafter $(RUNS)/moa --num-prompts 8 \

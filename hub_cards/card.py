@@ -229,9 +229,6 @@ def _architecture(drafter_or_config: MoADrafterModel | MoADrafterConfig) -> tupl
         "num_assistant_tokens": getattr(gen, "num_assistant_tokens", None),
         "confidence_threshold": getattr(gen, "assistant_confidence_threshold", None),
         "prompt_lookup": MoADrafterModel.lookup_settings(gen),  # (tokens, longest, shortest n-gram) or None
-        "datastore": f"{config.datastore_size:,}" if getattr(config, "datastore_size", 0) else None,
-        "datastore_ngram": getattr(config, "datastore_ngram", None),
-        "datastore_on": bool(getattr(gen, "prompt_lookup_datastore", True)),
     }
     return config, arch
 

@@ -108,12 +108,6 @@ class MoADrafterConfig(PreTrainedConfig):
             own outputs, ids saved in the `draft_ids` buffer) with its own small head, and scatters them back into
             the full vocabulary (-inf elsewhere). Sampling stays exact: the target verifies against its full
             distribution. None: the full vocabulary through the target's (or its own copy of the) LM head.
-        datastore_size: length of the drafter's n-gram datastore (0: none): the target's own responses, concatenated
-            and separated by -1, saved in the `datastore_tokens` buffer with `datastore_order` (positions sorted by
-            the `datastore_ngram` tokens that start there). With prompt lookup on, a drafting cycle whose context has
-            no match of 2+ tokens proposes the continuation the datastore's responses agree on after the last
-            `datastore_ngram` tokens (one-hot, so exact like lookup). Set by `MoADrafterModel.set_datastore`.
-        datastore_ngram: length of the datastore's keys (the last tokens of the verified text it matches).
     """
 
     model_type = "moa_drafter"
@@ -148,9 +142,6 @@ class MoADrafterConfig(PreTrainedConfig):
     target_layer_inference: int = 0
     own_embeddings: bool = False
     draft_vocab_size: int | None = None
-    # Datastore of the target's own responses (REST-style lookup; 0: none).
-    datastore_size: int = 0
-    datastore_ngram: int = 3
     initializer_range: float = 0.02
     num_hidden_layers: int = 1  # one SA layer: what `GenerationMixin` and cache utilities read
     tie_word_embeddings: bool = False
@@ -189,11 +180,6 @@ class MoADrafterConfig(PreTrainedConfig):
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}"
-            )
-        if self.datastore_size < 0 or self.datastore_ngram < 1:
-            raise ValueError(
-                f"datastore_size must be >= 0 and datastore_ngram >= 1, got {self.datastore_size}, "
-                f"{self.datastore_ngram}"
             )
         if not 0 <= self.target_layer_inference <= self.target_num_hidden_layers:
             raise ValueError(

@@ -32,10 +32,7 @@ __all__ = [
     "SpeculationStats",
     "cycle_starts_from_restarts",
     "gather_target_kv",
-    "build_datastore",
-    "datastore_continuation",
     "lookup_continuation",
-    "ngram_keys",
 ]
 
 
@@ -222,72 +219,6 @@ def lookup_continuation(ids: torch.Tensor, max_ngram: int, max_tokens: int, min_
     return ids[:0]
 
 
-def ngram_keys(tokens: torch.Tensor, n: int, vocab_size: int) -> torch.Tensor:
-    """int64 key of the n-gram starting at each position of `tokens` [T] (-1 where it would include a negative
-    separator or run past the end): [T]."""
-    T = tokens.shape[0]
-    keys = torch.full((T,), -1, dtype=torch.long, device=tokens.device)
-    if T < n:
-        return keys
-    windows = tokens.long().unfold(0, n, 1)  # [T-n+1, n]
-    powers = vocab_size ** torch.arange(n - 1, -1, -1, device=tokens.device)  # [n]: V^(n-1) .. 1
-    valid = (windows >= 0).all(dim=1)
-    keys[: T - n + 1] = torch.where(valid, (windows * powers).sum(dim=1), -1)
-    return keys
-
-
-def build_datastore(sequences, n: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, order) of a datastore: `sequences` (lists or 1-D tensors of token ids) joined with -1 separators
-    ([N] int32), and every position sorted by the key of the n-gram starting there, then by position ([N] int32;
-    positions without a valid n-gram, key -1, come first)."""
-    parts = []
-    for seq in sequences:
-        parts += [torch.as_tensor(seq, dtype=torch.int32).flatten(), torch.tensor([-1], dtype=torch.int32)]
-    tokens = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
-    order = torch.sort(ngram_keys(tokens, n, vocab_size), stable=True).indices  # [N] by key, then by position
-    return tokens, order.to(torch.int32)
-
-
-def datastore_continuation(
-    ids: torch.Tensor,
-    tokens: torch.Tensor,
-    order: torch.Tensor,
-    sorted_keys: torch.Tensor,
-    n: int,
-    vocab_size: int,
-    max_tokens: int,
-    max_candidates: int = 256,
-) -> torch.Tensor:
-    """The continuation the datastore agrees on after the last `n` tokens of `ids` [T] (REST-style lookup).
-
-    Among the (at most `max_candidates` latest) datastore positions that follow the same n tokens, each next token
-    is the most frequent one of the candidates still in agreement; from the second token on it needs two of them.
-    Returns [<= max_tokens] ids (empty without a match); stops at a sequence separator.
-    """
-    if ids.shape[0] < n or max_tokens <= 0 or sorted_keys.numel() == 0:
-        return ids[:0]
-    key = ngram_keys(ids[-n:], n, vocab_size)[:1]  # [1]
-    lo, hi = int(torch.searchsorted(sorted_keys, key)), int(torch.searchsorted(sorted_keys, key, right=True))
-    if hi <= lo:
-        return ids[:0]
-    starts = order[max(lo, hi - max_candidates) : hi].long() + n  # [C] where the continuations start
-    out = []
-    for j in range(max_tokens):
-        pos = starts + j
-        starts, pos = starts[pos < tokens.shape[0]], pos[pos < tokens.shape[0]]
-        nxt = tokens[pos].long()  # [C]
-        starts, nxt = starts[nxt >= 0], nxt[nxt >= 0]
-        if nxt.numel() == 0:
-            break
-        values, counts = torch.unique(nxt, return_counts=True)
-        best = int(counts.argmax())
-        if j > 0 and int(counts[best]) < 2:
-            break
-        out.append(values[best])
-        starts = starts[nxt == values[best]]
-    return torch.stack(out).to(ids.dtype) if out else ids[:0]
-
-
 class _RollbackCache:
     """What both drafter caches share: the tokens they were computed from (`tokens`, [B, T]), their longest
     still-valid prefix, and transformers' `crop` convention on top of each cache's own `truncate(length)`."""
@@ -389,7 +320,6 @@ class SpeculationStats:
     verify_time_s: float = 0.0
     lookup_cycles: int = 0  # cycles whose draft came from prompt lookup (see `default_generation_config`)
     lookup_tokens: int = 0  # tokens of `drafted_tokens` proposed by prompt lookup
-    datastore_cycles: int = 0  # lookup cycles whose draft came from the drafter's datastore (`set_datastore`)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -410,7 +340,6 @@ class SpeculationStats:
             "verify_time_s": self.verify_time_s,
             "lookup_cycles": self.lookup_cycles,
             "lookup_tokens": self.lookup_tokens,
-            "datastore_cycles": self.datastore_cycles,
         }
 
 
@@ -465,7 +394,6 @@ class _Session:
     draft_time_s: float = 0.0
     lookup_cycles: int = 0
     lookup_tokens: int = 0
-    datastore_cycles: int = 0
     context_reads: list = field(default_factory=list)  # (start, end) target positions read, per cycle
 
 
@@ -507,9 +435,6 @@ class MoADrafterMixin:
           (capped by `num_assistant_tokens`). Such a cycle costs the drafter no forward pass; the context of the
           tokens verified meanwhile is read at the next network cycle. Copy-heavy text (summaries, RAG, code edits)
           gains most; output stays exact because the target verifies every token.
-        - `prompt_lookup_datastore` (MoA drafter with a datastore, see `set_datastore`; default True): with lookup
-          on, a cycle without a match of 2+ tokens in the text tries the datastore of the target's own responses
-          before 1-token matches and the network.
         """
         gc = generation_config if generation_config is not None else GenerationConfig()
         gc._from_model_config = False  # our own settings: transformers drops extra keys of a "from model config" one
@@ -519,7 +444,6 @@ class MoADrafterMixin:
         gc.prompt_lookup_num_tokens = None
         gc.max_matching_ngram_size = LOOKUP_MAX_NGRAM
         gc.prompt_lookup_min_ngram = LOOKUP_MIN_NGRAM
-        gc.prompt_lookup_datastore = True
         return gc
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -711,24 +635,13 @@ class MoADrafterMixin:
         if settings is None or max_new_tokens <= 0:
             return None
         num, max_ngram, min_ngram = settings
-        ids, budget = input_ids[0], min(num, max_new_tokens)
-        tokens = lookup_continuation(ids, max_ngram, budget, max(min_ngram, 2))  # matches of 2+ tokens first
-        if not tokens.numel() and getattr(self.generation_config, "prompt_lookup_datastore", True):
-            tokens = self.datastore_proposal(ids, budget)
-            if tokens.numel() and self._session is not None:
-                self._session.datastore_cycles += 1
-        if not tokens.numel() and min_ngram < 2:
-            tokens = lookup_continuation(ids, 1, budget, 1)
+        tokens = lookup_continuation(input_ids[0], max_ngram, min(num, max_new_tokens), min_ngram)
         if eos.numel() and tokens.numel():
             at_eos = torch.isin(tokens, eos).nonzero().flatten()
             if at_eos.numel():  # stop at the first end-of-sequence token, or before it while it is still banned
                 first = int(at_eos[0])
                 tokens = tokens[: first + 1] if first >= min_new_tokens else tokens[:first]
         return tokens if tokens.numel() else None
-
-    def datastore_proposal(self, ids: torch.Tensor, max_tokens: int) -> torch.Tensor:
-        """What the drafter's datastore proposes after `ids` [T] (see `datastore_continuation`): [<= max_tokens]."""
-        return ids[:0]
 
     @staticmethod
     def lookup_settings(generation_config: GenerationConfig) -> tuple[int, int, int] | None:
@@ -774,7 +687,6 @@ class MoADrafterMixin:
             verify_time_s=tap.seconds - s.tap_seconds0,
             lookup_cycles=s.lookup_cycles,
             lookup_tokens=s.lookup_tokens,
-            datastore_cycles=s.datastore_cycles,
         )
 
 
@@ -854,45 +766,10 @@ class MoADrafterModel(MoADrafterMixin, MoAPreTrainedModel, GenerationMixin):
         if c.draft_vocab_size is not None:  # a reduced head over the `draft_ids` tokens
             self.draft_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
             self.register_buffer("draft_ids", torch.arange(c.draft_vocab_size), persistent=True)  # [V'] full ids
-        if c.datastore_size > 0:  # filled by `set_datastore` or from the checkpoint
-            self.register_buffer("datastore_tokens", torch.full((c.datastore_size,), -1, dtype=torch.int32))
-            self.register_buffer("datastore_order", torch.zeros(c.datastore_size, dtype=torch.int32))
-        self._datastore_keys: tuple | None = None  # (buffers it was computed from, sorted keys [M])
         self._attachment: _Attachment | None = None
         self._session: _Session | None = None
         self.post_init()
         self.generation_config = self.default_generation_config(self.generation_config)
-
-    # ----------------------------------------------------------------------------------------------------------------
-    # Datastore of the target's own responses
-    # -----------------------------------------------------------------------------------------------------------------
-    def set_datastore(self, sequences) -> "MoADrafterModel":
-        """Store `sequences` (token ids of the target's own responses; lists or 1-D tensors) as the drafter's n-gram
-        datastore, saved with its weights (`datastore_tokens`, `datastore_order`); an empty list removes it."""
-        n, vocab = self.config.datastore_ngram, self.config.vocab_size
-        tokens, order = build_datastore(list(sequences), n, vocab)
-        device = self.device
-        for name in ("datastore_tokens", "datastore_order"):
-            if name in self._buffers:
-                del self._buffers[name]
-        self.config.datastore_size = tokens.shape[0] if bool((ngram_keys(tokens, n, vocab) >= 0).any()) else 0
-        if self.config.datastore_size:
-            self.register_buffer("datastore_tokens", tokens.to(device))
-            self.register_buffer("datastore_order", order.to(device))
-        self._datastore_keys = None
-        return self
-
-    def datastore_proposal(self, ids: torch.Tensor, max_tokens: int) -> torch.Tensor:
-        if self.config.datastore_size <= 0 or "datastore_tokens" not in self._buffers:
-            return ids[:0]
-        tokens, order = self.datastore_tokens, self.datastore_order
-        n, vocab = self.config.datastore_ngram, self.config.vocab_size
-        source = (tokens.data_ptr(), order.data_ptr(), order.numel())
-        if self._datastore_keys is None or self._datastore_keys[0] != source:
-            self._datastore_keys = (source, ngram_keys(tokens, n, vocab)[order.long()])  # [N], sorted (-1s first)
-        if ids.device != tokens.device:
-            ids = ids.to(tokens.device)
-        return datastore_continuation(ids, tokens, order, self._datastore_keys[1], n, vocab, max_tokens)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Attaching to the target

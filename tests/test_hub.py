@@ -635,21 +635,6 @@ def test_card_says_whether_prompt_lookup_is_on(drafter):
     assert "Prompt lookup is on (`prompt_lookup_num_tokens` = 10" in text and "`prompt_lookup_min_ngram` = 2" in text
 
 
-def test_card_mentions_the_datastore_only_when_it_is_used(drafter):
-    gc = drafter.generation_config
-    drafter.set_datastore([[5, 6, 7, 8, 9], [5, 6, 7, 1]])
-    try:
-        assert "datastore" not in render_card(drafter, repo_id=REPO_ID).text  # lookup off: never consulted
-        gc.prompt_lookup_num_tokens = 10
-        assert "datastore of\n11 tokens of the target's own responses" in render_card(drafter, repo_id=REPO_ID).text
-        gc.prompt_lookup_datastore = False
-        assert "datastore" not in render_card(drafter, repo_id=REPO_ID).text
-    finally:
-        drafter.set_datastore([])
-        gc.prompt_lookup_num_tokens, gc.prompt_lookup_datastore = None, True
-    assert "datastore" not in render_card(drafter, repo_id=REPO_ID).text
-
-
 def test_card_shows_totals_over_continued_runs(drafter):
     info = {**TRAINING_INFO, "previous_runs": [{"tokens": 1000, "steps": 10}], "total_tokens": 123_457_789,
             "total_steps": 4331, "total_wall_time_s": 7300.0}

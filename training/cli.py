@@ -311,44 +311,6 @@ def run_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_datastore(args: argparse.Namespace) -> int:
-    """Store the responses of `moa data` folders in a drafter as its n-gram datastore (in place)."""
-    import datasets
-
-    from moa_hf.hub import load_drafter
-
-    from .data import _METADATA
-
-    drafter = load_drafter(args.drafter)
-    responses, tokens = [], 0
-    for folder in args.data:
-        meta_file = Path(folder) / _METADATA
-        if not meta_file.is_file():
-            raise FileNotFoundError(f"{folder} is not a `moa data` folder (no {_METADATA}); make one with `moa data`.")
-        target = json.loads(meta_file.read_text()).get("target")
-        expected = drafter.config.target_name_or_path
-        if target and expected and target != expected and not args.allow_other_target:
-            raise ValueError(
-                f"{folder} holds responses of {target}, but the drafter serves {expected}: a datastore must hold the "
-                "target's own responses. Pass --allow-other-target if the two are the same model."
-            )
-        for row in datasets.load_from_disk(str(folder)):
-            response = row["input_ids"][row["prompt_length"] :]
-            if args.max_tokens is not None and tokens + len(response) > args.max_tokens:
-                break
-            responses.append(response)
-            tokens += len(response)
-    drafter.set_datastore(responses)
-    drafter.save_pretrained(args.drafter)
-    drafter.generation_config.prompt_lookup_datastore = True
-    drafter.generation_config.save_pretrained(args.drafter)
-    print(
-        f"datastore of {args.drafter}: {len(responses)} responses, {tokens:,} tokens, "
-        f"{drafter.config.datastore_ngram}-gram keys ({2 * 4 * drafter.config.datastore_size / 2**20:.1f} MiB)"
-    )
-    return 0
-
-
 def _totals(info: dict, info_from: str | None) -> dict:
     """`previous_runs` (the `--init-drafter`'s own record and its earlier runs) and totals over all runs."""
     prev_file = Path(info_from) / "training_info.json" if info_from else None
@@ -399,7 +361,7 @@ def _add_target_args(p: argparse.ArgumentParser, device: bool = True) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `moa data`, `moa train`, `moa tune` and `moa datastore`."""
+    """Add `moa data`, `moa train` and `moa tune`."""
     p = subparsers.add_parser(
         "data",
         help="generate on-policy training data: the target answers prompts",
@@ -526,19 +488,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--write", action="store_true", help="save the best setting into the drafter folder's "
                    "generation_config.json")
     p.set_defaults(func=run_tune)
-
-    p = subparsers.add_parser(
-        "datastore",
-        help="store the target's own responses in a drafter as its n-gram datastore",
-        description="Put the responses of `moa data` folders (the target's own outputs) into a MoA drafter's "
-        "n-gram datastore, saved with its weights (REST-style lookup: with prompt lookup on, a cycle without a match "
-        "of 2+ tokens in the text proposes what those responses continue with). Writes the drafter folder in place.",
-    )
-    p.add_argument("drafter", help="drafter folder (the --output of `moa train`)")
-    p.add_argument("--data", nargs="+", required=True, help="`moa data` output folder(s)")
-    p.add_argument("--max-tokens", type=int, default=None, help="stop adding responses at this many tokens")
-    p.add_argument("--allow-other-target", action="store_true", help="accept data of another target name")
-    p.set_defaults(func=run_datastore)
 
 
 def main(argv: list[str] | None = None) -> int:
