@@ -199,6 +199,7 @@ def cycle_starts_from_restarts(restart: torch.Tensor) -> torch.Tensor:
 
 
 LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM = 3, 1  # prompt lookup n-gram sizes where a generation config names none
+CONTEXT_CHUNK = 64  # target positions per LSA call at inference (see `MoADrafterModel.read_context`)
 
 
 def lookup_continuation(ids: torch.Tensor, max_ngram: int, max_tokens: int, min_ngram: int = 1) -> torch.Tensor:
@@ -872,6 +873,25 @@ class MoADrafterModel(MoADrafterMixin, MoAPreTrainedModel, GenerationMixin):
         x = self.layer_self_attention(x, cos, sin, mask=None)  # no mask across layers
         return self.Ekv2E(x.mean(dim=1)).view(B, T, -1)  # mean over layers -> [B, T, d]
 
+    def read_context(self, target_cache, start: int, end: int) -> torch.Tensor:
+        """Context vectors [B, end-start, d] of target positions [start, end) read from the target's cache.
+
+        The LSA treats every token on its own (attention runs across layers, never across tokens), so the positions
+        are read in chunks of `CONTEXT_CHUNK` tokens, the last one padded with zeros and cut off again: every call
+        then has the same shapes (a long prompt costs no new kernel set-up on CPU) and memory stays bounded.
+        """
+        out = []
+        for s in range(start, end, CONTEXT_CHUNK):
+            kv = gather_target_kv(target_cache, s, min(end, s + CONTEXT_CHUNK))  # [B, n, L, W]
+            n = kv.shape[1]
+            if n < CONTEXT_CHUNK:
+                kv = torch.cat([kv, kv.new_zeros(kv.shape[0], CONTEXT_CHUNK - n, *kv.shape[2:])], dim=1)
+            out.append(self.compute_context(kv)[:, :n])  # [B, n, d]
+        if not out:
+            keys = target_cache.layers[0].keys
+            return keys.new_zeros(keys.shape[0], 0, self.config.hidden_size, dtype=self.dtype)
+        return torch.cat(out, dim=1)
+
     def _tli(self, h, positions, tli_cache, mask=None):
         """Run the target's last N layers (with `tli_cache` holding their keys/values) and final norm on h."""
         att = self._attachment
@@ -964,7 +984,7 @@ class MoADrafterModel(MoADrafterMixin, MoAPreTrainedModel, GenerationMixin):
         end = min(target_cache.get_seq_length(), num_verified)
         start = cache.context_length
         if end > start:
-            self.extend_context(cache, self.compute_context(gather_target_kv(target_cache, start, end)))
+            self.extend_context(cache, self.read_context(target_cache, start, end))
             if self._session is not None:
                 self._session.context_reads.append((start, end))
         if self.config.target_layer_inference > 0:

@@ -95,6 +95,23 @@ def test_hooks_read_exactly_the_verified_positions():
     assert reads[-1][1] == out.shape[1] - 2 or reads[-1][1] <= out.shape[1] - 1
 
 
+def test_read_context_in_padded_chunks_equals_one_lsa_call():
+    """The LSA reads each token on its own: chunked, zero-padded reads give the same context vectors."""
+    from moa_hf.modeling.modeling_moa import CONTEXT_CHUNK
+
+    torch.manual_seed(0)
+    target = make_target("llama")
+    drafter = moa_hf.build_drafter(target).eval()
+    ids = torch.randint(3, target.config.vocab_size, (2, 2 * CONTEXT_CHUNK + 7))
+    cache = target(ids, use_cache=True, past_key_values=DynamicCache(config=target.config)).past_key_values
+    with torch.no_grad():
+        for start, end in [(0, 1), (0, CONTEXT_CHUNK), (3, CONTEXT_CHUNK + 4), (0, ids.shape[1]), (10, 10)]:
+            got = drafter.read_context(cache, start, end)
+            assert got.shape == (2, end - start, drafter.config.hidden_size)
+            want = drafter.compute_context(gather_target_kv(cache, start, end)) if end > start else got
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_hooks_removed_after_detach_and_exception():
     target = make_target("llama")
     drafter = moa_hf.build_drafter(target)

@@ -29,7 +29,6 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import Field, create_model
 from transformers import DynamicCache
 
-from ..modeling import gather_target_kv
 from . import protocol
 from .protocol import (
     CONTEXT_FORMATS,
@@ -302,8 +301,8 @@ class ServingState:
         session.verified.extend(drafts[:accepted] + [next_token])
         context = None
         if req.want_context:
-            kv = gather_target_kv(session.cache, min(context_start, new_len), new_len)  # [1, T, L, 2*Hkv*hd]
-            context = self.drafter.compute_context(kv)[0].float().cpu()  # [T, d]
+            context = self.drafter.read_context(session.cache, min(context_start, new_len), new_len)  # [1, T, d]
+            context = context[0].float().cpu()  # [T, d]
         return VerifyResult(
             session_id=session.id, num_verified=len(session.verified), accepted=accepted, next_token=next_token,
             context_start=context_start, server_s=time.perf_counter() - t0, context=context,
