@@ -1,6 +1,6 @@
 """An offline source of varied natural prompts for drafter training (no download needed).
 
-Two disjoint splits, built from different material and different template families (see PROMPTS.md):
+Disjoint splits, built from different material or different template families (see PROMPTS.md):
 
 - ``train``: explain / use / summarise Python standard-library modules, functions and classes (docstrings read from
   the installed stdlib sources with `ast`, nothing is imported or executed), arithmetic and algebra word problems,
