@@ -199,7 +199,7 @@ def cycle_starts_from_restarts(restart: torch.Tensor) -> torch.Tensor:
 
 
 LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM = 3, 1  # prompt lookup n-gram sizes where a generation config names none
-CONTEXT_CHUNK = 64  # target positions per LSA call at inference (see `MoADrafterModel.read_context`)
+CONTEXT_CHUNK = 64  # most target positions per LSA call at inference (see `MoADrafterModel.read_context`)
 
 
 def lookup_continuation(ids: torch.Tensor, max_ngram: int, max_tokens: int, min_ngram: int = 1) -> torch.Tensor:
@@ -877,15 +877,17 @@ class MoADrafterModel(MoADrafterMixin, MoAPreTrainedModel, GenerationMixin):
         """Context vectors [B, end-start, d] of target positions [start, end) read from the target's cache.
 
         The LSA treats every token on its own (attention runs across layers, never across tokens), so the positions
-        are read in chunks of `CONTEXT_CHUNK` tokens, the last one padded with zeros and cut off again: every call
-        then has the same shapes (a long prompt costs no new kernel set-up on CPU) and memory stays bounded.
+        are read in chunks of `CONTEXT_CHUNK` tokens and the last chunk is zero-padded to a power of two (then cut
+        off again): the LSA only ever sees a handful of shapes (a long prompt costs no new kernel set-up on CPU), a
+        cycle's few new tokens stay cheap, and memory stays bounded.
         """
         out = []
         for s in range(start, end, CONTEXT_CHUNK):
             kv = gather_target_kv(target_cache, s, min(end, s + CONTEXT_CHUNK))  # [B, n, L, W]
             n = kv.shape[1]
-            if n < CONTEXT_CHUNK:
-                kv = torch.cat([kv, kv.new_zeros(kv.shape[0], CONTEXT_CHUNK - n, *kv.shape[2:])], dim=1)
+            size = min(CONTEXT_CHUNK, 1 << (n - 1).bit_length())  # n rounded up to a power of two
+            if n < size:
+                kv = torch.cat([kv, kv.new_zeros(kv.shape[0], size - n, *kv.shape[2:])], dim=1)  # [B, size, L, W]
             out.append(self.compute_context(kv)[:, :n])  # [B, n, d]
         if not out:
             keys = target_cache.layers[0].keys
