@@ -6,7 +6,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from .modeling import MoADrafterCache, gather_target_kv
+from .modeling import MoADrafterCache
 
 __all__ = ["measure_costs"]
 
@@ -39,17 +39,15 @@ def measure_costs(target, drafter, input_ids: torch.Tensor, repeats: int = 20, g
         cache.crop(-5)
 
     dcache = MoADrafterCache()
-    drafter.extend_context(dcache, drafter.compute_context(gather_target_kv(cache, 0, n - 1)))
+    drafter.extend_context(dcache, drafter.read_context(cache, 0, n - 1))
     drafter.draft_step(input_ids[:, :-1], dcache)
 
     def draft_token():
         drafter.draft_step(last, dcache)
         dcache.crop(n - 1)
 
-    kv3 = gather_target_kv(cache, n - 4, n - 1)
-
-    def lsa_3_tokens():
-        drafter.compute_context(kv3)
+    def lsa_3_tokens():  # what a drafting cycle does for 3 newly verified tokens: gather + LSA
+        drafter.read_context(cache, n - 4, n - 1)
 
     result = {
         "target_decode_step_ms": _best_ms(target_step, repeats),
