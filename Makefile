@@ -44,8 +44,8 @@ drafters: .venv/.installed  ## MoA, EAGLE-style and independent drafters: same d
 	$(TRAIN) --kind eagle --eval-steps $(STEPS) --output $(RUNS)/eagle
 	$(TRAIN) --kind independent --eval-steps $(STEPS) --output $(RUNS)/independent
 	$(PY) -m moa_hf.cli tune --target default --dtype bfloat16 --drafter $(RUNS)/moa --num-prompts 8 \
-		--max-new-tokens 96 --num-assistant-tokens 10 --thresholds 0.3,0.5,0.7 --lookup-tokens 0,10 \
-		--lookup-min-ngrams 1,2 --write
+		--max-new-tokens 96 --num-assistant-tokens 10,24 --thresholds 0.3,0.5 --lookup-tokens 0,10,24 \
+		--lookup-halve-per-ngram 0,1 --write
 	for kind in eagle independent; do $(PY) -m moa_hf.cli tune --target default --dtype bfloat16 \
 		--drafter $(RUNS)/$$kind --num-prompts 6 --max-new-tokens 64 --num-assistant-tokens 2,3,4,5,6 \
 		--thresholds 0,0.2,0.4 --write; done

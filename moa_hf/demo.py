@@ -45,10 +45,11 @@ def run_demo(dtype: str = "bfloat16", max_new_tokens: int = 96, drafter_path: st
     )
     gc = drafter.generation_config
     lookup = drafter.lookup_settings(gc) if drafter.supports_prompt_lookup else None
+    halving = ", half as many per shorter n-gram" if getattr(gc, "prompt_lookup_halve_per_ngram", False) else ""
     print(
         f"speculation (the drafter's generation_config): up to {gc.num_assistant_tokens} tokens per cycle, confidence "
         f"threshold {gc.assistant_confidence_threshold}, prompt lookup "
-        + (f"on (up to {lookup[0]} tokens, n-grams of {lookup[1]} down to {lookup[2]})" if lookup else "off")
+        + (f"on (up to {lookup[0]} tokens, n-grams of {lookup[1]} down to {lookup[2]}{halving})" if lookup else "off")
     )
     totals = {"vanilla_s": 0.0, "moa_s": 0.0, "tokens": 0, "accepted": [], "differ": 0}
     with attached(drafter, target):

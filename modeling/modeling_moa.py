@@ -202,21 +202,26 @@ LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM = 3, 1  # prompt lookup n-gram sizes where a 
 CONTEXT_CHUNK = 64  # most target positions per LSA call at inference (see `MoADrafterModel.read_context`)
 
 
-def lookup_continuation(ids: torch.Tensor, max_ngram: int, max_tokens: int, min_ngram: int = 1) -> torch.Tensor:
+def lookup_continuation(
+    ids: torch.Tensor, max_ngram: int, max_tokens: int, min_ngram: int = 1, halve_per_ngram: bool = False
+) -> torch.Tensor:
     """Prompt lookup: the tokens that followed an earlier occurrence of the longest suffix n-gram of `ids` [T].
 
     n runs from `max_ngram` down to `min_ngram`; among the matches of one n the most recent one with `max_tokens`
-    tokens after it wins (else the earliest, which has the longest continuation). Returns [<= max_tokens] ids, empty
-    when no n-gram of `ids` ends earlier than its last token.
+    tokens after it wins (else the earliest, which has the longest continuation). With `halve_per_ngram` a match of
+    n tokens proposes `max_tokens // 2 ** (max_ngram - n)` (at least 1): shorter matches are right less often, so
+    they risk fewer verification slots. Returns [<= max_tokens] ids, empty when no n-gram of `ids` ends earlier than
+    its last token.
     """
     T = ids.shape[0]
     for n in range(min(max_ngram, T - 1), max(min_ngram, 1) - 1, -1):
         windows = ids[: T - 1].unfold(0, n, 1)  # [T-n, n]: the n-gram starting at i, for i + n <= T - 1
         hits = (windows == ids[T - n :]).all(dim=1).nonzero().flatten()  # [M] starts of matches
         if hits.numel():
-            full = hits[hits + n + max_tokens <= T]  # matches followed by max_tokens tokens
+            k = max(1, max_tokens >> (max_ngram - n)) if halve_per_ngram else max_tokens
+            full = hits[hits + n + k <= T]  # matches followed by k tokens
             start = int(full[-1] if full.numel() else hits[0]) + n
-            return ids[start : start + max_tokens]
+            return ids[start : start + k]
     return ids[:0]
 
 
@@ -436,6 +441,8 @@ class MoADrafterMixin:
           (capped by `num_assistant_tokens`). Such a cycle costs the drafter no forward pass; the context of the
           tokens verified meanwhile is read at the next network cycle. Copy-heavy text (summaries, RAG, code edits)
           gains most; output stays exact because the target verifies every token.
+        - `prompt_lookup_halve_per_ngram` (MoA drafter; default False): a lookup match one token shorter than
+          `max_matching_ngram_size` proposes half as many tokens (a quarter for two shorter, ...; at least 1).
         """
         gc = generation_config if generation_config is not None else GenerationConfig()
         gc._from_model_config = False  # our own settings: transformers drops extra keys of a "from model config" one
@@ -445,6 +452,7 @@ class MoADrafterMixin:
         gc.prompt_lookup_num_tokens = None
         gc.max_matching_ngram_size = LOOKUP_MAX_NGRAM
         gc.prompt_lookup_min_ngram = LOOKUP_MIN_NGRAM
+        gc.prompt_lookup_halve_per_ngram = False
         return gc
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -636,7 +644,9 @@ class MoADrafterMixin:
         if settings is None or max_new_tokens <= 0:
             return None
         num, max_ngram, min_ngram = settings
-        tokens = lookup_continuation(input_ids[0], max_ngram, min(num, max_new_tokens), min_ngram)
+        halve = bool(getattr(self.generation_config, "prompt_lookup_halve_per_ngram", False))
+        budget = num if halve else min(num, max_new_tokens)  # halving: the longest match's share, then the cap
+        tokens = lookup_continuation(input_ids[0], max_ngram, budget, min_ngram, halve)[:max_new_tokens]
         if eos.numel() and tokens.numel():
             at_eos = torch.isin(tokens, eos).nonzero().flatten()
             if at_eos.numel():  # stop at the first end-of-sequence token, or before it while it is still banned

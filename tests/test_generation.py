@@ -290,6 +290,36 @@ def test_lookup_continuation_picks_longest_recent_match():
     assert lookup_continuation(torch.tensor([4]), 3, 4).numel() == 0
 
 
+
+def test_lookup_halving_gives_shorter_matches_fewer_tokens():
+    from moa_hf.modeling.modeling_moa import lookup_continuation
+
+    three = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3])  # the suffix 3-gram "1 2 3" recurs
+    two = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2])  # only the 2-gram "1 2"
+    one = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1])  # only the 1-gram "1"
+    for ids in (three, two, one):  # without halving every match proposes 8 tokens
+        assert len(lookup_continuation(ids, 3, 8)) == 8
+    assert lookup_continuation(three, 3, 8, halve_per_ngram=True).tolist() == [4, 5, 6, 7, 8, 9, 1, 2]
+    assert lookup_continuation(two, 3, 8, halve_per_ngram=True).tolist() == [3, 4, 5, 6]  # 8 // 2
+    assert lookup_continuation(one, 3, 8, halve_per_ngram=True).tolist() == [2, 3]  # 8 // 4
+    assert lookup_continuation(one, 3, 1, halve_per_ngram=True).tolist() == [2]  # at least one token
+    assert lookup_continuation(two, 2, 8, halve_per_ngram=True).tolist() == [3, 4, 5, 6, 7, 8, 9, 10]  # 2 is longest
+
+
+def test_lookup_proposal_halving_from_generation_config_and_capped():
+    target = make_target("llama")
+    drafter = moa_hf.build_drafter(target).eval()
+    gc = drafter.generation_config
+    assert gc.prompt_lookup_halve_per_ngram is False  # off unless a drafter's settings turn it on
+    gc.prompt_lookup_num_tokens = 8
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2]])  # "1 2" recurs: a 2-gram match, 8 tokens after it
+    none = torch.tensor([], dtype=torch.long)
+    assert drafter.lookup_proposal(ids, 8, 0, none).tolist() == [3, 4, 5, 6, 7, 8, 9, 10]
+    gc.prompt_lookup_halve_per_ngram = True
+    assert drafter.lookup_proposal(ids, 8, 0, none).tolist() == [3, 4, 5, 6]  # 2-gram, longest 3: half of 8
+    assert drafter.lookup_proposal(ids, 3, 0, none).tolist() == [3, 4, 5]  # then transformers' cap
+
+
 def test_lookup_stops_at_eos_and_respects_min_new_tokens():
     target = make_target("llama")
     drafter = moa_hf.build_drafter(target).eval()

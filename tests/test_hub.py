@@ -627,12 +627,16 @@ def test_card_inputs_of_default_drafter(tmp_path):
 
 def test_card_says_whether_prompt_lookup_is_on(drafter):
     assert "Prompt lookup is on" not in render_card(drafter, repo_id=REPO_ID).text
-    drafter.generation_config.prompt_lookup_num_tokens, drafter.generation_config.prompt_lookup_min_ngram = 10, 2
+    gc = drafter.generation_config
+    gc.prompt_lookup_num_tokens, gc.prompt_lookup_min_ngram = 10, 2
     try:
         text = render_card(drafter, repo_id=REPO_ID).text
+        gc.prompt_lookup_halve_per_ngram = True
+        halving = render_card(drafter, repo_id=REPO_ID).text
     finally:
-        drafter.generation_config.prompt_lookup_num_tokens = None
+        gc.prompt_lookup_num_tokens, gc.prompt_lookup_halve_per_ngram = None, False
     assert "Prompt lookup is on (`prompt_lookup_num_tokens` = 10" in text and "`prompt_lookup_min_ngram` = 2" in text
+    assert "prompt_lookup_halve_per_ngram" not in text and "prompt_lookup_halve_per_ngram` on" in halving
 
 
 def test_card_shows_totals_over_continued_runs(drafter):

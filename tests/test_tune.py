@@ -10,6 +10,7 @@ from moa_hf.training.builders import build_for_kind
 from moa_hf.training.data import SpecBenchPromptsError
 from moa_hf.training.testing import tiny_target, tiny_tokenizer
 from moa_hf.training.tune import SETTING_KEYS, TuneError, format_tuning_markdown, tune_speculation
+from transformers import AutoModel
 
 import moa_hf
 from moa_hf.cli import main as moa_main
@@ -121,6 +122,12 @@ def test_cli_tune_writes_tuning_json_and_best_setting(saved, capsys):
     assert written.get("prompt_lookup_num_tokens") is None  # lookup off (the grid's default)
     assert written["num_assistant_tokens"] in (2, 4) and written["assistant_confidence_threshold"] in (0.0, 0.5)
     assert tuning["written"] is True
+    halving = [*args[:-5], "--num-assistant-tokens", "4", "--thresholds", "0", "--lookup-tokens", "4",
+               "--lookup-halve-per-ngram", "1", "--quiet", "--write"]
+    assert moa_main(halving) == 0
+    written = json.loads(gc_file.read_text())
+    assert (written["prompt_lookup_num_tokens"], written["prompt_lookup_halve_per_ngram"]) == (4, True)
+    assert AutoModel.from_pretrained(drafter_dir).generation_config.prompt_lookup_halve_per_ngram is True
 
 
 def test_cli_tune_refuses_spec_bench(tmp_path):
@@ -148,6 +155,12 @@ def test_lookup_axis_for_moa_and_refused_elsewhere():
     assert rows[(6, 1)]["acceptance_length"] > rows[(0, None)]["acceptance_length"]
     assert all(r["identical_outputs"] == 1 for r in result["rows"])
     assert "off" in format_tuning_markdown(result) and "6 (1)" in format_tuning_markdown(result)
+    halving = tune_speculation(target, drafter, [prompt], num_assistant_tokens=(6,), thresholds=(0.0,),
+                               lookup_tokens=(0, 6), lookup_halving=(False, True), max_new_tokens=30, progress=False)
+    keys = {(r["prompt_lookup_num_tokens"], r["prompt_lookup_halve_per_ngram"]) for r in halving["rows"]}
+    assert keys == {(0, False), (6, False), (6, True)}  # halving is a lookup setting: off once
+    assert "6 (1, halving)" in format_tuning_markdown(halving)
+    assert drafter.generation_config.prompt_lookup_halve_per_ngram is False  # put back after tuning
     eagle = build_for_kind("eagle", target).eval()
     with pytest.raises(TuneError, match="no prompt lookup"):
         tune_speculation(target, eagle, [prompt], lookup_tokens=(4,), progress=False)

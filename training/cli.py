@@ -284,6 +284,7 @@ def run_tune(args: argparse.Namespace) -> int:
         schedules=args.schedules,
         lookup_tokens=args.lookup_tokens,
         lookup_min_ngrams=args.lookup_min_ngrams,
+        lookup_halving=[bool(h) for h in args.lookup_halve_per_ngram],
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         progress=not args.quiet,
@@ -482,6 +483,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "lengths to try (0: off; capped by the draft length), comma-separated (default: 0)")
     p.add_argument("--lookup-min-ngrams", type=_csv(int), default=[1], help="MoA drafter: shortest n-gram match "
                    "that drafts by lookup instead of the network, comma-separated (default: 1)")
+    p.add_argument("--lookup-halve-per-ngram", type=_csv(int), default=[0], help="MoA drafter: 1 = a lookup match "
+                   "one token shorter than the longest n-gram proposes half as many tokens; values to try, "
+                   "comma-separated 0/1 (default: 0)")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (more: less timing noise)")
     p.add_argument("--allow-other-target", action="store_true",
                    help="attach even if the drafter records another target name (same signature)")

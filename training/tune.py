@@ -38,6 +38,7 @@ SETTING_KEYS = (
     "num_assistant_tokens_schedule",
     "prompt_lookup_num_tokens",  # MoA drafter only (0: off): see `MoADrafterMixin.default_generation_config`
     "prompt_lookup_min_ngram",
+    "prompt_lookup_halve_per_ngram",
 )
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 TUNING_FILE = "tuning.json"
@@ -94,6 +95,7 @@ def _config_values(setting: dict, lookup: bool) -> dict:
     if lookup:
         values["prompt_lookup_num_tokens"] = setting.get("prompt_lookup_num_tokens") or None
         values["prompt_lookup_min_ngram"] = setting.get("prompt_lookup_min_ngram")
+        values["prompt_lookup_halve_per_ngram"] = bool(setting.get("prompt_lookup_halve_per_ngram"))
     return values
 
 
@@ -153,13 +155,20 @@ def _generate_once(
     }
 
 
-def _grid(num_assistant_tokens, thresholds, schedules, lookup_tokens=(0,), lookup_min_ngrams=(1,)) -> list[dict]:
+def _grid(
+    num_assistant_tokens, thresholds, schedules, lookup_tokens=(0,), lookup_min_ngrams=(1,), lookup_halving=(False,)
+) -> list[dict]:
     settings = []
-    lookups = sorted(
-        {(int(n), int(m) if int(n) > 0 else None) for n in lookup_tokens for m in lookup_min_ngrams},
-        key=lambda x: (x[0], x[1] or 0),
+    lookups = sorted(  # (tokens, shortest n-gram, halving); lookup off: one setting
+        {
+            (int(n), int(m), bool(h)) if int(n) > 0 else (0, None, False)
+            for n in lookup_tokens
+            for m in lookup_min_ngrams
+            for h in lookup_halving
+        },
+        key=lambda x: (x[0], x[1] or 0, x[2]),
     )
-    for k, threshold, schedule, (lookup, min_ngram) in itertools.product(
+    for k, threshold, schedule, (lookup, min_ngram, halve) in itertools.product(
         num_assistant_tokens, thresholds, schedules, lookups
     ):
         if int(k) < 1:
@@ -177,6 +186,7 @@ def _grid(num_assistant_tokens, thresholds, schedules, lookup_tokens=(0,), looku
                 "num_assistant_tokens_schedule": schedule,
                 "prompt_lookup_num_tokens": lookup,
                 "prompt_lookup_min_ngram": min_ngram,
+                "prompt_lookup_halve_per_ngram": halve,
             }
         )
     if not settings:
@@ -216,6 +226,7 @@ def tune_speculation(
     schedules: Sequence[str] = ("constant",),
     lookup_tokens: Sequence[int] = (0,),
     lookup_min_ngrams: Sequence[int] = (1,),
+    lookup_halving: Sequence[bool] = (False,),
     max_new_tokens: int = 96,
     repeats: int = 1,
     progress: bool = True,
@@ -231,7 +242,8 @@ def tune_speculation(
     baseline), ``drafted_tokens`` (MoA/EAGLE only) and ``identical_outputs`` (prompts whose greedy output equals the
     baseline's: all of them, up to low-precision rounding, as speculative decoding is lossless). A "heuristic" schedule
     starts from the setting's draft length at every prompt. `lookup_tokens` (0: off) and `lookup_min_ngrams` set the
-    MoA drafter's prompt lookup (`prompt_lookup_num_tokens`, `prompt_lookup_min_ngram`). Returns ``{"baseline",
+    MoA drafter's prompt lookup (`prompt_lookup_num_tokens`, `prompt_lookup_min_ngram`), `lookup_halving` whether
+    shorter matches propose fewer tokens (`prompt_lookup_halve_per_ngram`). Returns ``{"baseline",
     "rows", "best", ...}``, best by speedup (ties: higher acceptance length). The drafter's generation config is
     left as it was.
     """
@@ -240,7 +252,7 @@ def tune_speculation(
         raise TuneError("Give at least one prompt, each with at least one token.")
     if max_new_tokens < 1 or repeats < 1:
         raise TuneError(f"max_new_tokens and repeats must be >= 1 (got {max_new_tokens}, {repeats}).")
-    settings = _grid(num_assistant_tokens, thresholds, schedules, lookup_tokens, lookup_min_ngrams)
+    settings = _grid(num_assistant_tokens, thresholds, schedules, lookup_tokens, lookup_min_ngrams, lookup_halving)
     if any(s["prompt_lookup_num_tokens"] for s in settings) and not getattr(drafter, "supports_prompt_lookup", False):
         raise TuneError(
             f"{type(drafter).__name__} has no prompt lookup of its own; tune it with lookup tokens 0 (for prompt "
@@ -332,7 +344,8 @@ def _fmt(value, digits: int = 2, suffix: str = "") -> str:
 
 def _lookup_cell(row: dict) -> str:
     lookup = row.get("prompt_lookup_num_tokens") or 0
-    return f"{lookup} ({row.get('prompt_lookup_min_ngram')})" if lookup else "off"
+    halving = ", halving" if row.get("prompt_lookup_halve_per_ngram") else ""
+    return f"{lookup} ({row.get('prompt_lookup_min_ngram')}{halving})" if lookup else "off"
 
 
 def format_tuning_markdown(result: dict) -> str:
@@ -368,7 +381,8 @@ def format_tuning_markdown(result: dict) -> str:
         f"Best: num_assistant_tokens={best['num_assistant_tokens']}, "
         f"assistant_confidence_threshold={best['assistant_confidence_threshold']}, "
         f"num_assistant_tokens_schedule={best['num_assistant_tokens_schedule']}, "
-        f"prompt_lookup_num_tokens={best.get('prompt_lookup_num_tokens') or 0} "
+        f"prompt_lookup_num_tokens={best.get('prompt_lookup_num_tokens') or 0}"
+        f"{', halving per shorter n-gram' if best.get('prompt_lookup_halve_per_ngram') else ''} "
         f"({_fmt(best['speedup'], 2, 'x')}, acceptance length {_fmt(best['acceptance_length'])}).",
     ]
     return "\n".join(lines)
