@@ -52,7 +52,7 @@ drafters: .venv/.installed  ## MoA, EAGLE-style and independent drafters: same d
 
 bench: .venv/.installed  ## Spec-Bench (needs ../shared/data/spec_bench or QUESTIONS=path)
 	$(PY) -m moa_hf.cli bench $(if $(QUESTIONS),--questions $(QUESTIONS)) --moa $(or $(MOA),default) \
-		--eagle $(RUNS)/eagle --independent $(RUNS)/independent --questions-per-category 4 --check \
+		--eagle $(RUNS)/eagle --independent $(RUNS)/independent --questions-per-category 8 --check \
 		--max-new-tokens 128 --output $(RUNS)/bench
 
 hub: .venv/.installed  ## the default drafter's Hub repo folder (card numbers from its benchmark.json)
