@@ -45,7 +45,7 @@ def run_demo(dtype: str = "bfloat16", max_new_tokens: int = 96, drafter_path: st
     )
     gc = drafter.generation_config
     lookup = drafter.lookup_settings(gc) if drafter.supports_prompt_lookup else None
-    halving = ", half as many per shorter n-gram" if getattr(gc, "prompt_lookup_halve_per_ngram", False) else ""
+    halving = ", half as many per shorter n-gram" if lookup and lookup[3] else ""
     print(
         f"speculation (the drafter's generation_config): up to {gc.num_assistant_tokens} tokens per cycle, confidence "
         f"threshold {gc.assistant_confidence_threshold}, prompt lookup "

@@ -643,8 +643,7 @@ class MoADrafterMixin:
         settings = self.lookup_settings(self.generation_config) if self.supports_prompt_lookup else None
         if settings is None or max_new_tokens <= 0:
             return None
-        num, max_ngram, min_ngram = settings
-        halve = bool(getattr(self.generation_config, "prompt_lookup_halve_per_ngram", False))
+        num, max_ngram, min_ngram, halve = settings
         budget = num if halve else min(num, max_new_tokens)  # halving: the longest match's share, then the cap
         tokens = lookup_continuation(input_ids[0], max_ngram, budget, min_ngram, halve)[:max_new_tokens]
         if eos.numel() and tokens.numel():
@@ -655,13 +654,15 @@ class MoADrafterMixin:
         return tokens if tokens.numel() else None
 
     @staticmethod
-    def lookup_settings(generation_config: GenerationConfig) -> tuple[int, int, int] | None:
-        """(tokens, longest n-gram, shortest n-gram) of prompt lookup in `generation_config`; None when off."""
+    def lookup_settings(generation_config: GenerationConfig) -> tuple[int, int, int, bool] | None:
+        """(tokens, longest n-gram, shortest n-gram, halving per shorter n-gram) of prompt lookup in
+        `generation_config`; None when off."""
         num = int(getattr(generation_config, "prompt_lookup_num_tokens", None) or 0)
         if num <= 0:
             return None
         max_ngram = int(getattr(generation_config, "max_matching_ngram_size", None) or LOOKUP_MAX_NGRAM)
-        return num, max_ngram, int(getattr(generation_config, "prompt_lookup_min_ngram", None) or LOOKUP_MIN_NGRAM)
+        min_ngram = int(getattr(generation_config, "prompt_lookup_min_ngram", None) or LOOKUP_MIN_NGRAM)
+        return num, max_ngram, min_ngram, bool(getattr(generation_config, "prompt_lookup_halve_per_ngram", False))
 
     # ----------------------------------------------------------------------------------------------------------------
     # Session statistics
