@@ -11,7 +11,15 @@ import datasets
 import pytest
 import torch
 from moa_hf.modeling import MoADrafterModel
-from moa_hf.training import SpecBenchPromptsError, build_dataset, default_prompts, format_prompts, load_prompts
+from moa_hf.training import (
+    SpecBenchPromptsError,
+    build_dataset,
+    default_prompts,
+    format_prompts,
+    load_prompts,
+    written_briefs,
+)
+from moa_hf.training.data import _tidy_material
 from moa_hf.training.testing import tiny_target, tiny_tokenizer
 from safetensors import safe_open
 
@@ -57,6 +65,53 @@ def test_default_prompts_are_varied_deterministic_and_split():
         assert sum(p.startswith(task) or task in p[:80] for p in docs) >= 4, task
     with pytest.raises(ValueError, match="split"):
         default_prompts(3, split="test")
+
+
+def test_written_briefs_are_distinct_deterministic_and_held_apart():
+    briefs = written_briefs(300)
+    assert briefs == written_briefs(300) and briefs != written_briefs(300, seed=1)
+    assert len({(b.brief, b.task) for b in briefs}) == 300
+    passages = [b for b in briefs if b.task is not None]
+    assert 150 <= len(passages) <= 250  # about two thirds passages, one third user questions
+    assert all("{text}" in b.task for b in passages)
+    assert len({b.task for b in passages}) >= 8 and len({b.brief for b in briefs}) >= 250
+    held_out = " ".join(default_prompts(200, split="validation") + default_prompts(100, split="documents"))
+    assert not any(b.brief in held_out for b in briefs)
+    with pytest.raises(ValueError, match="distinct written briefs"):
+        written_briefs(10**6)
+
+
+def test_tidy_material():
+    assert _tidy_material('A customer might ask: "How do I change my flight to an earlier one?"', question=True) == (
+        "How do I change my flight to an earlier one?"
+    )
+    assert _tidy_material("  How do I keep basil alive?  ", question=True) == "How do I keep basil alive?"
+    cut = _tidy_material("The bridge opened on Monday. It has four lanes. Traffic was light and the may", False)
+    assert cut == "The bridge opened on Monday. It has four lanes."
+    assert _tidy_material("One. Two three four five six seven eight nine ten", False).endswith("ten")  # no early cut
+
+
+def test_written_prompts_dataset(tmp_path, target, tokenizer):
+    with pytest.raises(ValueError, match="written by the target"):
+        load_prompts("default:written")
+    with pytest.raises(ValueError, match="number of prompts"):
+        build_dataset(target, tokenizer, "default:written", tmp_path / "x", max_new_tokens=4, progress=False)
+    kw = dict(max_new_tokens=6, batch_size=4, num_prompts=12, progress=False)
+    ds = build_dataset(target, tokenizer, "default:written", tmp_path / "w", **kw)
+    saved = json.loads((tmp_path / "w" / "written_prompts.json").read_text())
+    prompts = saved["prompts"]
+    assert saved["num_prompts"] == 12 and len(ds) == len(prompts) and 6 <= len(prompts) <= 12
+    briefs = written_briefs(12)
+    tasks = [b.task.split("{text}")[0] for b in briefs if b.task is not None]
+    assert sum(any(p.startswith(t) and len(p) >= len(t) + 40 for t in tasks) for p in prompts) >= 3  # material inside
+    assert not any(b.brief in p for b in briefs for p in prompts)  # the briefs themselves are not prompts
+    for row, ids in zip(ds, format_prompts(tokenizer, prompts)):
+        assert row["input_ids"][: row["prompt_length"]] == ids
+    again = build_dataset(target, tokenizer, "default:written", tmp_path / "w2", **kw)
+    assert json.loads((tmp_path / "w2" / "written_prompts.json").read_text())["prompts"] == prompts  # seeded
+    (tmp_path / "w" / "moa_data.json").unlink()
+    resumed = build_dataset(target, tokenizer, "default:written", tmp_path / "w", **kw)  # reuses the material
+    assert resumed["input_ids"] == ds["input_ids"] == again["input_ids"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

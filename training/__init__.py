@@ -33,6 +33,8 @@ _EXPORTS = {
     "check_not_spec_bench": "data",
     "SpecBenchPromptsError": "data",
     "default_prompts": "prompts",
+    "written_briefs": "prompts",
+    "written_prompts": "data",
     # conversion
     "with_own_embeddings": "convert",
     # PEFT
@@ -78,6 +80,8 @@ __all__ = [
     "load_target_states",
     "measure_acceptance",
     "merge_lora",
+    "written_briefs",
+    "written_prompts",
     "run_target",
     "sa_curriculum_mask",
     "staircase_restarts",

@@ -370,8 +370,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "`datasets` folder. Resumable: run the same command again after an interruption. Spec-Bench is refused.",
     )
     _add_target_args(p)
-    p.add_argument("--prompts", default="default", help="`default` (offline generator), a .jsonl/.txt file, a saved "
-                   "`datasets` folder or a dataset name (default: default)")
+    p.add_argument("--prompts", default="default", help="`default` (offline generator), `default:written` (material "
+                   "the target writes first; needs --num-prompts), a .jsonl/.txt file, a saved `datasets` folder or a "
+                   "dataset name (default: default)")
     p.add_argument("--output", required=True, help="dataset folder to write")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ __all__ = [
     "check_not_spec_bench",
     "format_prompts",
     "load_prompts",
+    "written_prompts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ _SPEC_BENCH_NAMES = ("spec_bench", "spec-bench", "specbench")
 _SHARDS = "shards"
 _MANIFEST = "manifest.json"
 _METADATA = "moa_data.json"
+WRITTEN = "default:written"  # the prompt source whose material the target writes first (`written_prompts`)
 
 
 class SpecBenchPromptsError(ValueError):
@@ -122,7 +125,8 @@ def load_prompts(
 
     `source` is one of:
       - ``default`` (or ``default:train`` / ``default:validation``): the offline prompt generator
-        (`moa_hf.training.prompts`); `seed` picks the sample;
+        (`moa_hf.training.prompts`); `seed` picks the sample (``default:written`` needs the target: see
+        `written_prompts`);
       - a ``.jsonl``/``.json`` file: one object per line, the prompt in `column`, else ``prompt``, else ``turns[0]``;
       - another file: plain text, one prompt per non-empty line;
       - a folder written by `datasets`' ``save_to_disk``, or a dataset name for ``datasets.load_dataset``
@@ -131,6 +135,11 @@ def load_prompts(
     """
     text = str(source)
     check_not_spec_bench(text)
+    if text == WRITTEN:
+        raise ValueError(
+            f"{WRITTEN!r} prompts are written by the target first: use `build_dataset` / `moa data --prompts "
+            f"{WRITTEN}` (or `written_prompts(target, tokenizer, n)`), not `load_prompts`."
+        )
     if text == "default" or text.startswith("default:"):
         from .prompts import default_prompts
 
@@ -226,6 +235,60 @@ def _generate(
     return responses
 
 
+def _tidy_material(text: str, question: bool) -> str:
+    """Target-written material made usable as a prompt: stripped, a question taken from its quotes when the target
+    framed it ("A customer might ask: \"...\""), a passage cut after its last full sentence."""
+    text = text.strip()
+    if question:
+        quoted = re.findall(r'"([^"]{20,})"', text)
+        return max(quoted, key=len).strip() if quoted else text
+    cut = max(text.rfind(end) for end in (". ", ".\n", "!", "?")) if not text.endswith((".", "!", "?")) else -1
+    return text[: cut + 1].strip() if cut > len(text) // 2 else text
+
+
+@torch.no_grad()
+def written_prompts(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    num_prompts: int,
+    *,
+    seed: int = 0,
+    batch_size: int = 16,
+    max_material_tokens: int = 180,
+    temperature: float = 0.8,
+    top_p: float = 0.95,
+    progress: bool = True,
+) -> list[str]:
+    """Training prompts built on material the target writes itself (`prompts.written_briefs`): the target samples a
+    passage or a user question for each brief (seeded, deterministic on a given machine); passages are wrapped in
+    their task (summarise, answer from the text, reply, ...), questions are used as they are. Briefs whose material
+    comes out shorter than 40 characters are dropped, so slightly fewer than `num_prompts` may come back."""
+    from tqdm.auto import tqdm
+
+    from .prompts import written_briefs
+
+    briefs = written_briefs(num_prompts, seed=seed)
+    eos = _eos_ids(target, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    config = GenerationConfig(max_new_tokens=max_material_tokens, do_sample=True, temperature=temperature,
+                              top_p=top_p, pad_token_id=pad, eos_token_id=eos or None)
+    ids = format_prompts(tokenizer, [b.brief for b in briefs])
+    order = sorted(range(len(briefs)), key=lambda i: -len(ids[i]))
+    material: dict[int, str] = {}
+    with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
+        torch.manual_seed(_shard_seed(seed, -1))
+        for start in tqdm(range(0, len(order), batch_size), desc="target writes material", disable=not progress):
+            batch = order[start : start + batch_size]
+            for i, response in zip(batch, _generate(target, [ids[i] for i in batch], config, eos)):
+                material[i] = tokenizer.decode(response, skip_special_tokens=True)
+    prompts = []
+    for i, brief in enumerate(briefs):
+        text = _tidy_material(material[i], question=brief.task is None)
+        if len(text) >= 40:
+            prompts.append(text if brief.task is None else brief.task.format(text=text))
+    return prompts
+
+
 @contextlib.contextmanager
 def _datasets_progress(enabled: bool):
     """Silence `datasets`' own progress bars for the block when `enabled` is False (restored afterwards)."""
@@ -276,7 +339,8 @@ def build_dataset(
 
     Args:
         prompts: a list of prompt strings, or a source for `load_prompts` (``default``, a JSONL/text file, a saved
-            or named `datasets` dataset; Spec-Bench is refused).
+            or named `datasets` dataset; Spec-Bench is refused), or ``default:written``: material the target writes
+            first (`written_prompts`, needs `num_prompts`; saved in ``output_dir/written_prompts.json``).
         output_dir: the dataset folder (``datasets.load_from_disk(output_dir)``). Finished shards are kept under
             ``output_dir/shards``; running again with the same arguments skips them (resume).
         max_new_tokens, batch_size: generation length and batch size (left-padded batches).
@@ -291,7 +355,20 @@ def build_dataset(
 
     if max_new_tokens < 1 or batch_size < 1 or shard_size < 1:
         raise ValueError("max_new_tokens, batch_size and shard_size must be positive.")
-    if isinstance(prompts, (str, os.PathLike)):
+    if str(prompts) == WRITTEN:
+        if num_prompts is None:
+            raise ValueError(f"--prompts {WRITTEN} needs a number of prompts (`num_prompts` / `--num-prompts`).")
+        saved = Path(output_dir) / "written_prompts.json"  # the material is sampled once; a resumed run reuses it
+        record = json.loads(saved.read_text()) if saved.is_file() else {}
+        if record.get("num_prompts") == num_prompts and record.get("seed") == seed:
+            prompts = record["prompts"]
+        else:
+            prompts = written_prompts(
+                target, tokenizer, num_prompts, seed=seed, batch_size=batch_size, progress=progress
+            )
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            saved.write_text(json.dumps({"num_prompts": num_prompts, "seed": seed, "prompts": prompts}, indent=1))
+    elif isinstance(prompts, (str, os.PathLike)):
         prompts = load_prompts(prompts, column=prompt_column, split=prompt_split, num_prompts=num_prompts, seed=seed)
     else:
         prompts = list(prompts)[: num_prompts if num_prompts is not None else None]

@@ -22,8 +22,9 @@ import pkgutil
 import random
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
-__all__ = ["SPLITS", "default_prompts", "stdlib_entries"]
+__all__ = ["SPLITS", "WrittenBrief", "default_prompts", "stdlib_entries", "written_briefs"]
 
 SPLITS = ("train", "validation", "documents")
 
@@ -445,6 +446,93 @@ def default_prompts(num_prompts: int | None = None, split: str = "train", seed: 
         families = still
     rng.shuffle(out)
     return out[:n]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Target-written material (`moa data --prompts default:written`, training only)
+# ---------------------------------------------------------------------------------------------------------------------
+# Templates make narrow prompts: a drafter trained on them agrees with the target on 51% of unseen prompts of the
+# same families but on 32% of held-out ones (session 6). Here the target first writes free-form material (articles,
+# emails, reviews, notes, user questions) from short briefs, sampled; the final prompts then ask for work on that
+# material (summaries, answers from the text, replies, rewrites: the regime of summarisation and RAG) or are the
+# written user questions themselves. Subjects and genres are disjoint from the validation and documents splits.
+_GENRES = ("a short news report", "an encyclopedia paragraph", "a customer review", "a recipe with steps",
+           "a blog post", "an email to a colleague", "the minutes of a team meeting", "a short biography",
+           "a travel guide paragraph", "a press release", "a product description", "a letter of complaint",
+           "a short opinion column", "a school report on a field trip", "an FAQ entry", "a job advertisement",
+           "a museum label", "a weather and traffic bulletin", "a sports match report", "a short speech")
+_SUBJECTS = ("a new public library", "a local football final", "a flood in a river valley", "an electric bus line",
+             "a bakery that opened downtown", "a solar farm", "a school robotics club", "a marathon",
+             "a rare bird sighting", "a city budget vote", "a jazz festival", "a hospital's new wing",
+             "a smartphone launch", "a wildfire season", "a community garden", "a chess tournament",
+             "a train strike", "an art exhibition", "a heat wave", "a science fair", "a vaccine campaign",
+             "a bicycle-sharing scheme", "a music streaming service", "an earthquake drill", "a farmers' market",
+             "a volunteer beach clean-up", "a new video game", "a company's quarterly results", "a pottery class",
+             "a mountain rescue", "a school lunch programme", "a recycling plant", "a theatre premiere",
+             "a space telescope", "a startup that makes drones", "a water shortage", "a charity concert",
+             "an old castle restored", "a coffee shop chain", "a national park", "a hackathon", "a dog show",
+             "a wind storm", "a new subway station", "a cooking competition", "a language school",
+             "a power outage", "an Olympic swimmer", "a fashion week", "a sleep study", "a fishing village",
+             "a hotel renovation", "a cyber attack on a bank", "an electric car", "a children's book award")
+_PASSAGE_TASKS = (
+    "Summarise the following text in two or three sentences:\n\n{text}",
+    "What are the main points of this text? Answer with a bulleted list.\n\n{text}",
+    "Read the text below and answer: who is involved, what happened, and why does it matter? Use only the "
+    "text.\n\nText:\n{text}",
+    "Write a headline and a one-paragraph summary for this article:\n\n{text}",
+    "Rewrite the following text so that a ten-year-old can understand it:\n\n{text}",
+    "Write a reply to this message:\n\n{text}",
+    "List every name, place and number mentioned in this text, each with a short note on what it refers to."
+    "\n\n{text}",
+    "Turn this text into four quiz questions, each followed by its answer:\n\n{text}",
+    "Continue this text with two more paragraphs in the same style:\n\n{text}",
+    "Give constructive feedback on the writing of this text and suggest improvements:\n\n{text}",
+)
+_ASKERS = ("a student", "a nurse", "a small-business owner", "a retired teacher", "a new parent", "a software "
+           "developer", "a farmer", "a tourist", "a truck driver", "a journalist", "a chef", "a teenager",
+           "a museum guide", "a lawyer", "an electrician", "a gardener", "a pharmacist", "a photographer")
+_ASK_ABOUTS = ("money", "health", "cooking", "science homework", "a problem at work", "history", "a computer "
+               "problem", "travel plans", "a relationship", "the weather", "a hobby", "a legal question",
+               "a maths problem", "writing a story", "physics", "a pet", "home repairs", "learning English")
+
+
+@dataclass(frozen=True)
+class WrittenBrief:
+    """One target-written training prompt: the target writes `brief`'s answer (the material); the training prompt is
+    `task` with the material in `{text}` (or the material itself when `task` is None: a user question)."""
+
+    brief: str
+    task: str | None
+
+
+def written_briefs(num_prompts: int, seed: int = 0) -> list[WrittenBrief]:
+    """`num_prompts` distinct briefs for target-written material, deterministic for a seed: two thirds passages
+    (a genre about a subject, then a task on the passage), one third user questions (an asker and a theme)."""
+    rng = random.Random(f"moa-written-{seed}")
+    out: list[WrittenBrief] = []
+    seen: set[tuple[str, str | None]] = set()
+    limit = len(_GENRES) * len(_SUBJECTS) * len(_PASSAGE_TASKS) + len(_ASKERS) * len(_ASK_ABOUTS) * 3
+    if num_prompts > limit:
+        raise ValueError(f"At most {limit} distinct written briefs; asked for {num_prompts}.")
+    while len(out) < num_prompts:
+        if rng.random() < 2 / 3:
+            genre, subject = rng.choice(_GENRES), rng.choice(_SUBJECTS)
+            brief = f"Write {genre} about {subject}. Use about 120 words and invent concrete names and numbers."
+            item = WrittenBrief(brief, rng.choice(_PASSAGE_TASKS))
+        else:
+            form = rng.choice(("Write a question that {a} might ask an AI assistant about {t}. Only write the "
+                               "question, in the first person.",
+                               "Write a message in which {a} asks an AI assistant for advice about {t}. Give some "
+                               "details of their situation. Only write the message.",
+                               "Write a request from {a} who wants an AI assistant to explain something about {t}. "
+                               "Only write the request."))
+            item = WrittenBrief(form.format(a=rng.choice(_ASKERS), t=rng.choice(_ASK_ABOUTS)), None)
+        key = (item.brief, item.task)
+        if key in seen and len(seen) < limit:
+            continue
+        seen.add(key)
+        out.append(item)
+    return out
 
 
 def _preview(n: int = 10) -> None:  # pragma: no cover - manual inspection helper
