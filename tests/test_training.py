@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import datasets
 import moa_hf.training as training
 import pytest
 import torch
@@ -25,6 +26,7 @@ from moa_hf.training import (
     staircase_restarts,
 )
 from moa_hf.training.testing import random_dataset, tiny_target, tiny_tokenizer, tiny_training_args
+from moa_hf.training.trainer import _Indexed
 from safetensors import safe_open
 from transformers import TrainerCallback
 
@@ -361,6 +363,39 @@ def test_acceptance_eval_callback_logs(tmp_path, target):
     with_loss = trainer.evaluate(random_dataset(6, seed=5))
     assert with_loss["eval_loss"] > 0 and "eval_acceptance_length" in with_loss
     assert trainer.evaluate(random_dataset(6, seed=5))["eval_loss"] == with_loss["eval_loss"]  # fixed eval cycles
+    # top-1 agreement with the target's next token. Every other response token is made the drafter's own top-1
+    # (positions <= i decide the prediction at i), then the metric is recomputed through its full-vocabulary logits
+    drafter = trainer.drafter
+    trainer.model.eval()
+
+    def logits_and_cycles(batch):
+        _, out = trainer.compute_loss(trainer.model, batch, return_outputs=True)
+        kv = trainer.target_states(batch).target_kv
+        return drafter(input_ids=batch["input_ids"], target_kv=kv, cycle_starts=out["cycle_starts"]).logits, out
+
+    rows, prompt_lengths = [], []
+    with torch.no_grad():
+        for k, ex in enumerate(random_dataset(4, seed=5)):
+            ids, p = list(ex["input_ids"]), int(ex["prompt_length"])
+            for i in range(p - 1, len(ids) - 1, 2):
+                batch = trainer.data_collator([{"input_ids": ids, "prompt_length": p, "sample_index": k}])
+                ids[i + 1] = int(logits_and_cycles(batch)[0][0, i].argmax())
+            rows.append(ids)
+            prompt_lengths.append(p)
+    eval_data = datasets.Dataset.from_dict({"input_ids": rows, "prompt_length": prompt_lengths})
+    metrics = trainer.evaluate(eval_data)
+    hits = total = hits_first = total_first = 0
+    with torch.no_grad():
+        for batch in trainer.get_eval_dataloader(_Indexed(eval_data)):  # as `evaluate` indexes it
+            logits, out = logits_and_cycles(batch)
+            counted = (batch["labels"] != -100) & batch["attention_mask"].bool()
+            hit = (logits.argmax(-1) == batch["labels"])[counted]
+            first = (out["cycle_starts"] == torch.arange(counted.shape[1]))[counted]
+            hits, total = hits + int(hit.sum()), total + hit.numel()
+            hits_first, total_first = hits_first + int(hit[first].sum()), total_first + int(first.sum())
+    assert 0 < total_first < total and total // 3 < hits < total, (hits, total)
+    assert metrics["eval_top1"] == pytest.approx(hits / total)
+    assert metrics["eval_top1_first"] == pytest.approx(hits_first / total_first)
 
 
 def _greedy(target, ids, **kw):

@@ -90,6 +90,16 @@ def test_draft_vocabulary_head_and_lossless_generation(target):
         drafter.init_draft_vocab(torch.zeros(16, dtype=torch.long), target.get_output_embeddings().weight)
 
 
+def test_evaluation_top1_reads_the_draft_vocabulary(tmp_path, target):
+    torch.manual_seed(0)
+    drafter = moa_hf.build_drafter(target, draft_vocab_size=16)
+    drafter.init_draft_vocab(torch.arange(40, 56), target.get_output_embeddings().weight)
+    trainer = MoATrainer(model=drafter, target=target, args=make_args(tmp_path))
+    h = torch.randn(12, target.config.hidden_size)
+    top = trainer._student_top1(h)
+    assert torch.equal(top, drafter.head(h).argmax(-1)) and bool(((top >= 40) & (top < 56)).all())
+
+
 def test_draft_vocabulary_survives_save_and_load(tmp_path, target):
     drafter = moa_hf.build_drafter(target, draft_vocab_size=8)
     drafter.init_draft_vocab(torch.arange(10, 18) * 3, target.get_output_embeddings().weight)

@@ -316,6 +316,7 @@ class MoATrainer(Trainer):
         )
         self.model_accepts_loss_kwargs = True  # makes the Trainer count `labels` tokens into num_items_in_batch
         self._parts = torch.zeros(3, dtype=torch.float64)  # soft CE sum, feature loss sum, tokens since last log
+        self._agreement = torch.zeros(4, dtype=torch.float64)  # evaluation: top-1 hits, positions, first-of-cycle ones
         if eval_prompts is not None and args.eval_num_prompts > 0:
             from .evaluation import AcceptanceEvalCallback
 
@@ -452,6 +453,8 @@ class MoATrainer(Trainer):
         if "attention_mask" in inputs:
             counted &= inputs["attention_mask"].bool()
         total, ce, feat = self.token_losses(student, feature, states, counted)
+        if not model.training:
+            self._count_agreement(student, inputs["labels"], counted, cycle_starts)
         if num_items_in_batch is None:
             loss = total.sum() / counted.sum().clamp(min=1)
         else:
@@ -465,6 +468,52 @@ class MoATrainer(Trainer):
             token_loss[counted] = total.detach()
             return loss, {"token_loss": token_loss, "cycle_starts": cycle_starts}
         return loss
+
+    @torch.no_grad()
+    def _student_top1(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The drafter's most likely next token (full-vocabulary ids) [n] for the hidden states [n, d] its head
+        reads."""
+        drafter = self.drafter
+        if self.kind == "independent":
+            logits = drafter.get_output_embeddings()(hidden)
+        elif getattr(drafter.config, "draft_vocab_size", None) is not None:
+            return drafter.draft_ids.to(hidden.device)[drafter.draft_logits(hidden).argmax(-1)]
+        else:
+            logits = drafter.head(hidden)
+        return logits.argmax(-1)
+
+    @torch.no_grad()
+    def _count_agreement(self, student, labels, counted, cycle_starts) -> None:
+        """Evaluation: does the drafter's top-1 token equal the target's next token (the label)? Counted over all
+        counted positions and over the first position of each simulated cycle (the first drafted token, which
+        carries most of the acceptance length); cheap and far less noisy than an acceptance-length run."""
+        hidden = student[counted]  # [N, d]
+        top = torch.cat([self._student_top1(hidden[i : i + 1024]) for i in range(0, hidden.shape[0], 1024)])
+        hits = (top == labels[counted]).double()
+        if cycle_starts is None:  # EAGLE-style / independent: every position reads the target's true past
+            first = torch.ones_like(hits, dtype=torch.bool)
+        else:
+            pos = torch.arange(counted.shape[1], device=counted.device)
+            first = (cycle_starts == pos[None, :])[counted]
+        self._agreement += torch.tensor(
+            [float(hits.sum()), float(hits.numel()), float(hits[first].sum()), float(first.sum())], dtype=torch.float64
+        )
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval"):
+        """Adds ``{prefix}_top1`` (the drafter's top-1 token = the target's, all counted positions) and
+        ``{prefix}_top1_first`` (first positions of simulated cycles) to the evaluation loss."""
+        self._agreement.zero_()
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        counts = self._agreement.clone()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            counts = counts.to(self.args.device)
+            torch.distributed.all_reduce(counts)
+            counts = counts.cpu()
+        if counts[1] > 0:
+            output.metrics[f"{metric_key_prefix}_top1"] = float(counts[0] / counts[1])
+            output.metrics[f"{metric_key_prefix}_top1_first"] = float(counts[2] / counts[3].clamp(min=1))
+        return output
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Adds the loss components (`soft_ce`, `feature_loss`, per counted token, this process) to training logs."""
