@@ -233,13 +233,14 @@ def test_cli_data_then_train(tmp_path, target, tokenizer, capsys):
     assert moa_main(["train", "--target", str(folder), "--data", str(data), "--output", str(out), "--max-steps", "4",
                      "--batch-size", "4", "--grad-accum", "2", "--lr", "1e-3", "--cpu", "--quiet", "--save-steps", "2",
                      "--eval-prompts", str(prompts), "--eval-num-prompts", "2", "--eval-max-new-tokens", "6",
-                     "--eval-steps", "2", "--logging-steps", "1"]) == 0
+                     "--eval-steps", "2", "--logging-steps", "1", "--eval-data", str(data)]) == 0
     drafter = MoADrafterModel.from_pretrained(out)
     assert (out / "generation_config.json").exists() and (out / "config.json").exists()
     assert _saved_keys(out / "model.safetensors") == set(drafter.state_dict())
     assert not any(k.startswith(("model.", "lm_head", "embed_tokens")) for k in _saved_keys(out / "model.safetensors"))
     info = json.loads((out / "training_info.json").read_text())
     assert info["steps"] == 4 and info["tokens"] > 0 and info["acceptance_length_heldout"] >= 1.0
+    assert 0.0 <= info["top1_heldout"] <= 1.0 and 0.0 <= info["top1_first_heldout"] <= 1.0
     assert (out / "checkpoint-4").is_dir()
     # resume from the latest checkpoint with more steps
     assert moa_main(["train", "--target", str(folder), "--data", str(data), "--output", str(out), "--max-steps", "6",

@@ -234,6 +234,8 @@ def run_train(args: argparse.Namespace) -> int:
             "hardware": _hardware(),
             "final_train_loss": round(float(result.training_loss), 5),
             "acceptance_length_heldout": final.get("eval_acceptance_length"),
+            "top1_heldout": final.get("eval_top1"),  # with --eval-data: top-1 agreement with the target
+            "top1_first_heldout": final.get("eval_top1_first"),
             "learning_curve": _learning_curve(trainer, info_from=args.init_drafter),
         }
         info.update(_totals(info, info_from=args.init_drafter))
