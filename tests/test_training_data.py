@@ -100,6 +100,7 @@ def test_written_prompts_dataset(tmp_path, target, tokenizer):
     ds = build_dataset(target, tokenizer, "default:written", tmp_path / "w", **kw)
     saved = json.loads((tmp_path / "w" / "written_prompts.json").read_text())
     prompts = saved["prompts"]
+    assert load_prompts(tmp_path / "w" / "written_prompts.jsonl") == prompts  # a prompt file for `--part` runs
     assert saved["num_prompts"] == 12 and len(ds) == len(prompts) and 6 <= len(prompts) <= 12
     briefs = written_briefs(12)
     tasks = [b.task.split("{text}")[0] for b in briefs if b.task is not None]

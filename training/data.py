@@ -340,7 +340,9 @@ def build_dataset(
     Args:
         prompts: a list of prompt strings, or a source for `load_prompts` (``default``, a JSONL/text file, a saved
             or named `datasets` dataset; Spec-Bench is refused), or ``default:written``: material the target writes
-            first (`written_prompts`, needs `num_prompts`; saved in ``output_dir/written_prompts.json``).
+            first (`written_prompts`, needs `num_prompts`; saved in ``output_dir/written_prompts.json``, and as a
+            prompt file ``written_prompts.jsonl``: to split the answers over processes with `part`, sample the
+            material once and give every part that file, since sampling may differ between machines).
         output_dir: the dataset folder (``datasets.load_from_disk(output_dir)``). Finished shards are kept under
             ``output_dir/shards``; running again with the same arguments skips them (resume).
         max_new_tokens, batch_size: generation length and batch size (left-padded batches).
@@ -368,6 +370,8 @@ def build_dataset(
             )
             saved.parent.mkdir(parents=True, exist_ok=True)
             saved.write_text(json.dumps({"num_prompts": num_prompts, "seed": seed, "prompts": prompts}, indent=1))
+            with open(saved.with_suffix(".jsonl"), "w", encoding="utf-8") as f:  # a prompt file for `--part` runs
+                f.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)
     elif isinstance(prompts, (str, os.PathLike)):
         prompts = load_prompts(prompts, column=prompt_column, split=prompt_split, num_prompts=num_prompts, seed=seed)
     else:
