@@ -31,13 +31,19 @@ lint: .venv/.installed
 RUNS ?= runs
 PROMPTS ?= 3000
 STEPS ?= 300
-TRAIN := $(PY) -m moa_hf.cli train --target default --dtype bfloat16 --data $(RUNS)/data --states $(RUNS)/states \
+WRITTEN ?= 0  # > 0: also this many prompts on material the target writes first (`--prompts default:written`)
+DATA := $(RUNS)/data $(if $(filter-out 0,$(WRITTEN)),$(RUNS)/written)
+STATES := $(RUNS)/states $(if $(filter-out 0,$(WRITTEN)),$(RUNS)/states_written)
+TRAIN := $(PY) -m moa_hf.cli train --target default --dtype bfloat16 --data $(DATA) --states $(STATES) \
 	--max-steps $(STEPS) --batch-size 8 --lr 1e-3 --warmup-steps 10 --min-cycle 2 --max-cycle 8 \
 	--eval-num-prompts 8 --eval-max-new-tokens 64 --save-steps 100 --save-total-limit 1
 
 data: .venv/.installed  ## the target answers the offline training prompts (resumable)
 	$(PY) -m moa_hf.cli data --target default --dtype bfloat16 --prompts default --num-prompts $(PROMPTS) \
 		--max-new-tokens 256 --batch-size 64 --shard-size 64 --output $(RUNS)/data
+	$(if $(filter-out 0,$(WRITTEN)),$(PY) -m moa_hf.cli data --target default --dtype bfloat16 \
+		--prompts default:written --num-prompts $(WRITTEN) --max-new-tokens 256 --batch-size 64 --shard-size 64 \
+		--output $(RUNS)/written)
 
 drafters: .venv/.installed  ## MoA, EAGLE-style and independent drafters: same data, states, steps, batch, lr
 	$(TRAIN) --kind moa --draft-vocab-size 8192 --lsa-hidden-size 128 --eval-steps 60 --output $(RUNS)/moa
