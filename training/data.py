@@ -235,6 +235,36 @@ def _generate(
     return responses
 
 
+def _eos_and_pad(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], int]:
+    eos = _eos_ids(target, tokenizer)
+    return eos, (tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0))
+
+
+def _answer_all(
+    target: PreTrainedModel,
+    prompt_ids: Sequence[list[int]],
+    indices: Sequence[int],
+    gen_config: GenerationConfig,
+    eos: list[int],
+    batch_size: int,
+    seed: int,
+    on_batch=None,
+) -> dict[int, list[int]]:
+    """The target's responses to `prompt_ids[i]` for i in `indices`, in batches of similar lengths (little padding);
+    sampling is seeded by `seed` without touching the global RNG. `on_batch(n)` is called after each batch."""
+    order = sorted(indices, key=lambda i: -len(prompt_ids[i]))
+    rows: dict[int, list[int]] = {}
+    with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        for start in range(0, len(order), batch_size):
+            batch = order[start : start + batch_size]
+            for i, response in zip(batch, _generate(target, [prompt_ids[i] for i in batch], gen_config, eos)):
+                rows[i] = response
+            if on_batch is not None:
+                on_batch(len(batch))
+    return rows
+
+
 def _tidy_material(text: str, question: bool) -> str:
     """Target-written material made usable as a prompt: stripped, a question taken from its quotes when the target
     framed it ("A customer might ask: \"...\""), a passage cut after its last full sentence."""
@@ -268,22 +298,16 @@ def written_prompts(
     from .prompts import written_briefs
 
     briefs = written_briefs(num_prompts, seed=seed)
-    eos = _eos_ids(target, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    eos, pad = _eos_and_pad(target, tokenizer)
     config = GenerationConfig(max_new_tokens=max_material_tokens, do_sample=True, temperature=temperature,
                               top_p=top_p, pad_token_id=pad, eos_token_id=eos or None)
     ids = format_prompts(tokenizer, [b.brief for b in briefs])
-    order = sorted(range(len(briefs)), key=lambda i: -len(ids[i]))
-    material: dict[int, str] = {}
-    with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
-        torch.manual_seed(_shard_seed(seed, -1))
-        for start in tqdm(range(0, len(order), batch_size), desc="target writes material", disable=not progress):
-            batch = order[start : start + batch_size]
-            for i, response in zip(batch, _generate(target, [ids[i] for i in batch], config, eos)):
-                material[i] = tokenizer.decode(response, skip_special_tokens=True)
+    with tqdm(total=len(briefs), desc="target writes material", unit="brief", disable=not progress) as bar:
+        material = _answer_all(target, ids, range(len(briefs)), config, eos, batch_size, _shard_seed(seed, -1),
+                               on_batch=bar.update)
     prompts = []
     for i, brief in enumerate(briefs):
-        text = _tidy_material(material[i], question=brief.task is None)
+        text = _tidy_material(tokenizer.decode(material[i], skip_special_tokens=True), question=brief.task is None)
         if len(text) >= 40:
             prompts.append(text if brief.task is None else brief.task.format(text=text))
     return prompts
@@ -388,8 +412,7 @@ def build_dataset(
     shard_dir = output_dir / _SHARDS
     shard_dir.mkdir(parents=True, exist_ok=True)
 
-    eos = _eos_ids(target, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    eos, pad = _eos_and_pad(target, tokenizer)
     gen_config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=do_sample,
@@ -445,15 +468,7 @@ def build_dataset(
         ids = format_prompts(tokenizer, prompts[lo:hi], chat_template=chat_template, system_prompt=system_prompt)
         keep = [i for i in range(hi - lo) if max_prompt_tokens is None or len(ids[i]) <= max_prompt_tokens]
         skipped_long += hi - lo - len(keep)
-        order = sorted(keep, key=lambda i: -len(ids[i]))  # similar lengths per batch: little padding
-        rows: dict[int, list[int]] = {}
-        with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
-            torch.manual_seed(_shard_seed(seed, k))
-            for start in range(0, len(order), batch_size):
-                batch = order[start : start + batch_size]
-                for i, response in zip(batch, _generate(target, [ids[i] for i in batch], gen_config, eos)):
-                    rows[i] = response
-                bar.update(len(batch))
+        rows = _answer_all(target, ids, keep, gen_config, eos, batch_size, _shard_seed(seed, k), on_batch=bar.update)
         bar.update(hi - lo - len(keep))
         kept = sorted(rows)
         shard = datasets.Dataset.from_dict(

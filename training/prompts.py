@@ -528,7 +528,7 @@ def written_briefs(num_prompts: int, seed: int = 0) -> list[WrittenBrief]:
                                "Only write the request."))
             item = WrittenBrief(form.format(a=rng.choice(_ASKERS), t=rng.choice(_ASK_ABOUTS)), None)
         key = (item.brief, item.task)
-        if key in seen and len(seen) < limit:
+        if key in seen:  # `limit` counts every possible key, so a new one always remains
             continue
         seen.add(key)
         out.append(item)

@@ -391,14 +391,11 @@ class MoATrainer(Trainer):
         ce = torch.zeros(n, device=student.device)
         if args.soft_ce_weight > 0 or feature is None:
             weight = self.target.get_output_embeddings().weight  # [V, d]
-            if self.kind == "independent":
-                student_head = drafter.get_output_embeddings()
-                head_frozen = not any(p.requires_grad for p in student_head.parameters())
-            elif getattr(drafter.config, "draft_vocab_size", None) is not None:
-                weight = weight[drafter.draft_ids.to(weight.device)]  # [V', d]: the teacher over the draft vocab
-                student_head, head_frozen = drafter.draft_logits, False
-            else:
-                student_head = drafter.head
+            student_head, draft_ids = self._student_head()
+            if draft_ids is not None:
+                weight = weight[draft_ids.to(weight.device)]  # [V', d]: the teacher over the draft vocab
+                head_frozen = False
+            else:  # the (borrowed or own) full-vocabulary output embedding
                 head_frozen = not any(p.requires_grad for p in drafter.get_output_embeddings().parameters())
 
             def teacher_head(h: torch.Tensor) -> torch.Tensor:
@@ -469,18 +466,23 @@ class MoATrainer(Trainer):
             return loss, {"token_loss": token_loss, "cycle_starts": cycle_starts}
         return loss
 
+    def _student_head(self):
+        """(head, column ids): what turns the drafter's hidden states [n, d] into its logits, and the full-vocabulary
+        ids of those logits' columns (None: the full vocabulary itself)."""
+        drafter = self.drafter
+        if self.kind == "independent":
+            return drafter.get_output_embeddings(), None
+        if getattr(drafter.config, "draft_vocab_size", None) is not None:
+            return drafter.draft_logits, drafter.draft_ids
+        return drafter.head, None
+
     @torch.no_grad()
     def _student_top1(self, hidden: torch.Tensor) -> torch.Tensor:
         """The drafter's most likely next token (full-vocabulary ids) [n] for the hidden states [n, d] its head
         reads."""
-        drafter = self.drafter
-        if self.kind == "independent":
-            logits = drafter.get_output_embeddings()(hidden)
-        elif getattr(drafter.config, "draft_vocab_size", None) is not None:
-            return drafter.draft_ids.to(hidden.device)[drafter.draft_logits(hidden).argmax(-1)]
-        else:
-            logits = drafter.head(hidden)
-        return logits.argmax(-1)
+        head, draft_ids = self._student_head()
+        top = head(hidden).argmax(-1)
+        return top if draft_ids is None else draft_ids.to(top.device)[top]
 
     @torch.no_grad()
     def _count_agreement(self, student, labels, counted, cycle_starts) -> None:
