@@ -14,6 +14,7 @@ from .modeling import (
     SpeculationStats,
     cycle_starts_from_restarts,
     gather_target_kv,
+    split_target_kv,
     target_signature,
     unsupported_target_reason,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "gather_target_kv",
     "load_default_drafter",
     "load_default_target",
+    "split_target_kv",
     "target_signature",
     "unsupported_target_reason",
 ]

@@ -11,6 +11,7 @@ from .modeling_moa import (
     SpeculationStats,
     cycle_starts_from_restarts,
     gather_target_kv,
+    split_target_kv,
 )
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "SpeculationStats",
     "cycle_starts_from_restarts",
     "gather_target_kv",
+    "split_target_kv",
     "target_signature",
     "unsupported_target_reason",
 ]

@@ -33,6 +33,7 @@ __all__ = [
     "cycle_starts_from_restarts",
     "gather_target_kv",
     "lookup_continuation",
+    "split_target_kv",
 ]
 
 
@@ -184,6 +185,17 @@ def gather_target_kv(target_cache, start: int, end: int) -> torch.Tensor:
         device = device or kv.device  # a target split over devices: gather on the first layer's
         per_layer.append(kv.transpose(1, 2).flatten(2).to(device))  # [B, T, Hkv*2*hd]
     return torch.stack(per_layer, dim=2)  # [B, T, L, 2*Hkv*hd]
+
+
+def split_target_kv(
+    target_kv: torch.Tensor, layer: int, num_key_value_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `gather_target_kv` for one layer: (keys, values), each [B, Hkv, T, hd] as the cache holds them
+    (e.g. to run the target's last layers on cached states, Target Layer Inference)."""
+    B, T = target_kv.shape[:2]
+    kv = target_kv[:, :, layer].view(B, T, num_key_value_heads, -1).transpose(1, 2)  # [B, Hkv, T, 2*hd]
+    keys, values = kv.chunk(2, dim=-1)  # 2 x [B, Hkv, T, hd]
+    return keys.contiguous(), values.contiguous()
 
 
 def cycle_starts_from_restarts(restart: torch.Tensor) -> torch.Tensor:

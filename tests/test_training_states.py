@@ -56,6 +56,52 @@ def test_training_on_cached_states_matches_online_training(tmp_path, target):
     torch.testing.assert_close(torch.tensor(curves[1]), torch.tensor(curves[0]), rtol=2e-2, atol=1e-3)
 
 
+def test_cached_states_for_target_layer_inference(tmp_path, target):
+    """With `tli_layers=2`, the states also hold the residual stream before the last 1 and 2 layers, and the last
+    layers' keys/values split back out of `target_kv` are the target's own (what a TLI drafter attends to)."""
+    data = random_dataset(5)
+    folder = cache_target_states(target, data, tmp_path / "states", batch_size=2, progress=False, tli_layers=2)
+    cached = TargetStatesDataset(data, folder, target)
+    num_layers = target.config.num_hidden_layers
+    for i in (0, 4):
+        item = cached[i]
+        ids = torch.tensor([data[i]["input_ids"]])
+        assert item["tli_hidden"].shape == (ids.shape[1], 2, target.config.hidden_size)
+        for n in (1, 2):
+            states = run_target(target, ids, target_layer_inference=n)
+            torch.testing.assert_close(item["tli_hidden"][:, n - 1].float(), states.feature[0].bfloat16().float())
+            for layer, (k, v) in zip(range(num_layers - n, num_layers), states.tli_kv):
+                keys, values = moa_hf.split_target_kv(item["target_kv"][None], layer, 2)
+                torch.testing.assert_close(keys.float(), k.bfloat16().float())
+                torch.testing.assert_close(values.float(), v.bfloat16().float())
+    assert cache_target_states(target, data, folder, progress=False, tli_layers=1) == folder  # enough: reused
+    with pytest.raises(ValueError, match="tli_layers=3"):
+        cache_target_states(target, data, folder, progress=False, tli_layers=3)
+    plain = cache_target_states(target, data, tmp_path / "plain", progress=False)
+    assert "tli_hidden" not in TargetStatesDataset(data, plain)[0]
+
+
+def test_target_layer_inference_trains_on_cached_states_like_online(tmp_path, target):
+    """A TLI drafter (the target's last layer inside it) takes the same steps on cached states as with the live
+    target, up to bf16 rounding; states cached without the layer inputs are refused with the fix."""
+    data = random_dataset(8)
+    folder = cache_target_states(target, data, tmp_path / "states", progress=False, tli_layers=1)
+    curves = []
+    for train in (data, TargetStatesDataset(data, folder)):
+        torch.manual_seed(0)
+        drafter = moa_hf.build_drafter(target, target_layer_inference=1)
+        trainer = MoATrainer(model=drafter, target=target, args=make_args(tmp_path, max_steps=3), train_dataset=train)
+        trainer.train()
+        curves.append([h["loss"] for h in trainer.state.log_history if "loss" in h])
+    assert len(curves[0]) == 3
+    torch.testing.assert_close(torch.tensor(curves[1]), torch.tensor(curves[0]), rtol=2e-2, atol=1e-3)
+    plain = TargetStatesDataset(data, cache_target_states(target, data, tmp_path / "plain", progress=False))
+    drafter = moa_hf.build_drafter(target, target_layer_inference=1)
+    trainer = MoATrainer(model=drafter, target=target, args=make_args(tmp_path, max_steps=1), train_dataset=plain)
+    with pytest.raises(ValueError, match="tli_layers=1"):
+        trainer.train()
+
+
 def test_frequent_tokens_counts_responses_only():
     data = datasets.Dataset.from_dict({"input_ids": [[9, 9, 9, 5, 5, 7], [9, 3, 5]], "prompt_length": [3, 1]})
     assert frequent_tokens(data, 2, vocab_size=10).tolist() == [3, 5]  # 5 x3; 3 and 7 x1, tie -> lower id

@@ -144,6 +144,7 @@ def run_train(args: argparse.Namespace) -> int:
     eval_prompts = None
     if args.eval_prompts and args.eval_prompts != "none" and args.eval_num_prompts > 0:
         eval_prompts = load_prompts(args.eval_prompts, split="validation", num_prompts=args.eval_num_prompts)
+    drafter = _build_drafter(args, target, train_data)
     if args.states:
         from torch.utils.data import ConcatDataset
 
@@ -155,15 +156,14 @@ def run_train(args: argparse.Namespace) -> int:
                 f"{len(args.states)} for {len(parts)} datasets."
             )
         pairs = [(train_data, args.states[0])] if len(args.states) == 1 else list(zip(parts, args.states))
+        tli = getattr(drafter.config, "target_layer_inference", 0) if args.kind == "moa" else 0
         cached = [
             TargetStatesDataset(data, cache_target_states(target, data, folder, batch_size=args.batch_size,
-                                                          max_length=args.max_length, progress=not args.quiet), target)
+                                                          max_length=args.max_length, progress=not args.quiet,
+                                                          tli_layers=tli), target)
             for data, folder in pairs
         ]
-        cached = cached[0] if len(cached) == 1 else ConcatDataset(cached)
-    drafter = _build_drafter(args, target, train_data)
-    if args.states:
-        train_data = cached
+        train_data = cached[0] if len(cached) == 1 else ConcatDataset(cached)
     model = apply_lora(drafter, r=args.lora_r) if args.lora_r else drafter
     training_args = MoATrainingArguments(
         output_dir=args.output,
@@ -432,7 +432,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "features")
     p.add_argument("--init-drafter", default=None, help="start from a saved drafter instead of a random one")
     p.add_argument("--target-layer-inference", type=int, default=0, help="N: the target's last N layers run in "
-                   "the drafter (TLI)")
+                   "the drafter (TLI); --states then also caches the inputs of those layers")
     p.add_argument("--own-embeddings", action="store_true", help="the drafter keeps (frozen) copies of the "
                    "embedding and LM head, saved with it")
     p.add_argument("--min-cycle", type=int, default=6)

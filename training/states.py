@@ -6,10 +6,12 @@ frozen), so `cache_target_states` runs it once over a `moa data` dataset and wri
 - `target_kv.npy`: the keys/values of every layer, [N, L, 2*Hkv*hd] bfloat16 (the LSA input of MoA drafters);
 - `final_hidden.npy`: the post-norm final hidden state, [N, d] bfloat16 (the regression target, the teacher's logits
   through the target's head, and the feature input of EAGLE-style drafters);
+- with `tli_layers=M > 0`, `tli_hidden.npy`: [N, M, d] bfloat16, the residual stream before the target's last n
+  layers for n = 1..M (`hidden_states[L-n]`): the regression target of drafters with Target Layer Inference N <= M,
+  whose last N layers read their keys/values from `target_kv` (see `split_target_kv`);
 
 plus `states.json` (shapes, the target's signature, one (offset, length) per example). `TargetStatesDataset` pairs a
 dataset with its states; `MoATrainer` then skips the target's forward (an epoch costs only the drafter).
-Target layer inference (N > 0) needs the last layers' own caches and is not cached: train it online.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ..modeling import gather_target_kv, target_signature
 __all__ = ["TargetStatesDataset", "cache_target_states", "load_target_states"]
 
 _META = "states.json"
-_KV, _HIDDEN = "target_kv", "final_hidden"
+_KV, _HIDDEN, _TLI = "target_kv", "final_hidden", "tli_hidden"
 _FORMAT = 1
 
 
@@ -48,18 +50,27 @@ def cache_target_states(
     batch_size: int = 8,
     max_length: int | None = None,
     progress: bool = True,
+    tli_layers: int = 0,
 ) -> Path:
     """Run `target` once over `dataset` (examples with `input_ids`) and write its states to `output_dir`.
 
-    Examples are batched by length (right padding, masked) and stored unpadded, truncated to `max_length`. Returns
-    the folder. An existing complete folder for the same dataset size and target is reused as is.
+    Examples are batched by length (right padding, masked) and stored unpadded, truncated to `max_length`; with
+    `tli_layers=M` the hidden states before the last 1..M layers are stored too (drafters with Target Layer Inference
+    N <= M). Returns the folder. An existing complete folder for the same dataset size and target (and at least M
+    such layers) is reused as is.
     """
     out = Path(output_dir)
     meta_path = out / _META
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
         if meta.get("complete") and meta["num_examples"] == len(dataset) and meta["target"] == _signature(target):
-            return out
+            if meta.get("tli_layers", 0) >= tli_layers:
+                return out
+            raise ValueError(
+                f"The target states in {out} hold the inputs of the target's last {meta.get('tli_layers', 0)} "
+                f"layers, but Target Layer Inference needs {tli_layers}. Cache the states in another folder (or "
+                f"delete this one) to rebuild them with tli_layers={tli_layers}."
+            )
     out.mkdir(parents=True, exist_ok=True)
     lengths = [min(len(ids), max_length or len(ids)) for ids in dataset["input_ids"]]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -73,6 +84,13 @@ def cache_target_states(
     hid = np.lib.format.open_memmap(
         out / (_HIDDEN + ".npy"), mode="w+", dtype=np.uint16, shape=(total, cfg.hidden_size)
     )
+    tli = None
+    if tli_layers > 0:
+        if not 0 < tli_layers < num_layers:
+            raise ValueError(f"tli_layers must be in 1..{num_layers - 1} for this target, got {tli_layers}.")
+        tli = np.lib.format.open_memmap(
+            out / (_TLI + ".npy"), mode="w+", dtype=np.uint16, shape=(total, tli_layers, cfg.hidden_size)
+        )
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])  # similar lengths share a batch: little padding
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     bar = None
@@ -91,16 +109,20 @@ def cache_target_states(
                    logits_to_keep=1)
         states = gather_target_kv(o.past_key_values, 0, T)  # [B, T, L, W]
         final = o.hidden_states[-1]  # [B, T, d] post-norm
+        if tli is not None:  # hidden_states[L-n] for n = 1..M: [B, T, M, d]
+            before_last = torch.stack([o.hidden_states[num_layers - n] for n in range(1, tli_layers + 1)], dim=2)
         for r, i in enumerate(rows):
             a, n = offsets[i], lengths[i]
             kv[a : a + n] = _as_u16(states[r, :n])
             hid[a : a + n] = _as_u16(final[r, :n])
+            if tli is not None:
+                tli[a : a + n] = _as_u16(before_last[r, :n])
         if bar is not None:
             bar.update(sum(lengths[i] for i in rows))
     if bar is not None:
         bar.close()
-    kv.flush()
-    hid.flush()
+    for array in (kv, hid) if tli is None else (kv, hid, tli):
+        array.flush()
     meta = {
         "format": _FORMAT,
         "complete": True,
@@ -109,6 +131,7 @@ def cache_target_states(
         "num_layers": num_layers,
         "kv_width": int(width),
         "hidden_size": cfg.hidden_size,
+        "tli_layers": tli_layers,
         "dtype": "bfloat16",
         "max_length": max_length,
         "offsets": offsets.tolist(),
@@ -126,12 +149,19 @@ class _States:
         self.offsets = np.asarray(self.meta["offsets"], dtype=np.int64)
         self.kv = np.load(folder / (_KV + ".npy"), mmap_mode="r")  # [N, L, W] uint16 (bf16 bits)
         self.hidden = np.load(folder / (_HIDDEN + ".npy"), mmap_mode="r")  # [N, d]
+        self.tli = None
+        if self.meta.get("tli_layers", 0) > 0:
+            self.tli = np.load(folder / (_TLI + ".npy"), mmap_mode="r")  # [N, M, d]
 
-    def example(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def example(self, i: int) -> dict[str, torch.Tensor]:
         a, b = self.offsets[i], self.offsets[i + 1]
-        kv = torch.from_numpy(np.array(self.kv[a:b])).view(torch.bfloat16)  # [T, L, W]
-        hidden = torch.from_numpy(np.array(self.hidden[a:b])).view(torch.bfloat16)  # [T, d]
-        return kv, hidden
+        out = {
+            _KV: torch.from_numpy(np.array(self.kv[a:b])).view(torch.bfloat16),  # [T, L, W]
+            _HIDDEN: torch.from_numpy(np.array(self.hidden[a:b])).view(torch.bfloat16),  # [T, d]
+        }
+        if self.tli is not None:
+            out[_TLI] = torch.from_numpy(np.array(self.tli[a:b])).view(torch.bfloat16)  # [T, M, d]
+        return out
 
 
 def load_target_states(folder: str | os.PathLike, target: PreTrainedModel | None = None) -> _States:
@@ -150,7 +180,7 @@ def load_target_states(folder: str | os.PathLike, target: PreTrainedModel | None
 
 class TargetStatesDataset(Dataset):
     """A `moa data` dataset whose examples also carry the target's cached `target_kv` [T, L, W] and
-    `final_hidden` [T, d] (bf16 tensors), truncated like the states were."""
+    `final_hidden` [T, d] (and, if cached, `tli_hidden` [T, M, d]; bf16 tensors), truncated like the states were."""
 
     def __init__(self, dataset, states: str | os.PathLike | _States, target: PreTrainedModel | None = None):
         self.dataset = dataset
@@ -166,7 +196,7 @@ class TargetStatesDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         item = dict(self.dataset[i])
-        kv, hidden = self.states.example(i)
-        item["input_ids"] = list(item["input_ids"])[: kv.shape[0]]
-        item["target_kv"], item["final_hidden"] = kv, hidden
+        states = self.states.example(i)
+        item["input_ids"] = list(item["input_ids"])[: states[_KV].shape[0]]
+        item.update(states)
         return item

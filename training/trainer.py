@@ -18,7 +18,13 @@ import torch
 from torch.utils.data import Dataset
 from transformers import PreTrainedModel, Trainer
 
-from moa_hf import MoADrafterModel, MoAEagleDrafterModel, cycle_starts_from_restarts, gather_target_kv
+from moa_hf import (
+    MoADrafterModel,
+    MoAEagleDrafterModel,
+    cycle_starts_from_restarts,
+    gather_target_kv,
+    split_target_kv,
+)
 
 from .arguments import MoATrainingArguments
 from .losses import chunked_soft_cross_entropy, feature_loss
@@ -47,7 +53,8 @@ _MASK64 = (1 << 64) - 1
 # ---------------------------------------------------------------------------------------------------------------------
 @dataclass
 class MoADataCollator:
-    """Right-pads examples ``{"input_ids", "prompt_length"[, "sample_index", "target_kv", "final_hidden"]}`` into a
+    """Right-pads examples ``{"input_ids", "prompt_length"[, "sample_index", "target_kv", "final_hidden",
+    "tli_hidden"]}`` into a
     training batch (cached target states are padded with zeros to [B, T, ...]).
 
     Returns ``input_ids`` and ``attention_mask`` [B, T], ``labels`` [B, T] (position i is counted, with label
@@ -86,7 +93,7 @@ class MoADataCollator:
             "prompt_lengths": prompt_lengths,
             "sample_index": sample_index,
         }
-        for key in ("target_kv", "final_hidden"):  # cached target states (see `states.TargetStatesDataset`)
+        for key in ("target_kv", "final_hidden", "tli_hidden"):  # cached target states (`states.TargetStatesDataset`)
             if key in features[0]:
                 first = features[0][key]
                 padded = first.new_zeros(B, width, *first.shape[1:])  # [B, T, ...]
@@ -343,13 +350,31 @@ class MoATrainer(Trainer):
         """The frozen target's states for the batch: cached ones (`states.TargetStatesDataset`) when the batch has
         them, else one no-grad forward of the target."""
         tli = getattr(self.drafter.config, "target_layer_inference", 0) if self.kind == "moa" else 0
-        if "final_hidden" in inputs and tli == 0:
-            hidden = inputs["final_hidden"]
-            kv = inputs.get("target_kv")
-            if self.kind == "moa" and kv is None:
-                raise ValueError("MoA drafters need the cached `target_kv`; build the states with them.")
+        if "final_hidden" not in inputs:
+            return run_target(
+                self.target, inputs["input_ids"], inputs.get("attention_mask"), target_layer_inference=tli
+            )
+        hidden = inputs["final_hidden"]
+        kv = inputs.get("target_kv")
+        if self.kind == "moa" and kv is None:
+            raise ValueError("MoA drafters need the cached `target_kv`; build the states with them.")
+        if tli == 0:
             return TargetStates(target_kv=kv, feature=hidden, final_hidden=hidden)
-        return run_target(self.target, inputs["input_ids"], inputs.get("attention_mask"), target_layer_inference=tli)
+        before_last = inputs.get("tli_hidden")  # [B, T, M, d]: hidden_states[L-n] for n = 1..M
+        if before_last is None or before_last.shape[2] < tli:
+            have = 0 if before_last is None else before_last.shape[2]
+            raise ValueError(
+                f"This drafter runs the target's last {tli} layers (target_layer_inference={tli}) but the cached "
+                f"target states hold the inputs of the last {have}; cache them with `tli_layers={tli}` "
+                f"(`moa train --states` does it for a new folder)."
+            )
+        num_layers, dtype = kv.shape[2], next(self.target.parameters()).dtype
+        heads = self.drafter.config.target_num_key_value_heads
+        tli_kv = [  # the last N layers' (keys, values) [B, Hkv, T, hd], as the target's cache holds them
+            tuple(t.to(dtype) for t in split_target_kv(kv, layer, heads))
+            for layer in range(num_layers - tli, num_layers)
+        ]
+        return TargetStates(target_kv=kv, feature=before_last[:, :, tli - 1], final_hidden=hidden, tli_kv=tli_kv)
 
     def simulated_cycles(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(cycle_starts [B, T], sa_mask [B, T, T] or None) for the batch: the staircase of simulated drafting cycles
