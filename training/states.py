@@ -121,8 +121,9 @@ def cache_target_states(
             bar.update(sum(lengths[i] for i in rows))
     if bar is not None:
         bar.close()
-    for array in (kv, hid) if tli is None else (kv, hid, tli):
-        array.flush()
+    for array in (kv, hid, tli):
+        if array is not None:
+            array.flush()
     meta = {
         "format": _FORMAT,
         "complete": True,
@@ -147,21 +148,14 @@ class _States:
         if not self.meta.get("complete"):
             raise ValueError(f"{folder} holds incomplete target states; run `cache_target_states` again.")
         self.offsets = np.asarray(self.meta["offsets"], dtype=np.int64)
-        self.kv = np.load(folder / (_KV + ".npy"), mmap_mode="r")  # [N, L, W] uint16 (bf16 bits)
-        self.hidden = np.load(folder / (_HIDDEN + ".npy"), mmap_mode="r")  # [N, d]
-        self.tli = None
-        if self.meta.get("tli_layers", 0) > 0:
-            self.tli = np.load(folder / (_TLI + ".npy"), mmap_mode="r")  # [N, M, d]
+        # [N, L, W], [N, d] (and [N, M, d]), uint16 holding bf16 bits
+        names = (_KV, _HIDDEN, _TLI) if self.meta.get("tli_layers", 0) > 0 else (_KV, _HIDDEN)
+        self.arrays = {name: np.load(folder / (name + ".npy"), mmap_mode="r") for name in names}
 
     def example(self, i: int) -> dict[str, torch.Tensor]:
+        """The states of example i: {name: bf16 tensor [T, ...]}."""
         a, b = self.offsets[i], self.offsets[i + 1]
-        out = {
-            _KV: torch.from_numpy(np.array(self.kv[a:b])).view(torch.bfloat16),  # [T, L, W]
-            _HIDDEN: torch.from_numpy(np.array(self.hidden[a:b])).view(torch.bfloat16),  # [T, d]
-        }
-        if self.tli is not None:
-            out[_TLI] = torch.from_numpy(np.array(self.tli[a:b])).view(torch.bfloat16)  # [T, M, d]
-        return out
+        return {name: torch.from_numpy(np.array(x[a:b])).view(torch.bfloat16) for name, x in self.arrays.items()}
 
 
 def load_target_states(folder: str | os.PathLike, target: PreTrainedModel | None = None) -> _States:
