@@ -9,8 +9,8 @@ from .modeling import (
     MoADrafterConfig,
     MoADrafterModel,
     MoADrafterOutput,
-    MoAEagleConfig,
-    MoAEagleDrafterModel,
+    EagleDrafterConfig,
+    EagleDrafterModel,
     SpeculationStats,
     cycle_starts_from_restarts,
     gather_target_kv,
@@ -26,8 +26,8 @@ __all__ = [
     "MoADrafterConfig",
     "MoADrafterModel",
     "MoADrafterOutput",
-    "MoAEagleConfig",
-    "MoAEagleDrafterModel",
+    "EagleDrafterConfig",
+    "EagleDrafterModel",
     "SpeculationStats",
     "attached",
     "build_drafter",
@@ -42,8 +42,8 @@ __all__ = [
 
 AutoConfig.register(MoADrafterConfig.model_type, MoADrafterConfig, exist_ok=True)
 AutoModel.register(MoADrafterConfig, MoADrafterModel, exist_ok=True)
-AutoConfig.register(MoAEagleConfig.model_type, MoAEagleConfig, exist_ok=True)
-AutoModel.register(MoAEagleConfig, MoAEagleDrafterModel, exist_ok=True)
+AutoConfig.register(EagleDrafterConfig.model_type, EagleDrafterConfig, exist_ok=True)
+AutoModel.register(EagleDrafterConfig, EagleDrafterModel, exist_ok=True)
 
 
 @contextlib.contextmanager

@@ -251,10 +251,10 @@ def resolve_method_names(methods: str | None, paths: dict[str, str | None]) -> l
 
 def _load_eagle_class(path: str):
     try:
-        from .modeling.modeling_eagle import MoAEagleDrafterModel
+        from .modeling.modeling_eagle import EagleDrafterModel
     except ImportError:
         return None
-    return MoAEagleDrafterModel.from_pretrained(path)
+    return EagleDrafterModel.from_pretrained(path)
 
 
 def _load_drafter(name: str, path: str, target):

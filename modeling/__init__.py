@@ -1,8 +1,8 @@
 """Config and modeling files of the MoA drafter and its EAGLE-style peer (self-contained: also Hub remote code)."""
 
-from .configuration_eagle import MoAEagleConfig
+from .configuration_eagle import EagleDrafterConfig
 from .configuration_moa import MoADrafterConfig, target_signature, unsupported_target_reason
-from .modeling_eagle import MoAEagleDrafterModel
+from .modeling_eagle import EagleDrafterModel
 from .modeling_moa import (
     MoADrafterCache,
     MoADrafterModel,
@@ -19,8 +19,8 @@ __all__ = [
     "MoADrafterConfig",
     "MoADrafterModel",
     "MoADrafterOutput",
-    "MoAEagleConfig",
-    "MoAEagleDrafterModel",
+    "EagleDrafterConfig",
+    "EagleDrafterModel",
     "MoAPreTrainedModel",
     "SpeculationStats",
     "cycle_starts_from_restarts",

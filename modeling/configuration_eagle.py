@@ -4,7 +4,7 @@ from transformers import PreTrainedConfig
 
 from .configuration_moa import _SIGNATURE_KEYS, _text_config, target_layer_defaults
 
-__all__ = ["MoAEagleConfig", "eagle_unsupported_target_reason"]
+__all__ = ["EagleDrafterConfig", "eagle_unsupported_target_reason"]
 
 
 def eagle_unsupported_target_reason(target_config) -> str | None:
@@ -22,12 +22,12 @@ def eagle_unsupported_target_reason(target_config) -> str | None:
     return None
 
 
-class MoAEagleConfig(PreTrainedConfig):
-    r"""Configuration of [`MoAEagleDrafterModel`].
+class EagleDrafterConfig(PreTrainedConfig):
+    r"""Configuration of [`EagleDrafterModel`].
 
     The `target_*` fields (and `vocab_size`) are the signature of the target LLM the drafter serves (the same as
     [`MoADrafterConfig`]'s); the drafter refuses to attach to a target whose signature differs. Build one for a given
-    target with [`MoAEagleConfig.from_target_config`].
+    target with [`EagleDrafterConfig.from_target_config`].
 
     Args:
         hidden_size: width of the drafter's decoder layer; must equal `target_hidden_size` (the drafter predicts the
@@ -88,7 +88,7 @@ class MoAEagleConfig(PreTrainedConfig):
         return {key: getattr(self, key) for key in _SIGNATURE_KEYS}
 
     @classmethod
-    def from_target_config(cls, target_config, **overrides) -> "MoAEagleConfig":
+    def from_target_config(cls, target_config, **overrides) -> "EagleDrafterConfig":
         """EAGLE's defaults for a target: one decoder layer at the target's width, heads and MLP size.
 
         Raises `ValueError` for targets the drafter cannot serve (see `eagle_unsupported_target_reason`).

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 
-from .configuration_eagle import MoAEagleConfig, eagle_unsupported_target_reason
+from .configuration_eagle import EagleDrafterConfig, eagle_unsupported_target_reason
 from .modeling_moa import (
     MoADecoderLayer,
     MoADrafterMixin,
@@ -30,7 +30,7 @@ from .modeling_moa import (
     _TargetTap,
 )
 
-__all__ = ["MoAEagleCache", "MoAEagleDrafterModel", "MoAEaglePreTrainedModel"]
+__all__ = ["EagleDrafterCache", "EagleDrafterModel", "EaglePreTrainedModel"]
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -53,7 +53,7 @@ class _LayerKV:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
 
-class MoAEagleCache(_RollbackCache):
+class EagleDrafterCache(_RollbackCache):
     """Everything the EAGLE drafter keeps between drafting calls; all of it rolls back to any length with `crop`.
 
     - keys/values of every position fed so far (0..seq_length-1), per drafter layer, and the tokens fed;
@@ -96,7 +96,7 @@ class _FeatureTap:
 
     Each decoder call covers positions start..start+T-1, start = the length of the cache it was given; it overwrites
     whatever was stored from `start` on (positions of rejected drafts get recomputed). Only positions the target has
-    verified are ever read (see `MoAEagleDrafterModel._sync`).
+    verified are ever read (see `EagleDrafterModel._sync`).
     """
 
     def __init__(self):
@@ -140,26 +140,26 @@ class _EagleAttachment:
 # -------------------------------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------------------------------
-class MoAEaglePreTrainedModel(MoAPreTrainedModel):
+class EaglePreTrainedModel(MoAPreTrainedModel):
     """The MoA drafter's base (same weight initialisation) with the EAGLE drafter's config."""
 
-    config_class = MoAEagleConfig
-    config: MoAEagleConfig
+    config_class = EagleDrafterConfig
+    config: EagleDrafterConfig
     base_model_prefix = "eagle"
     _no_split_modules = ["MoADecoderLayer"]
 
 
-class MoAEagleDrafterModel(MoADrafterMixin, MoAEaglePreTrainedModel, GenerationMixin):
+class EagleDrafterModel(MoADrafterMixin, EaglePreTrainedModel, GenerationMixin):
     """The EAGLE drafter. Attach it to its target, then pass it as `assistant_model` to `target.generate`.
 
     ```python
-    drafter = MoAEagleDrafterModel.from_pretrained(path).attach(target)
+    drafter = EagleDrafterModel.from_pretrained(path).attach(target)
     out = target.generate(**inputs, assistant_model=drafter)
     print(drafter.speculation_stats.mean_accepted_length)
     ```
     """
 
-    def __init__(self, config: MoAEagleConfig):
+    def __init__(self, config: EagleDrafterConfig):
         super().__init__(config)
         c = config
         self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=c.fc_bias)  # concat(f_{i-1}, e(x_i)) -> d
@@ -187,7 +187,7 @@ class MoAEagleDrafterModel(MoADrafterMixin, MoAEaglePreTrainedModel, GenerationM
     # ----------------------------------------------------------------------------------------------------------------
     # Attaching to the target
     # -----------------------------------------------------------------------------------------------------------------
-    def attach(self, target: PreTrainedModel, allow_other_target: bool = False) -> "MoAEagleDrafterModel":
+    def attach(self, target: PreTrainedModel, allow_other_target: bool = False) -> "EagleDrafterModel":
         """Borrow the target's embedding and LM head and install hooks that expose its final hidden states.
 
         Nothing on the target is modified: forward hooks are registered on it and on its decoder, and removed again
@@ -290,7 +290,7 @@ class MoAEagleDrafterModel(MoADrafterMixin, MoAEaglePreTrainedModel, GenerationM
         logits = self.head(h) if return_logits else None
         return MoADrafterOutput(logits=logits, hidden_states=h)
 
-    def _layers(self, x, pos, mask, cache: MoAEagleCache | None = None) -> torch.Tensor:
+    def _layers(self, x, pos, mask, cache: EagleDrafterCache | None = None) -> torch.Tensor:
         cos, sin = self.rotary_emb(pos, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask=mask, cache=cache.layers[i] if cache is not None else None)
@@ -299,11 +299,11 @@ class MoAEagleDrafterModel(MoADrafterMixin, MoAEaglePreTrainedModel, GenerationM
     # ----------------------------------------------------------------------------------------------------------------
     # Inference
     # -----------------------------------------------------------------------------------------------------------------
-    def new_cache(self) -> MoAEagleCache:
-        return MoAEagleCache(self.config.num_hidden_layers)
+    def new_cache(self) -> EagleDrafterCache:
+        return EagleDrafterCache(self.config.num_hidden_layers)
 
     def draft_step(
-        self, new_ids: torch.Tensor, previous_features: torch.Tensor, cache: MoAEagleCache
+        self, new_ids: torch.Tensor, previous_features: torch.Tensor, cache: EagleDrafterCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed `new_ids` [B, T] (tokens not yet in `cache`) with the features [B, T, d] that precede each of them
         (f_{i-1}: the target's for verified positions, the drafter's own prediction otherwise).
@@ -313,7 +313,7 @@ class MoAEagleDrafterModel(MoADrafterMixin, MoAEaglePreTrainedModel, GenerationM
         h = self._decode(new_ids, previous_features, cache)
         return self.head(h[:, -1]), h
 
-    def _decode(self, new_ids: torch.Tensor, previous_features: torch.Tensor, cache: MoAEagleCache) -> torch.Tensor:
+    def _decode(self, new_ids: torch.Tensor, previous_features: torch.Tensor, cache: EagleDrafterCache) -> torch.Tensor:
         past = cache.get_seq_length()
         T = new_ids.shape[1]
         pos = torch.arange(past, past + T, device=new_ids.device)
@@ -325,7 +325,7 @@ class MoAEagleDrafterModel(MoADrafterMixin, MoAEaglePreTrainedModel, GenerationM
         cache.tokens = new_ids if cache.tokens is None else torch.cat([cache.tokens, new_ids], dim=1)
         return h
 
-    def _sync(self, cache: MoAEagleCache, num_verified: int) -> None:
+    def _sync(self, cache: EagleDrafterCache, num_verified: int) -> None:
         """Append to `cache` the target's true features of verified positions < num_verified - 1 not yet read."""
         att = self._attachment
         if att is None or att.features.features is None:
@@ -337,7 +337,7 @@ class MoAEagleDrafterModel(MoADrafterMixin, MoAEaglePreTrainedModel, GenerationM
             if self._session is not None:
                 self._session.context_reads.append((start, end))
 
-    def _prepare_draft(self, input_ids: torch.Tensor, cache: MoAEagleCache, max_new_tokens: int, min_new_tokens: int):
+    def _prepare_draft(self, input_ids: torch.Tensor, cache: EagleDrafterCache, max_new_tokens: int, min_new_tokens: int):
         """Keep positions computed from true features and still-valid tokens (never the last one: its output
         drafts), feed the rest with the target's true features, then chain-draft on predicted features."""
         n = input_ids.shape[1]
@@ -369,5 +369,5 @@ class MoAEagleDrafterModel(MoADrafterMixin, MoAEaglePreTrainedModel, GenerationM
         super()._start_session()
 
 
-MoAEagleConfig.register_for_auto_class()
-MoAEagleDrafterModel.register_for_auto_class("AutoModel")
+EagleDrafterConfig.register_for_auto_class()
+EagleDrafterModel.register_for_auto_class("AutoModel")

@@ -427,7 +427,7 @@ def _one_hot_scores(tokens: torch.Tensor, config) -> list[torch.Tensor]:
 
 
 class MoADrafterMixin:
-    """What every drafter of this library shares (`MoADrafterModel`, `MoAEagleDrafterModel`): speculation
+    """What every drafter of this library shares (`MoADrafterModel`, `EagleDrafterModel`): speculation
     defaults, detaching, the target signature check, borrowed or own embedding / head, and session statistics.
 
     A drafter sets `self._attachment` (with `target`, `embed`, `lm_head`, `tap`, `handles`) in its `attach` and

@@ -51,11 +51,11 @@ def make_independent(seed: int = 1) -> LlamaForCausalLM:
 
 
 def make_eagle(target):
-    from moa_hf.modeling.configuration_eagle import MoAEagleConfig
-    from moa_hf.modeling.modeling_eagle import MoAEagleDrafterModel
+    from moa_hf.modeling.configuration_eagle import EagleDrafterConfig
+    from moa_hf.modeling.modeling_eagle import EagleDrafterModel
 
     torch.manual_seed(2)
-    return MoAEagleDrafterModel(MoAEagleConfig.from_target_config(target.config)).eval()
+    return EagleDrafterModel(EagleDrafterConfig.from_target_config(target.config)).eval()
 
 
 def write_questions(path, rows=QUESTIONS):

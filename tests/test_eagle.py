@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_target
-from moa_hf.modeling.configuration_eagle import MoAEagleConfig
-from moa_hf.modeling.modeling_eagle import MoAEagleCache, MoAEagleDrafterModel
+from moa_hf.modeling.configuration_eagle import EagleDrafterConfig
+from moa_hf.modeling.modeling_eagle import EagleDrafterCache, EagleDrafterModel
 from transformers import LogitsProcessorList, T5Config, TopKLogitsWarper
 
 
-def _drafter(target, seed: int = 0, **overrides) -> MoAEagleDrafterModel:
+def _drafter(target, seed: int = 0, **overrides) -> EagleDrafterModel:
     torch.manual_seed(seed)
-    drafter = MoAEagleDrafterModel(MoAEagleConfig.from_target_config(target.config, **overrides)).eval()
+    drafter = EagleDrafterModel(EagleDrafterConfig.from_target_config(target.config, **overrides)).eval()
     drafter.generation_config.assistant_confidence_threshold = 0.0
     return drafter
 
@@ -39,7 +39,7 @@ def trained():
     """A drafter trained for a few hundred steps on the tiny target's own greedy continuations (seconds on CPU)."""
     target = make_target("llama")
     torch.manual_seed(0)
-    drafter = MoAEagleDrafterModel(MoAEagleConfig.from_target_config(target.config))
+    drafter = EagleDrafterModel(EagleDrafterConfig.from_target_config(target.config))
     with torch.no_grad():
         seqs = target.generate(torch.randint(3, 128, (512, 6)), max_new_tokens=26, do_sample=False)  # [512, 32]
         out = target(seqs, output_hidden_states=True)
@@ -63,15 +63,15 @@ def trained():
 
 def test_config_from_target():
     target = make_target("qwen2")
-    cfg = MoAEagleConfig.from_target_config(target.config)
+    cfg = EagleDrafterConfig.from_target_config(target.config)
     assert cfg.model_type == "moa_eagle_drafter" and cfg.num_hidden_layers == 1
     sizes = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
     assert sizes == (64, 4, 2, 128)
     assert cfg.target_name_or_path == "tiny-random-qwen2" and cfg.signature()["vocab_size"] == 128
     with pytest.raises(ValueError, match="hidden_size"):
-        MoAEagleConfig.from_target_config(target.config, hidden_size=32)
+        EagleDrafterConfig.from_target_config(target.config, hidden_size=32)
     with pytest.raises(ValueError, match="encoder-decoder"):
-        MoAEagleConfig.from_target_config(T5Config())
+        EagleDrafterConfig.from_target_config(T5Config())
 
 
 def test_forward_shapes_dtypes_and_noise():
@@ -280,10 +280,10 @@ def test_save_load_round_trip_and_remote_code(tmp_path):
     assert {"modeling_eagle.py", "configuration_eagle.py", "modeling_moa.py", "configuration_moa.py"} <= files
     config = json.loads((tmp_path / "eagle" / "config.json").read_text())
     assert config["auto_map"] == {
-        "AutoConfig": "configuration_eagle.MoAEagleConfig",
-        "AutoModel": "modeling_eagle.MoAEagleDrafterModel",
+        "AutoConfig": "configuration_eagle.EagleDrafterConfig",
+        "AutoModel": "modeling_eagle.EagleDrafterModel",
     }
-    loaded = MoAEagleDrafterModel.from_pretrained(tmp_path / "eagle").eval()
+    loaded = EagleDrafterModel.from_pretrained(tmp_path / "eagle").eval()
     saved_config = {k: v for k, v in loaded.config.to_dict().items() if k != "_name_or_path"}
     assert saved_config == {k: v for k, v in drafter.config.to_dict().items() if k != "_name_or_path"}
     assert loaded.generation_config.num_assistant_tokens == 5
@@ -299,7 +299,7 @@ def test_save_load_round_trip_and_remote_code(tmp_path):
         import torch
         from transformers import AutoModel
         m = AutoModel.from_pretrained({str(tmp_path / "eagle")!r}, trust_remote_code=True)
-        assert type(m).__name__ == "MoAEagleDrafterModel" and "moa_hf" not in type(m).__module__
+        assert type(m).__name__ == "EagleDrafterModel" and "moa_hf" not in type(m).__module__
         ids = torch.tensor([[5, 6, 7]])
         print(m(ids, target_hidden=torch.zeros(1, 3, 64)).hidden_states.shape)
         """
@@ -313,7 +313,7 @@ def test_save_load_round_trip_and_remote_code(tmp_path):
 
 
 def test_cache_crop_semantics():
-    cache = MoAEagleCache(num_layers=2)
+    cache = EagleDrafterCache(num_layers=2)
     k = torch.zeros(1, 2, 5, 4)
     for layer in cache.layers:
         layer.append_self(k, k)

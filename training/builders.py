@@ -95,10 +95,10 @@ def build_for_kind(kind: str, target: PreTrainedModel, **overrides) -> torch.nn.
 
         return build_drafter(target, **overrides)
     if kind == "eagle":
-        from moa_hf.modeling.configuration_eagle import MoAEagleConfig
-        from moa_hf.modeling.modeling_eagle import MoAEagleDrafterModel
+        from moa_hf.modeling.configuration_eagle import EagleDrafterConfig
+        from moa_hf.modeling.modeling_eagle import EagleDrafterModel
 
-        return MoAEagleDrafterModel(MoAEagleConfig.from_target_config(target.config, **overrides)).float()
+        return EagleDrafterModel(EagleDrafterConfig.from_target_config(target.config, **overrides)).float()
     if kind == "independent":
         return build_independent(target, **overrides)
     raise ValueError(f"Unknown drafter kind {kind!r}; use one of {KINDS}.")

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel, Trainer
 
 from moa_hf import (
     MoADrafterModel,
-    MoAEagleDrafterModel,
+    EagleDrafterModel,
     cycle_starts_from_restarts,
     gather_target_kv,
     split_target_kv,
@@ -231,20 +231,20 @@ def _unwrap_any(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def drafter_kind(model: torch.nn.Module) -> str:
-    """"moa" (MoADrafterModel), "eagle" (MoAEagleDrafterModel) or "independent" (an ordinary causal LM assistant,
+    """"moa" (MoADrafterModel), "eagle" (EagleDrafterModel) or "independent" (an ordinary causal LM assistant,
     trained by distillation from the target's distribution alone)."""
     seen = _unwrap_any(model)
     if isinstance(seen, MoADrafterModel):
         return "moa"
-    return "eagle" if isinstance(seen, MoAEagleDrafterModel) else "independent"
+    return "eagle" if isinstance(seen, EagleDrafterModel) else "independent"
 
 
 def unwrap_drafter(model: torch.nn.Module) -> MoADrafterModel:
     """The MoA (or EAGLE-style) drafter inside `model` (itself, or under a PEFT / DDP / compile wrapper)."""
     seen = _unwrap_any(model)
-    if not isinstance(seen, (MoADrafterModel, MoAEagleDrafterModel)):
+    if not isinstance(seen, (MoADrafterModel, EagleDrafterModel)):
         raise TypeError(
-            f"Expected a MoADrafterModel or MoAEagleDrafterModel (optionally wrapped by PEFT/DDP), got "
+            f"Expected a MoADrafterModel or EagleDrafterModel (optionally wrapped by PEFT/DDP), got "
             f"{type(model).__name__}."
         )
     return seen

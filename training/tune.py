@@ -304,20 +304,20 @@ def tune_speculation(
 # Loading, reporting, writing
 # ---------------------------------------------------------------------------------------------------------------------
 def _detect_kind(path: Path) -> str:
-    from moa_hf import MoADrafterConfig, MoAEagleConfig
+    from moa_hf import MoADrafterConfig, EagleDrafterConfig
 
     config = path / "config.json"
     if not config.is_file():
         raise TuneError(f"{path} is not a saved drafter folder (no config.json); pass the --output of `moa train`.")
     model_type = json.loads(config.read_text()).get("model_type")
-    return {MoADrafterConfig.model_type: "moa", MoAEagleConfig.model_type: "eagle"}.get(model_type, "independent")
+    return {MoADrafterConfig.model_type: "moa", EagleDrafterConfig.model_type: "eagle"}.get(model_type, "independent")
 
 
 def load_drafter_for_tuning(path: str, target: PreTrainedModel, kind: str = "auto"):
     """(drafter, kind) from a folder written by `moa train`, on the target's device and in its dtype."""
     from transformers import AutoModelForCausalLM
 
-    from moa_hf import MoADrafterModel, MoAEagleDrafterModel
+    from moa_hf import MoADrafterModel, EagleDrafterModel
 
     folder = Path(path)
     detected = _detect_kind(folder)
@@ -325,7 +325,7 @@ def load_drafter_for_tuning(path: str, target: PreTrainedModel, kind: str = "aut
         kind = detected
     elif kind != detected:
         raise TuneError(f"{folder} holds a {detected!r} drafter, not {kind!r}; pass --kind {detected} (or auto).")
-    cls = {"moa": MoADrafterModel, "eagle": MoAEagleDrafterModel}.get(kind, AutoModelForCausalLM)
+    cls = {"moa": MoADrafterModel, "eagle": EagleDrafterModel}.get(kind, AutoModelForCausalLM)
     drafter = cls.from_pretrained(str(folder))  # safetensors, never remote code
     if kind == "independent":
         vocab = drafter.get_output_embeddings().weight.shape[0]
