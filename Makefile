@@ -2,8 +2,9 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 TORCH_SPEC ?= torch==2.13.0
+TEST_WORKERS ?= 2  # pytest-xdist processes (the tests run one torch thread each)
 
-.PHONY: demo test test-all lint setup data drafters bench hub
+.PHONY: demo test test-all lint format setup data drafters bench hub
 
 .venv/.installed: pyproject.toml
 	python3 -m venv .venv
@@ -18,14 +19,15 @@ setup: .venv/.installed
 demo: .venv/.installed
 	$(PY) -m moa_hf.cli demo
 
-test: .venv/.installed
-	$(PY) -m pytest -m "not slow" -q --durations=15
+test: lint  ## lint, then the fast suite (what CI runs)
+	$(PY) -m pytest -m "not slow" -q -n $(TEST_WORKERS) --durations=15
 
 test-all: .venv/.installed
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25
 
-lint: .venv/.installed
+lint: .venv/.installed  ## ruff check + ruff format --check
 	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 
 # ---- The default drafter and its peers, end to end (hours on a 2-core CPU; minutes on one GPU) ----------------------
 RUNS ?= runs
@@ -63,3 +65,7 @@ bench: .venv/.installed  ## Spec-Bench (needs ../shared/data/spec_bench or QUEST
 
 hub: .venv/.installed  ## the default drafter's Hub repo folder (card numbers from its benchmark.json)
 	$(PY) -m moa_hf.cli publish default --repo-id moa-hf/moa-smollm2-135m-instruct-drafter --out $(RUNS)/hub --overwrite
+
+format: .venv/.installed  ## apply ruff's fixes and formatting
+	.venv/bin/ruff check --fix .
+	.venv/bin/ruff format .

@@ -228,7 +228,7 @@ def _architecture(drafter_or_config: MoADrafterModel | MoADrafterConfig) -> tupl
         "dtype": dtype,
         "num_assistant_tokens": getattr(gen, "num_assistant_tokens", None),
         "confidence_threshold": getattr(gen, "assistant_confidence_threshold", None),
-        "prompt_lookup": MoADrafterModel.lookup_settings(gen),  # (tokens, longest, shortest n-gram, halving) or None
+        "lookup": model.lookup_settings,  # `LookupSettings` from the config's `lookup_*` fields, None when off
     }
     return config, arch
 

@@ -4,38 +4,39 @@ import contextlib
 
 from transformers import AutoConfig, AutoModel
 
+from .loading import load_drafter, load_target, parse_dtype
 from .modeling import (
+    EagleDrafterConfig,
+    EagleDrafterModel,
+    LookupSettings,
     MoADrafterCache,
     MoADrafterConfig,
     MoADrafterModel,
     MoADrafterOutput,
-    EagleDrafterConfig,
-    EagleDrafterModel,
     SpeculationStats,
-    cycle_starts_from_restarts,
-    gather_target_kv,
-    split_target_kv,
     target_signature,
     unsupported_target_reason,
 )
 
 __version__ = "0.1.0"
 
+# What users call. Lower-level pieces (`gather_target_kv`, `split_target_kv`, `cycle_starts_from_restarts`) live in
+# `moa_hf.modeling`; `load_default_target` / `load_default_drafter` below are shortcuts for `load_target("default")`
+# / `load_drafter("default")` kept for the repository's own demo and tests.
 __all__ = [
+    "EagleDrafterConfig",
+    "EagleDrafterModel",
+    "LookupSettings",
     "MoADrafterCache",
     "MoADrafterConfig",
     "MoADrafterModel",
     "MoADrafterOutput",
-    "EagleDrafterConfig",
-    "EagleDrafterModel",
     "SpeculationStats",
     "attached",
     "build_drafter",
-    "cycle_starts_from_restarts",
-    "gather_target_kv",
-    "load_default_drafter",
-    "load_default_target",
-    "split_target_kv",
+    "load_drafter",
+    "load_target",
+    "parse_dtype",
     "target_signature",
     "unsupported_target_reason",
 ]
@@ -77,12 +78,8 @@ def default_drafter_path():
 
 
 def load_default_drafter(dtype=None) -> MoADrafterModel:
-    """The trained default MoA drafter for SmolLM2-135M-Instruct (attach it to `load_default_target()`)."""
-    path = default_drafter_path()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"No trained default drafter at {path}. Train one with `moa data` + `moa train --target default` "
-            "(see README) and save it there."
-        )
-    drafter = MoADrafterModel.from_pretrained(path)
-    return (drafter.to(dtype) if dtype is not None else drafter).eval()
+    """The trained default MoA drafter for SmolLM2-135M-Instruct (attach it to `load_default_target()`); see
+    `moa_hf.loading.load_drafter` (FileNotFoundError, with the fix, when no default drafter is shipped)."""
+    from .loading import load_drafter
+
+    return load_drafter("default", dtype=dtype)

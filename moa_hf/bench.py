@@ -31,11 +31,14 @@ __all__ = [
     "BenchError",
     "BenchMethod",
     "CallCounter",
+    "acceptance_length",
     "build_methods",
     "check_lossless",
     "count_forward_calls",
     "default_questions_path",
     "format_markdown",
+    "format_value",
+    "generate_once",
     "hardware_info",
     "load_questions",
     "plot_benchmark",
@@ -203,7 +206,7 @@ def drafter_method(name: str, drafter, allow_other_target: bool = False, info: d
         **(info or {}),
         "num_assistant_tokens": getattr(gc, "num_assistant_tokens", None),
         "assistant_confidence_threshold": getattr(gc, "assistant_confidence_threshold", None),
-        "prompt_lookup_num_tokens": getattr(gc, "prompt_lookup_num_tokens", None),
+        "lookup_num_tokens": getattr(drafter.config, "lookup_num_tokens", None),  # MoA: its own lookup (0: off)
     }
     return BenchMethod(name, context, {"assistant_model": drafter}, read_stats, info)
 
@@ -249,31 +252,14 @@ def resolve_method_names(methods: str | None, paths: dict[str, str | None]) -> l
     return names
 
 
-def _load_eagle_class(path: str):
+def _load_drafter(kind: str, path: str, target):
+    """The `kind` drafter at `path` (or `default`) on the target's device and in its dtype (`moa_hf.loading`)."""
+    from .loading import load_drafter
+
     try:
-        from .modeling.modeling_eagle import EagleDrafterModel
-    except ImportError:
-        return None
-    return EagleDrafterModel.from_pretrained(path)
-
-
-def _load_drafter(name: str, path: str, target):
-    from transformers import AutoModel
-
-    import moa_hf  # noqa: F401  (registers the MoA drafter with AutoModel)
-
-    if name == "moa" and path == "default":
-        path = str(moa_hf.default_drafter_path())
-        if not (Path(path) / "config.json").is_file():
-            raise BenchError(f"No trained default drafter at {path}; {_BUILD_HINT['moa']}.")
-    try:
-        drafter = AutoModel.from_pretrained(path, trust_remote_code=False)  # never run code from the folder
-    except (ValueError, KeyError, OSError) as err:
-        # the EAGLE class may not be registered with AutoModel
-        drafter = _load_eagle_class(path) if name == "eagle" else None
-        if drafter is None:
-            raise BenchError(f"Cannot load the {name} drafter from {path} ({err}); {_BUILD_HINT[name]}.") from err
-    return drafter.to(device=target.device, dtype=target.dtype).eval(), path
+        return load_drafter(path, target=target, kind=kind)
+    except (OSError, ValueError) as err:
+        raise BenchError(f"Cannot load the {kind} drafter from {path}: {err} ({_BUILD_HINT[kind]}).") from err
 
 
 def build_methods(
@@ -287,7 +273,7 @@ def build_methods(
     allow_other_target: bool = False,
 ) -> list[BenchMethod]:
     """The methods `names` for `target`, their drafters loaded from the given folders in the target's dtype."""
-    from transformers import AutoModelForCausalLM
+    from . import default_drafter_path
 
     methods = []
     for name in names:
@@ -299,9 +285,10 @@ def build_methods(
             path = eagle if name == "eagle" else moa
             if not path:
                 raise BenchError(f"Method '{name}' needs a drafter: {_BUILD_HINT[name]}.")
-            drafter, path = _load_drafter("eagle" if name == "eagle" else "moa", path, target)
+            drafter = _load_drafter("eagle" if name == "eagle" else "moa", path, target)
+            path = str(default_drafter_path()) if path == "default" else path
             if name == "moa_nolookup":  # the same drafter with its prompt lookup off: what the network alone gives
-                drafter.generation_config.prompt_lookup_num_tokens = None
+                drafter.config.lookup_num_tokens = 0
             if hasattr(drafter, "check_target"):
                 try:
                     drafter.check_target(target, allow_other_target=allow_other_target)
@@ -314,16 +301,7 @@ def build_methods(
         elif name == "independent":
             if not independent:
                 raise BenchError(f"Method 'independent' needs a drafter: {_BUILD_HINT['independent']}.")
-            lm = AutoModelForCausalLM.from_pretrained(independent, dtype=target.dtype).to(target.device).eval()
-            vocab, target_vocab = (
-                lm.get_output_embeddings().weight.shape[0],
-                target.get_output_embeddings().weight.shape[0],
-            )
-            if vocab != target_vocab:
-                raise BenchError(
-                    f"The independent drafter at {independent} has {vocab} output tokens but the target has "
-                    f"{target_vocab}; it must use the target's tokenizer ({_BUILD_HINT['independent']})."
-                )
+            lm = _load_drafter("independent", independent, target)  # checks it shares the target's vocabulary
             methods.append(independent_method(lm, {"drafter": str(independent)}))
         else:
             raise BenchError(f"Unknown method '{name}'; choose from {','.join(ALL_METHODS)}.")
@@ -348,14 +326,36 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _pad_id(target) -> int | None:
+    """The target's pad token id, else its (first) eos id: passed to `generate` so that it does not warn."""
+    pad = target.generation_config.pad_token_id
+    if pad is None:
+        pad = target.config.get_text_config().pad_token_id
+    if pad is None:
+        eos = target.generation_config.eos_token_id
+        pad = eos[0] if isinstance(eos, (list, tuple)) else eos
+    return pad
+
+
 @torch.no_grad()
-def _generate_once(target, method: BenchMethod, inputs: dict, max_new_tokens: int) -> tuple[dict, torch.Tensor]:
-    """One greedy `generate` with `method`: (raw measurement, output ids [1, prompt + new])."""
+def generate_once(target, method: BenchMethod, inputs: dict, max_new_tokens: int) -> tuple[dict, torch.Tensor]:
+    """One greedy batch-1 `generate` with `method`, timed and with the target's forward calls counted.
+
+    `inputs`: `input_ids` [1, P] and `attention_mask` [1, P]. Returns (record, output ids [1, P + new]); the record
+    holds `new_tokens`, `time_s`, `target_calls` (the prefill included), `verified_draft_tokens`, `drafted_tokens`
+    and `draft_time_s` (0 without a drafter), ... (see `acceptance_length` for what they give).
+    """
     prompt_len = inputs["input_ids"].shape[1]
     with method.context(target) as handle, count_forward_calls(target) as counter:
         _sync(target.device)
         t0 = time.perf_counter()
-        out = target.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, **method.generate_kwargs)
+        out = target.generate(
+            **inputs,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=_pad_id(target),
+            **method.generate_kwargs,
+        )
         _sync(target.device)
         elapsed = time.perf_counter() - t0
         drafter = method.read_stats(handle) if method.read_stats is not None else {}
@@ -413,7 +413,7 @@ def run_benchmark(
     encoded = [_encode(tokenizer, q["prompt"], target.device) for q in questions]
     for method in methods:
         for _ in range(warmup):
-            _generate_once(target, method, encoded[0], max_new_tokens)
+            generate_once(target, method, encoded[0], max_new_tokens)
     records = []
     bar = _progress(len(questions) * repeats * len(methods), "moa bench", progress)
     with bar:
@@ -423,7 +423,7 @@ def run_benchmark(
                 order = methods[shift:] + methods[:shift]  # rotated per question and repeat
                 batch, outputs = [], {}
                 for position, method in enumerate(order):
-                    record, out = _generate_once(target, method, inputs, max_new_tokens)
+                    record, out = generate_once(target, method, inputs, max_new_tokens)
                     record.update(
                         question_id=question["question_id"], category=question["category"], repeat=rep, order=position
                     )
@@ -458,7 +458,7 @@ def check_lossless(
             ref = target.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)[0].tolist()
             bar.update(1)
             for method in spec:
-                _, out = _generate_once(target, method, inputs, max_new_tokens)
+                _, out = generate_once(target, method, inputs, max_new_tokens)
                 got = out[0].tolist()
                 entry = result[method.name]
                 entry["questions"] += 1
@@ -510,6 +510,19 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b > 0 else None
 
 
+def acceptance_length(new_tokens: int, target_calls: int) -> float | None:
+    """Tokens added per target forward call, the target's own token included: `new_tokens / target_calls`.
+
+    The one definition of acceptance length in moa_hf (bench, tune, the training evaluation and the tests of
+    `SpeculationStats.mean_accepted_length`, which equals it for a drafter's session). Every target forward call
+    counts, the prefill too: the prefill call yields the first new token, as one step of plain decoding would, and
+    each later call verifies a draft and adds the accepted drafted tokens plus the target's own. Plain decoding is
+    therefore exactly 1.0 and a drafter whose every draft is accepted tends to draft length + 1. Sum tokens and calls
+    over generations before dividing (a pooled ratio, not a mean of per-generation ratios). None without calls.
+    """
+    return _ratio(new_tokens, target_calls)
+
+
 def _group_metrics(rows: list[dict], vanilla_rows: list[dict]) -> dict:
     new = sum(r["new_tokens"] for r in rows)
     seconds = sum(r["time_s"] for r in rows)
@@ -520,7 +533,7 @@ def _group_metrics(rows: list[dict], vanilla_rows: list[dict]) -> dict:
     tps = _ratio(new, seconds)
     vanilla_tps = _ratio(sum(r["new_tokens"] for r in vanilla_rows), sum(r["time_s"] for r in vanilla_rows))
     step_s = _ratio(sum(r["time_s"] for r in vanilla_rows), sum(r["new_tokens"] for r in vanilla_rows))
-    acceptance = _ratio(new, calls)
+    acceptance = acceptance_length(new, calls)
     gamma = _ratio(verified, calls) or 0.0  # mean draft length per verification cycle
     per_draft_s = _ratio(draft_s, drafted) or 0.0
     cost = per_draft_s / step_s if step_s else 0.0
@@ -582,7 +595,8 @@ def hardware_info(device: torch.device | str = "cpu") -> dict:
     }
 
 
-def _fmt(value, digits: int = 2, suffix: str = "") -> str:
+def format_value(value, digits: int = 2, suffix: str = "") -> str:
+    """`value` with `digits` decimals and `suffix` for a Markdown table; "–" for None."""
     return "–" if value is None else f"{value:.{digits}f}{suffix}"
 
 
@@ -598,11 +612,17 @@ def format_markdown(bench: dict) -> str:
     ]
     for name, m in methods.items():
         o = m["overall"]
-        lines.append(
-            f"| {name} | {_fmt(o['acceptance_length'])} | {_fmt(o['tokens_per_s'], 1)} | {_fmt(o['speedup'], 2, 'x')}"
-            f" | {_fmt(o['theoretical_speedup'], 2, 'x')} | {_fmt(o['alpha'])} | {_fmt(o['gamma'])}"
-            f" | {_fmt(o['cost_ratio'], 3)} |"
-        )
+        cells = [
+            name,
+            format_value(o["acceptance_length"]),
+            format_value(o["tokens_per_s"], 1),
+            format_value(o["speedup"], 2, "x"),
+            format_value(o["theoretical_speedup"], 2, "x"),
+            format_value(o["alpha"]),
+            format_value(o["gamma"]),
+            format_value(o["cost_ratio"], 3),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     categories = list(dict.fromkeys(c for m in methods.values() for c in m["per_category"]))
     for cat in categories:
         n = max((m["per_category"].get(cat, {}).get("generations", 0) for m in methods.values()), default=0)
@@ -612,8 +632,8 @@ def format_markdown(bench: dict) -> str:
             c = m["per_category"].get(cat)
             if c:
                 lines.append(
-                    f"| {name} | {_fmt(c['acceptance_length'])} | {_fmt(c['tokens_per_s'], 1)} "
-                    f"| {_fmt(c['speedup'], 2, 'x')} | {_fmt(c['theoretical_speedup'], 2, 'x')} |"
+                    f"| {name} | {format_value(c['acceptance_length'])} | {format_value(c['tokens_per_s'], 1)} "
+                    f"| {format_value(c['speedup'], 2, 'x')} | {format_value(c['theoretical_speedup'], 2, 'x')} |"
                 )
     check = bench.get("check")
     if check:
@@ -674,22 +694,14 @@ def plot_benchmark(bench: dict, path: str | os.PathLike) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------------------------------
-def _load_target(name: str, dtype: torch.dtype, device: str):
-    if name == "default":
-        from . import load_default_target
+def _load_target(spec: str, dtype: torch.dtype, device: str):
+    """`default` or a local folder, never downloaded (`moa_hf.loading.load_target`)."""
+    from .loading import load_target
 
-        target, tokenizer = load_default_target(dtype=dtype)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        if not (Path(name) / "config.json").is_file():
-            raise BenchError(
-                f"--target {name} is not a saved model folder (no config.json); pass a local folder with the model "
-                "and its tokenizer, or `default` for SmolLM2-135M-Instruct."
-            )
-        target = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    return target.to(device).eval(), tokenizer
+    try:
+        return load_target(spec, dtype=dtype, device=device, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise BenchError(f"--target {spec}: {err} (`default` is SmolLM2-135M-Instruct).") from err
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -701,6 +713,8 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from .loading import default_device, parse_dtype
+
     if args.threads:
         torch.set_num_threads(args.threads)
     paths = {"moa": args.moa, "eagle": args.eagle, "independent": args.independent}
@@ -716,8 +730,8 @@ def _run(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError as err:
             raise BenchError("--output writes bench.png with matplotlib: pip install matplotlib") from err
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype)
+    device = args.device or default_device()
+    dtype = parse_dtype(args.dtype)
     torch.manual_seed(args.seed)
     target, tokenizer = _load_target(args.target, dtype, device)
     method_kw = dict(

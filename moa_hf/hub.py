@@ -1,8 +1,9 @@
 """Publish MoA drafters as Hugging Face Hub repos: `moa publish DRAFTER --repo-id ORG/NAME --out FOLDER [--push]`.
 
 A repo folder holds everything `AutoModel.from_pretrained(repo_id, trust_remote_code=True)` needs without `moa_hf`:
-`config.json` (with `auto_map`), the remote code (`configuration_moa.py`, `modeling_moa.py`), `model.safetensors`,
-`generation_config.json` and the model card `README.md` (plus the benchmark / training-info JSON the card quotes).
+`config.json` (with `auto_map`), the remote code (`REMOTE_CODE_FILES`: `configuration_moa.py`, `modeling_moa.py` and
+the sibling files they import), `model.safetensors`, `generation_config.json` and the model card `README.md` (plus
+the benchmark / training-info JSON the card quotes).
 
 The card quotes the benchmark and training info given explicitly, else the `benchmark.json` / `training_info.json`
 that `moa bench` / `moa train` left in the drafter's folder (for `default`: the shipped default drafter's folder).
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from transformers import GenerationConfig
 
+from .loading import load_drafter  # re-exported: `moa_hf.hub.load_drafter` is the one loader
 from .modeling import MoADrafterConfig, MoADrafterModel
 
 __all__ = [
@@ -38,7 +40,8 @@ __all__ = [
     "register",
 ]
 
-REMOTE_CODE_FILES = ("configuration_moa.py", "modeling_moa.py")
+# every file of modeling/ that modeling_moa.py imports, itself included (save_pretrained copies them too)
+REMOTE_CODE_FILES = ("configuration_moa.py", "modeling_moa.py", "drafting.py", "lookup.py")
 AUTO_MAP = {"AutoConfig": "configuration_moa.MoADrafterConfig", "AutoModel": "modeling_moa.MoADrafterModel"}
 BENCHMARK_FILE = "moa_benchmark.json"
 TRAINING_INFO_FILE = "training_info.json"
@@ -55,37 +58,6 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------------------------------
 # Loading the drafter
 # ---------------------------------------------------------------------------------------------------------------------
-def load_drafter(spec: str | os.PathLike | MoADrafterModel) -> MoADrafterModel:
-    """A drafter model from a model, a saved drafter folder, or `"default"` (moa_hf's default drafter)."""
-    if isinstance(spec, MoADrafterModel) or (
-        hasattr(spec, "config") and getattr(spec.config, "model_type", None) == MoADrafterConfig.model_type
-    ):
-        return spec  # also a drafter loaded as remote code (a class from `transformers_modules`)
-    if str(spec) == "default":
-        import moa_hf
-
-        loader = getattr(moa_hf, "load_default_drafter", None)
-        if loader is None:
-            raise RuntimeError(
-                "This moa_hf installation has no default drafter (moa_hf.load_default_drafter is missing). Pass the "
-                "folder of a saved drafter instead (one written by `drafter.save_pretrained(folder)`)."
-            )
-        drafter = loader()
-        return drafter[0] if isinstance(drafter, tuple) else drafter
-    path = Path(spec)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{path} is not a saved drafter folder (no config.json). Pass a folder written by "
-            "`drafter.save_pretrained(folder)`, or `default`."
-        )
-    model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
-    if model_type != MoADrafterConfig.model_type:
-        raise ValueError(
-            f"{path} holds a model of type {model_type!r}, not a MoA drafter ({MoADrafterConfig.model_type!r})."
-        )
-    return MoADrafterModel.from_pretrained(path, dtype="auto")
-
-
 def drafter_folder(spec: str | os.PathLike | MoADrafterModel) -> Path | None:
     """The folder a drafter spec loads from (`default`: the shipped default drafter's); None for a model object."""
     if isinstance(spec, (str, os.PathLike)):
@@ -211,7 +183,7 @@ def build_repo_folder(
     is_path = isinstance(drafter_path_or_model, (str, os.PathLike)) and str(drafter_path_or_model) != "default"
     source = Path(drafter_path_or_model) if is_path else None
     _prepare_out_dir(out_dir, source, overwrite)
-    drafter = _with_embeddings(load_drafter(drafter_path_or_model), own_embeddings)
+    drafter = _with_embeddings(load_drafter(drafter_path_or_model, kind="moa"), own_embeddings)
     benchmark, training_info = card_inputs(drafter_path_or_model, benchmark, training_info)
     bench = load_benchmark(benchmark)
     info = load_training_info(training_info)

@@ -2,6 +2,8 @@
 
 from transformers import PreTrainedConfig
 
+from .lookup import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM, LookupSettings
+
 __all__ = ["MoADrafterConfig", "target_layer_defaults", "target_signature", "unsupported_target_reason"]
 
 # Attributes of a target config that the drafter depends on ("the target's signature").
@@ -108,6 +110,16 @@ class MoADrafterConfig(PreTrainedConfig):
             own outputs, ids saved in the `draft_ids` buffer) with its own small head, and scatters them back into
             the full vocabulary (-inf elsewhere). Sampling stays exact: the target verifies against its full
             distribution. None: the full vocabulary through the target's (or its own copy of the) LM head.
+        lookup_num_tokens: prompt lookup inside the drafter (0: off). Before running its network, the drafter looks
+            for the longest suffix n-gram of the verified text earlier in it (`lookup_max_ngram` down to
+            `lookup_min_ngram` tokens) and, on a match, proposes up to this many tokens that followed it (capped by
+            the generation config's `num_assistant_tokens`). Such a cycle costs no forward pass; copy-heavy text
+            (summaries, RAG, code edits) gains most, and output stays exact as the target verifies every token.
+        lookup_max_ngram: the longest n-gram matched by the lookup.
+        lookup_min_ngram: the shortest n-gram match that drafts by lookup; shorter matches leave the cycle to the
+            network.
+        lookup_halve_per_ngram: a lookup match one token shorter than `lookup_max_ngram` proposes half as many
+            tokens (a quarter for two shorter, ...; at least 1).
     """
 
     model_type = "moa_drafter"
@@ -142,6 +154,11 @@ class MoADrafterConfig(PreTrainedConfig):
     target_layer_inference: int = 0
     own_embeddings: bool = False
     draft_vocab_size: int | None = None
+    # Prompt lookup (see `LookupSettings`).
+    lookup_num_tokens: int = 0
+    lookup_max_ngram: int = LOOKUP_MAX_NGRAM
+    lookup_min_ngram: int = LOOKUP_MIN_NGRAM
+    lookup_halve_per_ngram: bool = False
     initializer_range: float = 0.02
     num_hidden_layers: int = 1  # one SA layer: what `GenerationMixin` and cache utilities read
     tie_word_embeddings: bool = False
@@ -158,6 +175,10 @@ class MoADrafterConfig(PreTrainedConfig):
         if self.lsa_intermediate_size is None:
             self.lsa_intermediate_size = 3 * self.lsa_hidden_size // 2
         super().__post_init__(**kwargs)
+        self.validate_lookup()  # fail at construction, not when drafting
+
+    def validate_lookup(self):
+        LookupSettings.from_config(self)  # raises a ValueError naming the field for invalid settings
 
     def validate_architecture(self):
         if self.hidden_size != self.target_hidden_size:

@@ -6,8 +6,9 @@ The drafter predicts the target's post-norm final hidden state ("feature") f_i, 
 At inference f_{i-1} is the target's true feature for verified positions and the drafter's own prediction h_{i-1}
 for drafted ones (chain drafting, as `target.generate(..., assistant_model=drafter)` verifies a chain).
 
-This file ships inside every Hub repo as remote code next to configuration_eagle.py, configuration_moa.py and
-modeling_moa.py (whose building blocks it reuses): it imports only torch, transformers and its sibling files.
+This file ships inside every Hub repo as remote code next to configuration_eagle.py, configuration_moa.py,
+modeling_moa.py (whose building blocks it reuses), drafting.py and lookup.py: it imports only torch, transformers and
+its sibling files.
 """
 
 from dataclasses import dataclass
@@ -18,17 +19,8 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 
 from .configuration_eagle import EagleDrafterConfig, eagle_unsupported_target_reason
-from .modeling_moa import (
-    MoADecoderLayer,
-    MoADrafterMixin,
-    MoADrafterOutput,
-    MoAPreTrainedModel,
-    MoARotaryEmbedding,
-    _decoder_of,
-    _RollbackCache,
-    _Session,
-    _TargetTap,
-)
+from .drafting import DrafterMixin, DraftingSession, RollbackCache, TargetTap, decoder_of, register_hooks
+from .modeling_moa import MoADecoderLayer, MoADrafterOutput, MoAPreTrainedModel, MoARotaryEmbedding
 
 __all__ = ["EagleDrafterCache", "EagleDrafterModel", "EaglePreTrainedModel"]
 
@@ -53,7 +45,7 @@ class _LayerKV:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
 
-class EagleDrafterCache(_RollbackCache):
+class EagleDrafterCache(RollbackCache):
     """Everything the EAGLE drafter keeps between drafting calls; all of it rolls back to any length with `crop`.
 
     - keys/values of every position fed so far (0..seq_length-1), per drafter layer, and the tokens fed;
@@ -132,7 +124,7 @@ class _EagleAttachment:
     target: nn.Module
     embed: nn.Module
     lm_head: nn.Module
-    tap: _TargetTap
+    tap: TargetTap
     features: _FeatureTap
     handles: list
 
@@ -149,7 +141,7 @@ class EaglePreTrainedModel(MoAPreTrainedModel):
     _no_split_modules = ["MoADecoderLayer"]
 
 
-class EagleDrafterModel(MoADrafterMixin, EaglePreTrainedModel, GenerationMixin):
+class EagleDrafterModel(DrafterMixin, EaglePreTrainedModel, GenerationMixin):
     """The EAGLE drafter. Attach it to its target, then pass it as `assistant_model` to `target.generate`.
 
     ```python
@@ -180,7 +172,7 @@ class EagleDrafterModel(MoADrafterMixin, EaglePreTrainedModel, GenerationMixin):
             self.embed_tokens = nn.Embedding(c.vocab_size, c.target_hidden_size)
             self.lm_head = nn.Linear(c.target_hidden_size, c.vocab_size, bias=False)
         self._attachment: _EagleAttachment | None = None
-        self._session: _Session | None = None
+        self._session: DraftingSession | None = None
         self.post_init()
         self.generation_config = self.default_generation_config(self.generation_config)
 
@@ -198,15 +190,11 @@ class EagleDrafterModel(MoADrafterMixin, EaglePreTrainedModel, GenerationMixin):
                 return self
             self.detach()
         self.check_target(target, allow_other_target=allow_other_target)
-        decoder = _decoder_of(target)
-        tap, features = _TargetTap(on_new_session=self._start_session), _FeatureTap()
-        handles = [
-            target.register_forward_pre_hook(tap.pre_hook, with_kwargs=True),
-            target.register_forward_hook(tap.post_hook, with_kwargs=True),
-        ]
+        decoder = decoder_of(target)
+        tap, features = TargetTap(on_new_session=self._start_session), _FeatureTap()
+        handles = register_hooks(target, tap)
         try:
-            handles.append(decoder.register_forward_pre_hook(features.pre_hook, with_kwargs=True))
-            handles.append(decoder.register_forward_hook(features.post_hook, with_kwargs=True))
+            handles += register_hooks(decoder, features)
         except BaseException:
             for handle in handles:
                 handle.remove()
@@ -228,7 +216,7 @@ class EagleDrafterModel(MoADrafterMixin, EaglePreTrainedModel, GenerationMixin):
         if reason is not None:
             raise ValueError(f"This target cannot be served by an EAGLE drafter: {reason}.")
         self._check_signature(target, allow_other_target)
-        _decoder_of(target)  # raises if the decoder (whose output the drafter reads) cannot be found
+        decoder_of(target)  # raises if the decoder (whose output the drafter reads) cannot be found
 
     # ----------------------------------------------------------------------------------------------------------------
     # Borrowed or own embedding / head
@@ -313,7 +301,9 @@ class EagleDrafterModel(MoADrafterMixin, EaglePreTrainedModel, GenerationMixin):
         h = self._decode(new_ids, previous_features, cache)
         return self.head(h[:, -1]), h
 
-    def _decode(self, new_ids: torch.Tensor, previous_features: torch.Tensor, cache: EagleDrafterCache) -> torch.Tensor:
+    def _decode(
+        self, new_ids: torch.Tensor, previous_features: torch.Tensor, cache: EagleDrafterCache
+    ) -> torch.Tensor:
         past = cache.get_seq_length()
         T = new_ids.shape[1]
         pos = torch.arange(past, past + T, device=new_ids.device)
@@ -337,7 +327,9 @@ class EagleDrafterModel(MoADrafterMixin, EaglePreTrainedModel, GenerationMixin):
             if self._session is not None:
                 self._session.context_reads.append((start, end))
 
-    def _prepare_draft(self, input_ids: torch.Tensor, cache: EagleDrafterCache, max_new_tokens: int, min_new_tokens: int):
+    def _prepare_draft(
+        self, input_ids: torch.Tensor, cache: EagleDrafterCache, max_new_tokens: int, min_new_tokens: int
+    ):
         """Keep positions computed from true features and still-valid tokens (never the last one: its output
         drafts), feed the rest with the target's true features, then chain-draft on predicted features."""
         n = input_ids.shape[1]

@@ -6,33 +6,32 @@ Per drafting cycle (the target has verified tokens 0..n-1 and cached keys/values
   2. per drafted token: embedding -> SA (causal, own KV cache) -> CA (queries attend to verified context only)
      -> [TLI: the target's last N layers with the target's own cache] -> the target's LM head.
 
+The drafting runtime shared with the EAGLE drafter (target hooks, the `generate` that assisted generation calls, the
+drafting loop, statistics) is in drafting.py, prompt lookup in lookup.py.
+
 This file ships inside every Hub repo as remote code: it imports only torch, transformers and its sibling files.
 """
 
-import contextlib
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache, GenerationConfig, GenerationMixin, LogitsProcessorList, PreTrainedModel
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
-from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import rotate_half
 
-from .configuration_moa import MoADrafterConfig, target_signature, unsupported_target_reason
+from .configuration_moa import MoADrafterConfig, unsupported_target_reason
+from .drafting import DrafterMixin, DraftingSession, RollbackCache, TargetTap, decoder_of, register_hooks
 
 __all__ = [
     "MoADrafterModel",
     "MoAPreTrainedModel",
     "MoADrafterCache",
     "MoADrafterOutput",
-    "SpeculationStats",
     "cycle_starts_from_restarts",
     "gather_target_kv",
-    "lookup_continuation",
     "split_target_kv",
 ]
 
@@ -172,7 +171,7 @@ class MoACrossAttentionLayer(nn.Module):
 
 
 # -------------------------------------------------------------------------------------------------------------------
-# Caches, outputs, statistics
+# Target states, cache, output
 # ---------------------------------------------------------------------------------------------------------------------
 def gather_target_kv(target_cache, start: int, end: int) -> torch.Tensor:
     """The target's cached key and value of every layer for positions [start, end): [B, end-start, L, 2*Hkv*hd].
@@ -210,54 +209,10 @@ def cycle_starts_from_restarts(restart: torch.Tensor) -> torch.Tensor:
     return torch.cummax(marks, dim=1).values  # [B, T]
 
 
-LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM = 3, 1  # prompt lookup n-gram sizes where a generation config names none
 CONTEXT_CHUNK = 64  # most target positions per LSA call at inference (see `MoADrafterModel.read_context`)
 
 
-def lookup_continuation(
-    ids: torch.Tensor, max_ngram: int, max_tokens: int, min_ngram: int = 1, halve_per_ngram: bool = False
-) -> torch.Tensor:
-    """Prompt lookup: the tokens that followed an earlier occurrence of the longest suffix n-gram of `ids` [T].
-
-    n runs from `max_ngram` down to `min_ngram`; among the matches of one n the most recent one with `max_tokens`
-    tokens after it wins (else the earliest, which has the longest continuation). With `halve_per_ngram` a match of
-    n tokens proposes `max_tokens // 2 ** (max_ngram - n)` (at least 1): shorter matches are right less often, so
-    they risk fewer verification slots. Returns [<= max_tokens] ids, empty when no n-gram of `ids` ends earlier than
-    its last token.
-    """
-    T = ids.shape[0]
-    for n in range(min(max_ngram, T - 1), max(min_ngram, 1) - 1, -1):
-        windows = ids[: T - 1].unfold(0, n, 1)  # [T-n, n]: the n-gram starting at i, for i + n <= T - 1
-        hits = (windows == ids[T - n :]).all(dim=1).nonzero().flatten()  # [M] starts of matches
-        if hits.numel():
-            k = max(1, max_tokens >> (max_ngram - n)) if halve_per_ngram else max_tokens
-            full = hits[hits + n + k <= T]  # matches followed by k tokens
-            start = int(full[-1] if full.numel() else hits[0]) + n
-            return ids[start : start + k]
-    return ids[:0]
-
-
-class _RollbackCache:
-    """What both drafter caches share: the tokens they were computed from (`tokens`, [B, T]), their longest
-    still-valid prefix, and transformers' `crop` convention on top of each cache's own `truncate(length)`."""
-
-    tokens: torch.Tensor | None = None
-
-    def common_prefix(self, input_ids: torch.Tensor) -> int:
-        """Length of the longest prefix of `input_ids` that the cached keys/values were computed from."""
-        if self.tokens is None:
-            return 0
-        n = min(self.tokens.shape[1], input_ids.shape[1])
-        differ = (self.tokens[:, :n] != input_ids[:, :n]).any(0).nonzero()
-        return int(differ[0]) if differ.numel() else n
-
-    def crop(self, n: int) -> None:
-        """transformers' convention: `crop(-k)` drops the last k positions and `crop(0)` none (assisted generation
-        calls it so after a fully accepted draft); a positive `n` keeps positions < n (see `truncate`)."""
-        self.truncate(max(0, self.get_seq_length() + n) if n <= 0 else n)
-
-
-class MoADrafterCache(_RollbackCache):
+class MoADrafterCache(RollbackCache):
     """Everything the drafter keeps between drafting calls; all of it rolls back to any length with `crop`.
 
     - SA keys/values of every token fed so far (positions 0..seq_length-1).
@@ -325,69 +280,6 @@ class MoADrafterOutput(ModelOutput):
 
 
 @dataclass
-class SpeculationStats:
-    """What happened in the drafter's last `generate` session.
-
-    `accepted_lengths[i]`: tokens the target added in cycle i, counting its own token (plain decoding = 1.0).
-    """
-
-    accepted_lengths: list[int] = field(default_factory=list)
-    target_calls: int = 0
-    drafted_tokens: int = 0
-    draft_time_s: float = 0.0
-    verify_time_s: float = 0.0
-    lookup_cycles: int = 0  # cycles whose draft came from prompt lookup (see `default_generation_config`)
-    lookup_tokens: int = 0  # tokens of `drafted_tokens` proposed by prompt lookup
-
-    @property
-    def mean_accepted_length(self) -> float:
-        return sum(self.accepted_lengths) / max(1, len(self.accepted_lengths))
-
-    @property
-    def generated_tokens(self) -> int:
-        return sum(self.accepted_lengths)
-
-    def as_dict(self) -> dict:
-        return {
-            "accepted_lengths": list(self.accepted_lengths),
-            "mean_accepted_length": self.mean_accepted_length,
-            "target_calls": self.target_calls,
-            "drafted_tokens": self.drafted_tokens,
-            "generated_tokens": self.generated_tokens,
-            "draft_time_s": self.draft_time_s,
-            "verify_time_s": self.verify_time_s,
-            "lookup_cycles": self.lookup_cycles,
-            "lookup_tokens": self.lookup_tokens,
-        }
-
-
-class _TargetTap:
-    """Forward hooks on the target: the cache of its latest call, and how many calls / how long they took.
-
-    The drafter reads from that cache only the positions the target has verified (see `MoADrafterModel._sync`).
-    """
-
-    def __init__(self, on_new_session):
-        self.cache = None
-        self.calls = 0
-        self.seconds = 0.0
-        self._t0 = 0.0
-        self.on_new_session = on_new_session  # a target call with a new cache = a generate call the drafter missed
-
-    def pre_hook(self, module, args, kwargs):
-        cache = kwargs.get("past_key_values")
-        if cache is not None:
-            if self.cache is not None and cache is not self.cache:
-                self.on_new_session()
-            self.cache = cache
-        self.calls += 1
-        self._t0 = time.perf_counter()
-
-    def post_hook(self, module, args, kwargs, output):
-        self.seconds += time.perf_counter() - self._t0
-
-
-@dataclass
 class _Attachment:
     """References to the target's modules the drafter borrows (plain references: not submodules, never saved)."""
 
@@ -397,323 +289,12 @@ class _Attachment:
     tli_layers: list
     final_norm: nn.Module | None
     rotary: nn.Module | None
-    tap: _TargetTap
+    tap: TargetTap
     handles: list
-
-
-@dataclass
-class _Session:
-    """Book-keeping of one `target.generate` call (a new session starts when the assistant cache is None)."""
-
-    calls: list = field(default_factory=list)  # (input length, target calls so far) at each drafting call
-    tap_calls0: int = 0
-    tap_seconds0: float = 0.0
-    drafted_tokens: int = 0
-    draft_time_s: float = 0.0
-    lookup_cycles: int = 0
-    lookup_tokens: int = 0
-    context_reads: list = field(default_factory=list)  # (start, end) target positions read, per cycle
 
 
 # -------------------------------------------------------------------------------------------------------------------
 # The model
-# ---------------------------------------------------------------------------------------------------------------------
-def _one_hot_scores(tokens: torch.Tensor, config) -> list[torch.Tensor]:
-    """n x [1, V] scores of proposed `tokens` [n]: one-hot, i.e. the proposal distribution of a deterministic
-    proposer, so speculative sampling against the target stays exact."""
-    scores = torch.full((tokens.shape[0], config.vocab_size), -float("inf"), device=tokens.device)  # [n, V]
-    scores[torch.arange(tokens.shape[0]), tokens] = 0.0
-    return list(scores[:, None].unbind(0))
-
-
-class MoADrafterMixin:
-    """What every drafter of this library shares (`MoADrafterModel`, `EagleDrafterModel`): speculation
-    defaults, detaching, the target signature check, borrowed or own embedding / head, and session statistics.
-
-    A drafter sets `self._attachment` (with `target`, `embed`, `lm_head`, `tap`, `handles`) in its `attach` and
-    `self._session` in `_start_session`; its config has `signature()`, `target_name_or_path` and `own_embeddings`.
-    """
-
-    _attachment = None
-    _session: "_Session | None" = None
-    supports_prompt_lookup = False  # True where `generate` drafts from `lookup_proposal` first
-
-    @staticmethod
-    def default_generation_config(generation_config: GenerationConfig | None = None) -> GenerationConfig:
-        """Speculation defaults read by transformers' assisted generation (override any of them per call or here).
-
-        - `num_assistant_tokens`: the most tokens drafted per cycle.
-        - `num_assistant_tokens_schedule`: "constant" keeps it; "heuristic" grows it by 2 after a fully accepted
-          draft and shrinks it by 1 otherwise (and writes it back into this config).
-        - `assistant_confidence_threshold`: stop drafting early once the drafter's probability of its own token
-          falls below this value (0 drafts always `num_assistant_tokens`).
-        - `prompt_lookup_num_tokens` (MoA drafter; None or 0: off): before running its network, the drafter looks
-          for the longest suffix n-gram of the verified text earlier in it (`max_matching_ngram_size` down to
-          `prompt_lookup_min_ngram` tokens) and, on a match, proposes up to this many tokens that followed it
-          (capped by `num_assistant_tokens`). Such a cycle costs the drafter no forward pass; the context of the
-          tokens verified meanwhile is read at the next network cycle. Copy-heavy text (summaries, RAG, code edits)
-          gains most; output stays exact because the target verifies every token.
-        - `prompt_lookup_halve_per_ngram` (MoA drafter; default False): a lookup match one token shorter than
-          `max_matching_ngram_size` proposes half as many tokens (a quarter for two shorter, ...; at least 1).
-        """
-        gc = generation_config if generation_config is not None else GenerationConfig()
-        gc._from_model_config = False  # our own settings: transformers drops extra keys of a "from model config" one
-        gc.num_assistant_tokens = 5
-        gc.num_assistant_tokens_schedule = "constant"
-        gc.assistant_confidence_threshold = 0.3
-        gc.prompt_lookup_num_tokens = None
-        gc.max_matching_ngram_size = LOOKUP_MAX_NGRAM
-        gc.prompt_lookup_min_ngram = LOOKUP_MIN_NGRAM
-        gc.prompt_lookup_halve_per_ngram = False
-        return gc
-
-    # ----------------------------------------------------------------------------------------------------------------
-    # Attaching to the target
-    # -----------------------------------------------------------------------------------------------------------------
-    def detach(self) -> "MoADrafterMixin":
-        """Remove every hook from the target and drop the borrowed modules."""
-        if self._attachment is not None:
-            for handle in self._attachment.handles:
-                handle.remove()
-        self._attachment = None
-        self._session = None
-        return self
-
-    @contextlib.contextmanager
-    def attached(self, target: PreTrainedModel, allow_other_target: bool = False):
-        """`with drafter.attached(target): ...`: attached inside, detached on leaving (also on an exception)."""
-        self.attach(target, allow_other_target=allow_other_target)
-        try:
-            yield self
-        finally:
-            self.detach()
-
-    @property
-    def is_attached(self) -> bool:
-        return self._attachment is not None
-
-    def _check_signature(self, target: PreTrainedModel, allow_other_target: bool) -> None:
-        """The target's signature must equal the drafter's; a target of another name needs `allow_other_target`."""
-        sig = target_signature(target.config)
-        head = target.get_output_embeddings()
-        if head is not None and hasattr(head, "weight"):
-            sig["vocab_size"] = head.weight.shape[0]
-        diffs = [
-            f"{key}: drafter {value} != target {sig[key]}"
-            for key, value in self.config.signature().items()
-            if sig.get(key) != value
-        ]
-        if diffs:
-            raise ValueError(
-                "The target's signature does not match the one this drafter was built for ("
-                + "; ".join(diffs)
-                + "). Use a drafter trained for this target, or build one with "
-                f"`{type(self.config).__name__}.from_target_config(target.config)`."
-            )
-        expected = self.config.target_name_or_path
-        actual = getattr(target.config, "name_or_path", "") or ""
-        if expected and actual and not allow_other_target and _short_name(expected) != _short_name(actual):
-            raise ValueError(
-                f"This drafter was trained for target '{expected}' but is being attached to '{actual}'. Their "
-                "signatures match, so it will run, but its acceptance may be poor. Pass `allow_other_target=True` "
-                "to attach anyway."
-            )
-
-    # ----------------------------------------------------------------------------------------------------------------
-    # Borrowed or own embedding / head
-    # -----------------------------------------------------------------------------------------------------------------
-    def get_input_embeddings(self):
-        if self.config.own_embeddings:
-            return self.embed_tokens
-        return self._attachment.embed if self._attachment is not None else None
-
-    def get_output_embeddings(self):
-        if self.config.own_embeddings:
-            return self.lm_head
-        return self._attachment.lm_head if self._attachment is not None else None
-
-    def _require(self, what: str):
-        if not self.config.own_embeddings and self._attachment is None:
-            raise RuntimeError(
-                f"The drafter needs the target's {what}: call `drafter.attach(target)` first (or use "
-                "`with drafter.attached(target):`), or build the drafter with `own_embeddings=True`."
-            )
-
-    def copy_embeddings_from(self, target: PreTrainedModel) -> None:
-        """Copy the target's embedding and LM head into the drafter's own (`own_embeddings=True`)."""
-        if not self.config.own_embeddings:
-            raise ValueError("copy_embeddings_from needs a drafter built with `own_embeddings=True`.")
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-            self.lm_head.weight.copy_(target.get_output_embeddings().weight)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        self._require("embedding")
-        return self.get_input_embeddings()(input_ids).to(self.dtype)
-
-    # ----------------------------------------------------------------------------------------------------------------
-    # One drafting call of assisted generation
-    # -----------------------------------------------------------------------------------------------------------------
-    def new_cache(self):
-        raise NotImplementedError
-
-    def _prepare_draft(self, input_ids: torch.Tensor, cache, max_new_tokens: int, min_new_tokens: int):
-        """Bring `cache` up to date with the verified `input_ids` [1, n]; return `(next_logits, max_new_tokens)`:
-        `next_logits(token)` gives the [1, V] logits of the next drafted token (token None: the first, after
-        `input_ids`; else after the drafted [1, 1] `token`)."""
-        raise NotImplementedError
-
-    @torch.no_grad()
-    def generate(
-        self,
-        input_ids: torch.LongTensor,
-        generation_config: GenerationConfig | None = None,
-        logits_processor=None,
-        past_key_values=None,
-        max_new_tokens: int | None = None,
-        min_new_tokens: int | None = None,
-        **kwargs,
-    ) -> GenerateDecoderOnlyOutput:
-        """Draft tokens after `input_ids` (all verified). Called by transformers' `AssistedCandidateGenerator`.
-
-        Returns the sequences, the processed scores of every drafted token (so speculative sampling is exact) and
-        the drafter's cache. A call without `past_key_values` starts a new session.
-        """
-        t0 = time.perf_counter()
-        if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"{type(self).__name__} drafts for one sequence at a time (got batch size {input_ids.shape[0]}); "
-                "transformers' assisted generation supports batch size 1 only. Loop over the prompts."
-            )
-        gc = generation_config if generation_config is not None else self.generation_config
-        if max_new_tokens is None:
-            max_new_tokens = gc.max_new_tokens if gc.max_new_tokens is not None else gc.num_assistant_tokens
-        min_new_tokens = min_new_tokens or 0
-        processors = LogitsProcessorList(logits_processor or [])
-        threshold = getattr(gc, "assistant_confidence_threshold", None) or 0.0
-        eos = gc.eos_token_id if gc.eos_token_id is not None else self.config.eos_token_id
-        eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), device=input_ids.device)
-        if past_key_values is None:
-            past_key_values = self.new_cache()
-            self._start_session()
-        session = self._session
-        if session is not None:
-            session.calls.append((input_ids.shape[1], self._attachment.tap.calls if self._attachment else 0))
-        proposal = self.lookup_proposal(input_ids, max_new_tokens, min_new_tokens, eos)
-        if proposal is not None:  # no forward pass: the caches catch up lazily at the next network cycle
-            ids, scores = torch.cat([input_ids, proposal[None]], dim=-1), _one_hot_scores(proposal, self.config)
-            if session is not None:
-                session.lookup_cycles += 1
-                session.lookup_tokens += len(scores)
-        else:
-            ids, scores = self._draft_with_network(
-                input_ids, past_key_values, gc, processors, eos, threshold, max_new_tokens, min_new_tokens
-            )
-        if session is not None:
-            session.drafted_tokens += len(scores)
-            session.draft_time_s += time.perf_counter() - t0
-        return GenerateDecoderOnlyOutput(sequences=ids, scores=tuple(scores), past_key_values=past_key_values)
-
-    def _draft_with_network(
-        self, input_ids, cache, gc, processors, eos, threshold, max_new_tokens: int, min_new_tokens: int
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The drafting loop (gpt-fast style): the sequence with up to `max_new_tokens` drafted tokens, and the
-        processed [1, V] scores of each."""
-        next_logits, max_new_tokens = self._prepare_draft(input_ids, cache, max_new_tokens, min_new_tokens)
-        ids, scores, token = input_ids, [], None
-        for step in range(max_new_tokens):
-            logits = next_logits(token)  # [1, V]
-            if processors:
-                logits = processors(ids, logits)
-            if step < min_new_tokens and eos.numel():
-                logits[:, eos] = -float("inf")
-            probs = None
-            if gc.do_sample:
-                probs = logits.softmax(-1)
-                token = torch.multinomial(probs, 1)  # [1, 1]
-            else:
-                token = logits.argmax(-1, keepdim=True)  # [1, 1]
-            scores.append(logits)
-            ids = torch.cat([ids, token], dim=-1)
-            if eos.numel() and bool(torch.isin(token, eos)):
-                break
-            if threshold > 0 and step + 1 >= min_new_tokens:
-                probs = logits.softmax(-1) if probs is None else probs
-                if probs[0, token[0, 0]] < threshold:
-                    break
-        return ids, scores
-
-    # ----------------------------------------------------------------------------------------------------------------
-    # Prompt lookup: drafts that cost no forward pass
-    # -----------------------------------------------------------------------------------------------------------------
-    def lookup_proposal(
-        self, input_ids: torch.Tensor, max_new_tokens: int, min_new_tokens: int, eos: torch.Tensor
-    ) -> torch.Tensor | None:
-        """The tokens [n] that prompt lookup proposes after `input_ids` [1, T], or None (lookup off or no match):
-        at most `max_new_tokens`, up to and including the first `eos` token (or before it while fewer than
-        `min_new_tokens` were drafted). Settings from `self.generation_config` (see `default_generation_config`)."""
-        settings = self.lookup_settings(self.generation_config) if self.supports_prompt_lookup else None
-        if settings is None or max_new_tokens <= 0:
-            return None
-        num, max_ngram, min_ngram, halve = settings
-        budget = num if halve else min(num, max_new_tokens)  # halving: the longest match's share, then the cap
-        tokens = lookup_continuation(input_ids[0], max_ngram, budget, min_ngram, halve)[:max_new_tokens]
-        if eos.numel() and tokens.numel():
-            at_eos = torch.isin(tokens, eos).nonzero().flatten()
-            if at_eos.numel():  # stop at the first end-of-sequence token, or before it while it is still banned
-                first = int(at_eos[0])
-                tokens = tokens[: first + 1] if first >= min_new_tokens else tokens[:first]
-        return tokens if tokens.numel() else None
-
-    @staticmethod
-    def lookup_settings(generation_config: GenerationConfig) -> tuple[int, int, int, bool] | None:
-        """(tokens, longest n-gram, shortest n-gram, halving per shorter n-gram) of prompt lookup in
-        `generation_config`; None when off."""
-        num = int(getattr(generation_config, "prompt_lookup_num_tokens", None) or 0)
-        if num <= 0:
-            return None
-        max_ngram = int(getattr(generation_config, "max_matching_ngram_size", None) or LOOKUP_MAX_NGRAM)
-        min_ngram = int(getattr(generation_config, "prompt_lookup_min_ngram", None) or LOOKUP_MIN_NGRAM)
-        return num, max_ngram, min_ngram, bool(getattr(generation_config, "prompt_lookup_halve_per_ngram", False))
-
-    # ----------------------------------------------------------------------------------------------------------------
-    # Session statistics
-    # -----------------------------------------------------------------------------------------------------------------
-    def _start_session(self) -> None:
-        tap = self._attachment.tap if self._attachment is not None else None
-        if tap is not None:
-            tap.cache = None  # the target's cache of an earlier generate call is stale
-        self._session = _Session(tap_calls0=tap.calls if tap else 0, tap_seconds0=tap.seconds if tap else 0.0)
-
-    @property
-    def speculation_stats(self) -> SpeculationStats:
-        """Statistics of the last `generate` session (see `SpeculationStats`)."""
-        s, att = self._session, self._attachment
-        if s is None or att is None:
-            return SpeculationStats()
-        tap = att.tap
-        if not s.calls:  # the drafter was never asked (e.g. a single new token): plain decoding
-            accepted = [1] * (tap.calls - s.tap_calls0)
-        else:
-            accepted = [b[0] - a[0] for a, b in zip(s.calls, s.calls[1:])]
-        if s.calls and tap.cache is not None:
-            final_len = tap.cache.get_seq_length() + 1  # the target cache holds all verified tokens but the last
-            last_len, last_calls = s.calls[-1]
-            extra_calls = tap.calls - last_calls
-            if extra_calls > 0 and final_len > last_len:
-                accepted.append(final_len - last_len - (extra_calls - 1))
-                accepted.extend([1] * (extra_calls - 1))
-        return SpeculationStats(
-            accepted_lengths=accepted,
-            target_calls=tap.calls - s.tap_calls0,
-            drafted_tokens=s.drafted_tokens,
-            draft_time_s=s.draft_time_s,
-            verify_time_s=tap.seconds - s.tap_seconds0,
-            lookup_cycles=s.lookup_cycles,
-            lookup_tokens=s.lookup_tokens,
-        )
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 class MoAPreTrainedModel(PreTrainedModel):
     config_class = MoADrafterConfig
@@ -741,7 +322,7 @@ class MoAPreTrainedModel(PreTrainedModel):
             module.inv_freq.copy_(module.compute_inv_freq())
 
 
-class MoADrafterModel(MoADrafterMixin, MoAPreTrainedModel, GenerationMixin):
+class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
     """The MoA drafter. Attach it to its target, then pass it as `assistant_model` to `target.generate`.
 
     ```python
@@ -791,7 +372,7 @@ class MoADrafterModel(MoADrafterMixin, MoAPreTrainedModel, GenerationMixin):
             self.draft_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
             self.register_buffer("draft_ids", torch.arange(c.draft_vocab_size), persistent=True)  # [V'] full ids
         self._attachment: _Attachment | None = None
-        self._session: _Session | None = None
+        self._session: DraftingSession | None = None
         self.post_init()
         self.generation_config = self.default_generation_config(self.generation_config)
 
@@ -809,13 +390,10 @@ class MoADrafterModel(MoADrafterMixin, MoAPreTrainedModel, GenerationMixin):
             self.detach()
         self.check_target(target, allow_other_target=allow_other_target)
         n = self.config.target_layer_inference
-        decoder = _decoder_of(target)
+        decoder = decoder_of(target)
         tli_layers = list(decoder.layers[len(decoder.layers) - n :]) if n > 0 else []
-        tap = _TargetTap(on_new_session=self._start_session)
-        handles = [
-            target.register_forward_pre_hook(tap.pre_hook, with_kwargs=True),
-            target.register_forward_hook(tap.post_hook, with_kwargs=True),
-        ]
+        tap = TargetTap(on_new_session=self._start_session)
+        handles = register_hooks(target, tap)
         self._attachment = _Attachment(
             target=target,
             embed=target.get_input_embeddings(),
@@ -837,7 +415,7 @@ class MoADrafterModel(MoADrafterMixin, MoAPreTrainedModel, GenerationMixin):
         self._check_signature(target, allow_other_target)
         n = self.config.target_layer_inference
         if n > 0:
-            decoder = _decoder_of(target)
+            decoder = decoder_of(target)
             for attr in ("layers", "norm", "rotary_emb"):
                 if not hasattr(decoder, attr):
                     raise ValueError(
@@ -1075,7 +653,7 @@ class MoADrafterModel(MoADrafterMixin, MoAPreTrainedModel, GenerationMixin):
         self, input_ids: torch.Tensor, cache: MoADrafterCache, max_new_tokens: int, min_new_tokens: int
     ):
         """Roll the SA cache back to the tokens it was computed from (never the last one: its output drafts), read
-        the context of newly verified tokens (LSA), and draft with SA + CA per token (see `MoADrafterMixin.generate`).
+        the context of newly verified tokens (LSA), and draft with SA + CA per token (see `DrafterMixin.generate`).
         """
         num_verified = input_ids.shape[1]
         # the CA memory holds verified tokens only, which stay verified (after lookup cycles SA lags behind it)
@@ -1087,19 +665,6 @@ class MoADrafterModel(MoADrafterMixin, MoAPreTrainedModel, GenerationMixin):
             return self._decode(pending if token is None else token, cache)  # [1, V]
 
         return next_logits, max_new_tokens
-
-
-def _decoder_of(target: nn.Module) -> nn.Module:
-    decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", target)
-    if not hasattr(decoder, "layers"):
-        raise ValueError(
-            f"Cannot find the decoder layers of {type(target).__name__} (expected `.get_decoder().layers`)."
-        )
-    return decoder
-
-
-def _short_name(name_or_path: str) -> str:
-    return str(name_or_path).rstrip("/").split("/")[-1].lower()
 
 
 MoADrafterConfig.register_for_auto_class()

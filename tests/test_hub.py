@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import make_target
 from safetensors.torch import load_file
 
 import moa_hf
@@ -31,6 +30,8 @@ from moa_hf.hub import (
     load_drafter,
     register,
 )
+
+from factory import make_target
 
 TARGET_ID = "moa-test/tiny-random-llama"
 REPO_ID = "moa-test/tiny-moa-drafter"
@@ -183,6 +184,8 @@ def test_build_repo_folder_contents(drafter, drafter_dir, target, tmp_path):
         "config.json",
         "configuration_moa.py",
         "modeling_moa.py",
+        "drafting.py",
+        "lookup.py",
         "model.safetensors",
         "generation_config.json",
         "README.md",
@@ -209,6 +212,15 @@ def test_build_repo_folder_contents(drafter, drafter_dir, target, tmp_path):
     card = (out / "README.md").read_text()
     assert validate_card_metadata(card)["base_model"] == TARGET_ID
     assert f"{_benchmark(seed=2)['methods']['moa']['overall']['acceptance_length']:.2f}" in card
+
+
+def test_remote_code_files_are_the_modeling_file_and_its_relative_imports():
+    """What a repo must hold for `trust_remote_code` (the files transformers copies and loads), no more."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    modeling = resources.files("moa_hf.modeling") / "modeling_moa.py"
+    needed = {Path(f).name for f in get_relative_import_files(str(modeling))} | {"modeling_moa.py"}
+    assert needed == set(REMOTE_CODE_FILES) and {"drafting.py", "lookup.py"} <= needed
 
 
 def test_build_copies_remote_code_for_unregistered_class(drafter, tmp_path):
@@ -627,21 +639,28 @@ def test_card_inputs_of_default_drafter(tmp_path):
 
 def test_card_says_whether_prompt_lookup_is_on(drafter):
     assert "Prompt lookup is on" not in render_card(drafter, repo_id=REPO_ID).text
-    gc = drafter.generation_config
-    gc.prompt_lookup_num_tokens, gc.prompt_lookup_min_ngram = 10, 2
+    config = drafter.config
+    config.lookup_num_tokens, config.lookup_min_ngram = 10, 2
     try:
         text = render_card(drafter, repo_id=REPO_ID).text
-        gc.prompt_lookup_halve_per_ngram = True
+        from_config = render_card(config, repo_id=REPO_ID).text  # the config alone says the same
+        config.lookup_halve_per_ngram = True
         halving = render_card(drafter, repo_id=REPO_ID).text
     finally:
-        gc.prompt_lookup_num_tokens, gc.prompt_lookup_halve_per_ngram = None, False
-    assert "Prompt lookup is on (`prompt_lookup_num_tokens` = 10" in text and "`prompt_lookup_min_ngram` = 2" in text
-    assert "prompt_lookup_halve_per_ngram" not in text and "prompt_lookup_halve_per_ngram` on" in halving
+        config.lookup_num_tokens, config.lookup_min_ngram, config.lookup_halve_per_ngram = 0, 1, False
+    assert "Prompt lookup is on (in the drafter's config: `lookup_num_tokens` = 10" in text
+    assert "`lookup_min_ngram` = 2" in text and "`lookup_min_ngram` = 2" in from_config
+    assert "lookup_halve_per_ngram" not in text and "lookup_halve_per_ngram` on" in halving
 
 
 def test_card_shows_totals_over_continued_runs(drafter):
-    info = {**TRAINING_INFO, "previous_runs": [{"tokens": 1000, "steps": 10}], "total_tokens": 123_457_789,
-            "total_steps": 4331, "total_wall_time_s": 7300.0}
+    info = {
+        **TRAINING_INFO,
+        "previous_runs": [{"tokens": 1000, "steps": 10}],
+        "total_tokens": 123_457_789,
+        "total_steps": 4331,
+        "total_wall_time_s": 7300.0,
+    }
     text = render_card(drafter, training_info=info, repo_id=REPO_ID).text
     assert "| Training tokens, all runs | 123,457,789 |" in text and "| Optimizer steps, all runs | 4,331 |" in text
     assert "previous_runs" not in text and "Previous runs" not in text

@@ -14,12 +14,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import make_target
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 import moa_hf
 from moa_hf.hub import build_repo_folder
+
+from factory import make_target
 
 TARGET_ID = "moa-test/tiny-random-llama"
 DRAFTER_ID = "moa-test/tiny-random-llama-moa-drafter"
@@ -82,6 +83,8 @@ def hf_cache(tmp_path_factory) -> Path:
     install_in_hf_cache(root / "target", TARGET_ID, cache)
     snapshot = install_in_hf_cache(folder, DRAFTER_ID, cache)
     assert (snapshot / "model.safetensors").is_symlink() or (snapshot / "model.safetensors").is_file()
+    remote_code = {"configuration_moa.py", "modeling_moa.py", "drafting.py", "lookup.py"}  # and nothing of moa_hf
+    assert remote_code <= {p.name for p in snapshot.iterdir()}
     return cache
 
 

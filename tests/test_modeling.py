@@ -1,5 +1,6 @@
 """Foundation: shapes, cache consistency, no leakage, TLI, save/load round trips, clear errors."""
 
+import json
 import os
 import subprocess
 import sys
@@ -7,11 +8,13 @@ import textwrap
 
 import pytest
 import torch
-from conftest import make_target
 from transformers import AutoModel, DynamicCache, GenerationConfig
 
 import moa_hf
-from moa_hf import MoADrafterCache, MoADrafterConfig, MoADrafterModel, gather_target_kv
+from moa_hf import MoADrafterCache, MoADrafterConfig, MoADrafterModel
+from moa_hf.modeling import gather_target_kv
+
+from factory import make_target
 
 
 def _target_kv(target, ids):
@@ -29,7 +32,7 @@ def _random_starts(T, seed=0):
     g = torch.Generator().manual_seed(seed)
     restart = torch.rand(1, T, generator=g) < 0.3
     restart[:, 0] = True
-    return moa_hf.cycle_starts_from_restarts(restart)
+    return moa_hf.modeling.cycle_starts_from_restarts(restart)
 
 
 def test_shapes_and_dtypes(family):
@@ -124,6 +127,7 @@ def test_save_and_load_native(tmp_path):
     drafter.save_pretrained(tmp_path)
     files = sorted(os.listdir(tmp_path))
     assert "model.safetensors" in files and "configuration_moa.py" in files and "modeling_moa.py" in files
+    assert "drafting.py" in files and "lookup.py" in files  # the sibling files modeling_moa.py imports
     assert "generation_config.json" in files
     loaded = AutoModel.from_pretrained(tmp_path).eval()
     assert isinstance(loaded, MoADrafterModel)
@@ -169,6 +173,7 @@ REMOTE_SCRIPT = textwrap.dedent(
     target = AutoModelForCausalLM.from_pretrained(sys.argv[2]).eval()
     drafter = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
     assert type(drafter).__module__.startswith("transformers_modules"), type(drafter).__module__
+    assert drafter.lookup_settings.num_tokens == 4
     drafter.attach(target)
     ids = torch.tensor([[5, 9, 17, 33, 2 + 60]])
     ref = target.generate(ids, max_new_tokens=20, do_sample=False)
@@ -186,6 +191,7 @@ def test_remote_code_without_moa_hf(tmp_path):
     target = make_target("llama")
     target.generation_config.eos_token_id = None
     drafter = moa_hf.build_drafter(target).eval()
+    drafter.config.lookup_num_tokens = 4  # prompt lookup (lookup.py) runs from the remote code too
     drafter.save_pretrained(tmp_path / "drafter")
     target.save_pretrained(tmp_path / "tiny-random-llama")  # the name the drafter was built for
     script = tmp_path / "remote.py"
@@ -254,11 +260,58 @@ def test_drafter_without_target_says_attach():
 
 
 def test_speculation_settings_survive_save_and_load(tmp_path):
-    """Every speculation setting, the drafter's own `prompt_lookup_min_ngram` included, comes back from disk."""
+    """Every speculation setting, the drafter's own prompt lookup (`lookup_min_ngram` included), comes back."""
     drafter = moa_hf.build_drafter(make_target("llama"))
-    gc = drafter.generation_config
-    gc.num_assistant_tokens, gc.prompt_lookup_num_tokens, gc.prompt_lookup_min_ngram = 7, 9, 1
+    drafter.generation_config.num_assistant_tokens = 7
+    drafter.config.lookup_num_tokens, drafter.config.lookup_min_ngram = 9, 1
     drafter.save_pretrained(tmp_path)
-    loaded = MoADrafterModel.from_pretrained(tmp_path).generation_config
-    assert (loaded.num_assistant_tokens, loaded.prompt_lookup_num_tokens, loaded.prompt_lookup_min_ngram) == (7, 9, 1)
-    assert loaded.max_matching_ngram_size == 3
+    loaded = MoADrafterModel.from_pretrained(tmp_path)
+    assert (loaded.generation_config.num_assistant_tokens, loaded.config.lookup_num_tokens) == (7, 9)
+    assert (loaded.config.lookup_min_ngram, loaded.config.lookup_max_ngram) == (1, 3)
+    assert loaded.lookup_settings == moa_hf.modeling.LookupSettings(num_tokens=9, max_ngram=3, min_ngram=1)
+    gc = json.loads((tmp_path / "generation_config.json").read_text())
+    assert not any("lookup" in key or "ngram" in key for key in gc)  # only keys transformers knows
+
+
+def test_legacy_lookup_keys_move_from_generation_config_into_config(tmp_path):
+    """Older drafters kept prompt lookup in their generation config: loading moves it into the config."""
+    drafter = moa_hf.build_drafter(make_target("llama"))
+    drafter.save_pretrained(tmp_path)
+    legacy = {
+        "prompt_lookup_num_tokens": 24,
+        "max_matching_ngram_size": 3,
+        "prompt_lookup_min_ngram": 2,
+        "prompt_lookup_halve_per_ngram": True,
+    }
+    gc_file = tmp_path / "generation_config.json"
+    gc_file.write_text(json.dumps({**json.loads(gc_file.read_text()), **legacy}))
+    loaded = MoADrafterModel.from_pretrained(tmp_path)
+    assert loaded.lookup_settings == moa_hf.modeling.LookupSettings(24, 3, 2, True)
+    gc = loaded.generation_config
+    assert gc.prompt_lookup_num_tokens is None and gc.max_matching_ngram_size is None  # transformers' own: unset
+    assert not hasattr(gc, "prompt_lookup_min_ngram") and not hasattr(gc, "prompt_lookup_halve_per_ngram")
+    loaded.save_pretrained(tmp_path / "resaved")
+    assert "lookup" not in (tmp_path / "resaved" / "generation_config.json").read_text()
+    assert MoADrafterModel.from_pretrained(tmp_path / "resaved").lookup_settings == loaded.lookup_settings
+    shipped = moa_hf.load_default_drafter()  # the shipped default drafter: lookup in its config.json
+    assert shipped.lookup_settings == moa_hf.modeling.LookupSettings(24, 3, 1, True)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"lookup_num_tokens": -1}, "lookup_num_tokens must be >= 0"),
+        ({"lookup_min_ngram": 0}, "lookup_min_ngram must be >= 1"),
+        ({"lookup_min_ngram": 4, "lookup_max_ngram": 3}, r"lookup_max_ngram \(3\) must be >= lookup_min_ngram \(4\)"),
+        ({"lookup_num_tokens": 2.5}, "lookup_num_tokens must be an integer"),
+        ({"lookup_halve_per_ngram": "yes"}, "lookup_halve_per_ngram must be True or False"),
+    ],
+)
+def test_invalid_lookup_settings_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        MoADrafterConfig(**fields)
+    drafter = moa_hf.build_drafter(make_target("llama"))
+    for key, value in {"lookup_num_tokens": 4, **fields}.items():  # changed after construction: refused on use
+        setattr(drafter.config, key, value)
+    with pytest.raises(ValueError, match=message):
+        drafter.lookup_proposal(torch.tensor([[5, 6, 5]]), 4, 0, torch.tensor([], dtype=torch.long))

@@ -13,15 +13,17 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import OracleDrafter, make_target
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import moa_hf
+from moa_hf.modeling import gather_target_kv
 from moa_hf.serving import MoAClient, ServerLimits, ServerThread, ServingState, create_app
 from moa_hf.serving.netem import DelayProxy, LinkProfile
 from moa_hf.serving.protocol import decode_drafter, decode_result, encode_drafter, lsa_fingerprint
-from moa_hf.serving.server import _speculative_sample
+from moa_hf.serving.server import _accept
+
+from factory import OracleDrafter, make_target
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -35,8 +37,9 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<pad>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>"
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -58,8 +61,9 @@ def tiny():
 @pytest.fixture
 def server(tiny):
     target, drafter = tiny
-    limits = ServerLimits(max_sessions=4, max_tokens_per_session=256, max_draft_tokens=16, session_ttl_s=60,
-                          max_request_bytes=20_000)
+    limits = ServerLimits(
+        max_sessions=4, max_tokens_per_session=256, max_draft_tokens=16, session_ttl_s=60, max_request_bytes=20_000
+    )
     state = ServingState(target, drafter, tokenizer=char_tokenizer(), limits=limits)
     with ServerThread(create_app(state)) as srv:
         yield srv
@@ -110,7 +114,7 @@ def test_context_matches_local_lsa(tiny, server):
     verified = prompt + [7, 8][: result.accepted] + [result.next_token]
     with torch.no_grad():
         out = target(torch.tensor([verified[:-1]]), use_cache=True)
-        expected = drafter.compute_context(moa_hf.gather_target_kv(out.past_key_values, 0, len(verified) - 1))[0]
+        expected = drafter.compute_context(gather_target_kv(out.past_key_values, 0, len(verified) - 1))[0]
     assert result.context_start == 0 and result.num_verified == len(verified)
     torch.testing.assert_close(result.context, expected, atol=1e-4, rtol=1e-4)
 
@@ -123,15 +127,20 @@ def test_sampling_is_seeded_and_exact_distribution():
     from moa_hf.serving.protocol import CreateSessionRequest, SparseDistribution
     from moa_hf.serving.server import _Session
 
-    session = _Session(id="s", verified=[1], cache=None, generator=torch.Generator().manual_seed(0),
-                       request=CreateSessionRequest(input_ids=[1], do_sample=True))
+    session = _Session(
+        id="s",
+        verified=[1],
+        cache=None,
+        generator=torch.Generator().manual_seed(0),
+        request=CreateSessionRequest(input_ids=[1], do_sample=True),
+    )
     rng = torch.Generator().manual_seed(1)
     counts = torch.zeros(4)
     dist = SparseDistribution(ids=[0, 1, 2, 3], probs=q.tolist())
     trials = 4000
     for _ in range(trials):
         d = int(torch.multinomial(q, 1, generator=rng))
-        accepted, token = _speculative_sample(p_logits, [d], [dist], session)
+        accepted, token = _accept(p_logits, [d], [dist], session)
         counts[d if accepted == 1 else token] += 1
     assert (counts / trials - p).abs().max() < 0.03, (counts / trials, p)
 
@@ -139,11 +148,20 @@ def test_sampling_is_seeded_and_exact_distribution():
 def test_sampling_end_to_end(tiny, server):
     target, drafter = tiny
     with MoAClient(server.url, drafter=drafter, draft_length=3) as client:
-        a, b, c = (client.generate([5, 6, 7], 20, do_sample=True, temperature=0.7, top_k=20, seed=s)
-                   for s in (3, 3, 4))
+        a, b, c = (
+            client.generate([5, 6, 7], 20, do_sample=True, temperature=0.7, top_k=20, seed=s) for s in (3, 3, 4)
+        )
     assert len(a.token_ids) == 20 and a.unverified_tokens == 0
     assert a.token_ids == b.token_ids != c.token_ids  # seeded on both sides: repeatable with a fixed draft length
     assert all(0 <= t < 128 for t in a.token_ids)
+
+
+def test_tiny_temperature_samples_greedily(tiny, server):
+    """Below moa_hf.speculative.MIN_TEMPERATURE sampling is greedy on both sides (1/T would overflow to NaN)."""
+    target, drafter = tiny
+    with MoAClient(server.url, drafter=drafter, draft_length=3) as client:
+        result = client.generate([5, 6, 7], 12, do_sample=True, temperature=1e-40, top_p=0.5, seed=0)
+    assert result.token_ids == reference(target, [5, 6, 7], 12) and result.unverified_tokens == 0
 
 
 def test_two_sessions_do_not_interfere(tiny, server):
@@ -172,8 +190,9 @@ def test_disconnection_kill_and_restart(tiny, server):
     target, drafter = tiny
     prompt = prompts(4, 1)[0]
     ref = reference(target, prompt, 30)
-    client = MoAClient(server.url, drafter=oracle(drafter, prompt + ref, 0.6), backoff_initial_s=0.01,
-                       backoff_max_s=0.05)
+    client = MoAClient(
+        server.url, drafter=oracle(drafter, prompt + ref, 0.6), backoff_initial_s=0.01, backoff_max_s=0.05
+    )
     events = client.iter_generate(prompt, 30)
     kinds, verified_before, offline = [], None, 0
     while True:
@@ -205,8 +224,9 @@ def test_server_never_returns_leaves_unverified_tail(tiny, server):
     target, drafter = tiny
     prompt = prompts(5, 1)[0]
     ref = reference(target, prompt, 20)
-    client = MoAClient(server.url, drafter=drafter, backoff_initial_s=0.01, backoff_max_s=0.05,
-                       reconnect_timeout_s=0.2)
+    client = MoAClient(
+        server.url, drafter=drafter, backoff_initial_s=0.01, backoff_max_s=0.05, reconnect_timeout_s=0.2
+    )
     events = client.iter_generate(prompt, 20)
     while True:
         try:
@@ -302,13 +322,32 @@ def test_bad_input(tiny, server):
         (post("/v1/sessions", json={"input_ids": [5], "temperature": 0}), 422, "temperature"),
         (post("/v1/sessions", json={"input_ids": [5], "draft_ids": [1] * 17}), 422, "--max-draft-tokens"),
         (post("/v1/sessions", json={"input_ids": [5] * 250, "draft_ids": [1] * 10}), 422, "--max-tokens-per-session"),
-        (post("/v1/sessions", json={"input_ids": [5], "draft_ids": [6], "draft_probs": [{"ids": [6], "probs": [1]}]}),
-         422, "do_sample"),
+        (
+            post(
+                "/v1/sessions", json={"input_ids": [5], "draft_ids": [6], "draft_probs": [{"ids": [6], "probs": [1]}]}
+            ),
+            422,
+            "do_sample",
+        ),
         (post("/v1/sessions", json={"input_ids": [5], "do_sample": True, "draft_ids": [6]}), 422, "draft_probs"),
-        (post("/v1/sessions", json={"input_ids": [5], "do_sample": True, "draft_ids": [6],
-                                    "draft_probs": [{"ids": [7], "probs": [1.0]}]}), 422, "no probability"),
-        (post("/v1/sessions", content=b"[" + b"1," * 20_000 + b"1]", headers={"Content-Type": "application/json"}),
-         413, "--max-request-bytes"),
+        (
+            post(
+                "/v1/sessions",
+                json={
+                    "input_ids": [5],
+                    "do_sample": True,
+                    "draft_ids": [6],
+                    "draft_probs": [{"ids": [7], "probs": [1.0]}],
+                },
+            ),
+            422,
+            "no probability",
+        ),
+        (
+            post("/v1/sessions", content=b"[" + b"1," * 20_000 + b"1]", headers={"Content-Type": "application/json"}),
+            413,
+            "--max-request-bytes",
+        ),
         (post(verify, json={"num_verified": 3, "last_token": ok.next_token, "draft_ids": [300]}), 422, "than 128"),
         (post(verify, json={"num_verified": 9, "last_token": ok.next_token}), 409, "new session"),
         (post(verify, json={"num_verified": 3, "last_token": (ok.next_token + 1) % 128}), 409, "new session"),
@@ -347,8 +386,10 @@ def test_limits_sessions_and_expiry(tiny):
         assert httpx.post(f"{srv.url}/v1/sessions", json={"input_ids": [5]}).status_code == 200
         time.sleep(0.4)
         other = decode_result(made[1].content)
-        r = httpx.post(f"{srv.url}/v1/sessions/{other.session_id}/verify",
-                       json={"num_verified": other.num_verified, "last_token": other.next_token})
+        r = httpx.post(
+            f"{srv.url}/v1/sessions/{other.session_id}/verify",
+            json={"num_verified": other.num_verified, "last_token": other.next_token},
+        )
         assert r.status_code == 410 and "expired" in r.json()["detail"]
         # a client whose session expired between calls re-creates it and stays exact
         slow_client = MoAClient(srv.url, drafter=drafter)
@@ -408,8 +449,12 @@ def test_cli_client(tiny, server, capsys):
 
     target, drafter = tiny
     tokenizer = char_tokenizer()
-    ids = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
-                                                  add_generation_prompt=True), add_special_tokens=False).input_ids
+    ids = tokenizer(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True
+        ),
+        add_special_tokens=False,
+    ).input_ids
     ref = reference(target, ids, 12)
     assert main(["client", "--server", server.url, "--prompt", "hello", "--max-new-tokens", "12", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -419,8 +464,9 @@ def test_cli_client(tiny, server, capsys):
     assert main(["client", "--server", server.url, "--prompt", "hello", "--max-new-tokens", "12"]) == 0
     assert capsys.readouterr().out.rstrip("\n") == out["text"].rstrip("\n")  # streamed text = the same text
     raw_ids = tokenizer("hello").input_ids
-    assert main(["client", "--server", server.url, "--prompt", "hello", "--raw", "--max-new-tokens", "5",
-                 "--json"]) == 0
+    assert (
+        main(["client", "--server", server.url, "--prompt", "hello", "--raw", "--max-new-tokens", "5", "--json"]) == 0
+    )
     assert json.loads(capsys.readouterr().out)["token_ids"] == reference(target, raw_ids, 5)
 
 
@@ -428,8 +474,17 @@ def test_bench_runs_on_a_tiny_target(tiny):
     from moa_hf.serving.bench import format_report, run_serving_bench
 
     target, drafter = tiny
-    report = run_serving_bench(target, char_tokenizer(), drafter, profiles=("lan",), num_prompts=1,
-                               max_new_tokens=10, outage_after=2, outage_tokens=4, log=lambda *a: None)
+    report = run_serving_bench(
+        target,
+        char_tokenizer(),
+        drafter,
+        profiles=("lan",),
+        num_prompts=1,
+        max_new_tokens=10,
+        outage_after=2,
+        outage_tokens=4,
+        log=lambda *a: None,
+    )
     lan = report["profiles"]["lan"]["methods"]
     assert lan["plain"]["calls_per_token"] == 1.0  # plain decoding: one round trip per token
     assert lan["plain"]["identical_to_target"] and lan["moa"]["identical_to_target"]
@@ -457,6 +512,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) ->
     raise TimeoutError(f"`moa serve` did not come up on {url}")
 
 
+@pytest.mark.slow
 def test_cli_serve_killed_and_restarted(tiny, tmp_path):
     """`moa serve` in a subprocess is SIGKILLed mid-generation and started again on the same port."""
     target, drafter = tiny
@@ -465,8 +521,22 @@ def test_cli_serve_killed_and_restarted(tiny, tmp_path):
     drafter.save_pretrained(tmp_path / "drafter")
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "moa_hf.cli", "serve", "--port", str(port), "--target", str(tmp_path / "target"),
-           "--dtype", "float32", "--drafter", str(tmp_path / "drafter"), "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moa_hf.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--target",
+        str(tmp_path / "target"),
+        "--dtype",
+        "float32",
+        "--drafter",
+        str(tmp_path / "drafter"),
+        "--log-level",
+        "warning",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)]
     try:
@@ -548,7 +618,7 @@ def test_client_prompt_lookup_is_exact_and_saves_calls(tiny, server):
     """A drafter with prompt lookup on drafts copies for free on the client; the server still verifies all."""
     target, drafter = tiny
     looking = copy.deepcopy(drafter)
-    looking.generation_config.prompt_lookup_num_tokens, looking.generation_config.prompt_lookup_min_ngram = 6, 1
+    looking.config.lookup_num_tokens, looking.config.lookup_min_ngram = 6, 1
     prompt = [5, 6, 7, 8, 9, 10, 11] * 3
     ref = reference(target, prompt, 30)
     with MoAClient(server.url, drafter=looking, draft_length=6) as client:

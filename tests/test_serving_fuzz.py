@@ -9,7 +9,6 @@ serves a generation that is exactly the target's.
 import pytest
 import schemathesis
 import torch
-from conftest import make_target
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import (
     content_type_conformance,
@@ -24,22 +23,38 @@ from schemathesis.generation import GenerationMode
 import moa_hf
 from moa_hf.serving import ServerLimits, ServingState, create_app
 
+from factory import make_target
+
 TOKEN = "fuzz-token"
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-          negative_data_rejection, ignored_auth]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+    ignored_auth,
+]
 
 
 @pytest.fixture(scope="module")
 def fuzz_state():
     target = make_target("llama")
     drafter = moa_hf.build_drafter(target, own_embeddings=True).eval()
-    limits = ServerLimits(max_sessions=8, max_tokens_per_session=64, max_draft_tokens=8, session_ttl_s=30,
-                          max_request_bytes=8192)
+    limits = ServerLimits(
+        max_sessions=8, max_tokens_per_session=64, max_draft_tokens=8, session_ttl_s=30, max_request_bytes=8192
+    )
     return ServingState(target, drafter, limits=limits, token=TOKEN)
 
 
-OPERATIONS = ["GET /v1/health", "GET /v1/info", "GET /v1/tokenizer", "GET /v1/drafter", "POST /v1/sessions",
-              "POST /v1/sessions/{session_id}/verify", "DELETE /v1/sessions/{session_id}"]
+OPERATIONS = [
+    "GET /v1/health",
+    "GET /v1/info",
+    "GET /v1/tokenizer",
+    "GET /v1/drafter",
+    "POST /v1/sessions",
+    "POST /v1/sessions/{session_id}/verify",
+    "DELETE /v1/sessions/{session_id}",
+]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +71,9 @@ def test_schema_lists_every_operation(api_schema):
 
 
 CASES = [(label, GenerationMode.POSITIVE) for label in OPERATIONS] + [
-    (label, GenerationMode.NEGATIVE) for label in OPERATIONS if label.startswith("POST")  # those with a body
+    (label, GenerationMode.NEGATIVE)
+    for label in OPERATIONS
+    if label.startswith("POST")  # those with a body
 ]
 
 
@@ -66,8 +83,13 @@ def test_api_fuzz(api_schema, fuzz_state, label, mode):
     operation = api_schema.find_operation_by_label(label)
     headers = {"Authorization": f"Bearer {TOKEN}"}
 
-    @settings(max_examples=100 if label.startswith("POST") else 20, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=100 if label.startswith("POST") else 20,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=operation.as_strategy(generation_mode=mode))
     def run(case):
         case.call_and_validate(headers=headers, checks=CHECKS)
@@ -91,14 +113,21 @@ def test_fuzz_live_session(fuzz_state):
         state = {"n": first.num_verified, "last": first.next_token}
         sid = first.session_id
         body = st.fixed_dictionaries(
-            {"num_verified": st.integers(1, 12), "last_token": st.integers(0, 127),
-             "draft_ids": st.lists(st.integers(0, 127), max_size=10)},
-            optional={"context_from": st.integers(0, 12), "context_format": st.sampled_from(["fp16", "int8", "fp32"]),
-                      "want_context": st.booleans()},
+            {
+                "num_verified": st.integers(1, 12),
+                "last_token": st.integers(0, 127),
+                "draft_ids": st.lists(st.integers(0, 127), max_size=10),
+            },
+            optional={
+                "context_from": st.integers(0, 12),
+                "context_format": st.sampled_from(["fp16", "int8", "fp32"]),
+                "want_context": st.booleans(),
+            },
         )
 
-        @settings(max_examples=60, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=60, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+        )
         @given(body=body, aligned=st.booleans())
         def run(body, aligned):
             if aligned:  # half of the calls continue from the session's real state

@@ -7,9 +7,13 @@ import json
 from pathlib import Path
 
 import datasets
-import moa_hf.training as training
 import pytest
 import torch
+from safetensors import safe_open
+from transformers import TrainerCallback
+
+import moa_hf
+import moa_hf.training as training
 from moa_hf.training import (
     IGNORE_INDEX,
     MoADataCollator,
@@ -25,12 +29,9 @@ from moa_hf.training import (
     sa_curriculum_mask,
     staircase_restarts,
 )
-from moa_hf.training.testing import random_dataset, tiny_target, tiny_tokenizer, tiny_training_args
 from moa_hf.training.trainer import _Indexed
-from safetensors import safe_open
-from transformers import TrainerCallback
 
-import moa_hf
+from factory import random_dataset, tiny_target, tiny_tokenizer, tiny_training_args
 
 torch.set_num_threads(1)
 
@@ -78,7 +79,7 @@ def test_collator_right_pads_and_counts_response_predictions():
 
 def test_staircase_cycle_starts():
     prompt_lengths, every, T = torch.tensor([3, 5, 0]), torch.tensor([4, 6, 7]), 25
-    starts = moa_hf.cycle_starts_from_restarts(staircase_restarts(prompt_lengths, every, T))
+    starts = moa_hf.modeling.cycle_starts_from_restarts(staircase_restarts(prompt_lengths, every, T))
     for b in range(3):
         p, e = int(prompt_lengths[b]), int(every[b])
         expected = [i if i < p else p + (i - p) // e * e for i in range(T)]
@@ -103,7 +104,9 @@ def test_sa_curriculum_mask_and_schedule(tmp_path, target):
     assert torch.equal(mask[0], j[None, :] >= starts[0][:, None])  # only the current cycle
     assert bool(mask[1].all())  # untouched row (the drafter adds causality)
     trainer = MoATrainer(
-        model=make_drafter(target), target=target, args=make_args(tmp_path, sa_curriculum=True, max_steps=100),
+        model=make_drafter(target),
+        target=target,
+        args=make_args(tmp_path, sa_curriculum=True, max_steps=100),
         train_dataset=random_dataset(8),
     )
     batch = trainer.data_collator([{**random_dataset(8)[i], "sample_index": i} for i in range(8)])
@@ -118,7 +121,9 @@ def test_sa_curriculum_mask_and_schedule(tmp_path, target):
 @pytest.mark.parametrize("tli", [0, 1])
 def test_no_position_sees_target_state_at_or_after_its_cycle_start(tmp_path, target, tli):
     trainer = MoATrainer(
-        model=make_drafter(target, target_layer_inference=tli), target=target, args=make_args(tmp_path),
+        model=make_drafter(target, target_layer_inference=tli),
+        target=target,
+        args=make_args(tmp_path),
         train_dataset=random_dataset(4),
     )
     batch = trainer.data_collator([{**random_dataset(4, seed=1)[i], "sample_index": i} for i in range(2)])
@@ -130,8 +135,13 @@ def test_no_position_sees_target_state_at_or_after_its_cycle_start(tmp_path, tar
 
     def per_position(s: training.TargetStates) -> torch.Tensor:
         with torch.no_grad():
-            out = drafter(input_ids=batch["input_ids"], target_kv=s.target_kv, cycle_starts=starts,
-                          target_tli_kv=s.tli_kv, return_logits=False)
+            out = drafter(
+                input_ids=batch["input_ids"],
+                target_kv=s.target_kv,
+                cycle_starts=starts,
+                target_tli_kv=s.tli_kv,
+                return_logits=False,
+            )
             student = out.final_hidden_states if out.final_hidden_states is not None else out.hidden_states
             return trainer.token_losses(student, out.hidden_states, states, counted)[0].view(starts.shape)  # [B, T]
 
@@ -197,8 +207,9 @@ def test_chunked_soft_cross_entropy_never_keeps_tokens_by_vocab(frozen):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = chunked_soft_cross_entropy(h * 1.0, torch.randn(N, d), head, teacher, chunk_size=chunk,
-                                          head_frozen=frozen)
+        loss = chunked_soft_cross_entropy(
+            h * 1.0, torch.randn(N, d), head, teacher, chunk_size=chunk, head_frozen=frozen
+        )
     loss.sum().backward()
     assert saved and max(saved) <= max(N * d, chunk * V, V * d) < N * V
     assert h.grad is not None and h.grad.abs().sum() > 0
@@ -297,8 +308,9 @@ def test_target_layer_inference_drafter_trains(tmp_path, target):
     before = {k: v.clone() for k, v in target.state_dict().items()}
     drafter = make_drafter(target, target_layer_inference=1)
     start = {k: v.clone() for k, v in drafter.state_dict().items()}
-    trainer = MoATrainer(model=drafter, target=target, args=make_args(tmp_path, max_steps=2),
-                         train_dataset=random_dataset(8))
+    trainer = MoATrainer(
+        model=drafter, target=target, args=make_args(tmp_path, max_steps=2), train_dataset=random_dataset(8)
+    )
     trainer.train()
     assert all(torch.isfinite(torch.tensor(v)) for v in losses_of(trainer).values())
     assert any(not torch.equal(v, start[k]) for k, v in drafter.state_dict().items())  # the drafter learned
@@ -318,19 +330,29 @@ def test_resume_continues_the_same_loss_curve(tmp_path, target):
     data = random_dataset(24, seed=4)
     common = dict(max_steps=6, save_strategy="steps", save_steps=3, sa_curriculum=True, per_device_train_batch_size=3)
 
-    full = MoATrainer(model=make_drafter(target), target=target, args=make_args(tmp_path / "a", **common),
-                      train_dataset=data)
+    full = MoATrainer(
+        model=make_drafter(target), target=target, args=make_args(tmp_path / "a", **common), train_dataset=data
+    )
     full.train()
     reference = losses_of(full)
 
-    first = MoATrainer(model=make_drafter(target), target=target, args=make_args(tmp_path / "b", **common),
-                       train_dataset=data, callbacks=[_StopAt(3)])
+    first = MoATrainer(
+        model=make_drafter(target),
+        target=target,
+        args=make_args(tmp_path / "b", **common),
+        train_dataset=data,
+        callbacks=[_StopAt(3)],
+    )
     first.train()
     assert max(losses_of(first)) == 3
     ckpt = tmp_path / "b" / "out" / "checkpoint-3"
     assert ckpt.is_dir()
-    resumed = MoATrainer(model=make_drafter(target, seed=123), target=target, args=make_args(tmp_path / "b", **common),
-                         train_dataset=data)
+    resumed = MoATrainer(
+        model=make_drafter(target, seed=123),
+        target=target,
+        args=make_args(tmp_path / "b", **common),
+        train_dataset=data,
+    )
     resumed.train(resume_from_checkpoint=str(ckpt))
     after = losses_of(resumed)
     assert sorted(reference) == list(range(1, 7)) and sorted(after) == list(range(1, 7))  # history is restored
@@ -346,8 +368,14 @@ def test_resume_continues_the_same_loss_curve(tmp_path, target):
 def test_acceptance_eval_callback_logs(tmp_path, target):
     tokenizer = tiny_tokenizer()
     args = make_args(tmp_path, max_steps=2, eval_num_prompts=2, eval_max_new_tokens=8, eval_acceptance_steps=2)
-    trainer = MoATrainer(model=make_drafter(target), target=target, args=args, train_dataset=random_dataset(8),
-                         eval_prompts=["Hello there", "What is 2+2?", "unused"], processing_class=tokenizer)
+    trainer = MoATrainer(
+        model=make_drafter(target),
+        target=target,
+        args=args,
+        train_dataset=random_dataset(8),
+        eval_prompts=["Hello there", "What is 2+2?", "unused"],
+        processing_class=tokenizer,
+    )
     trainer.train()
     logged = [h for h in trainer.state.log_history if "eval_acceptance_length" in h]
     assert [h["step"] for h in logged] == [2]
@@ -399,8 +427,9 @@ def test_acceptance_eval_callback_logs(tmp_path, target):
 
 
 def _greedy(target, ids, **kw):
-    return target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
-                           pad_token_id=0, **kw)
+    return target.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24, pad_token_id=0, **kw
+    )
 
 
 def test_lora_drafter_trains_and_works_as_assistant(tmp_path):
@@ -409,8 +438,12 @@ def test_lora_drafter_trains_and_works_as_assistant(tmp_path):
     drafter = make_drafter(target)
     base_state = {k: v.clone() for k, v in drafter.state_dict().items()}
     model = apply_lora(drafter, r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    trainer = MoATrainer(model=model, target=target, args=make_args(tmp_path, max_steps=3, learning_rate=1e-2),
-                         train_dataset=random_dataset(8))
+    trainer = MoATrainer(
+        model=model,
+        target=target,
+        args=make_args(tmp_path, max_steps=3, learning_rate=1e-2),
+        train_dataset=random_dataset(8),
+    )
     trainer.train()
     lora = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert lora and all("lora_" in n for n in lora)
@@ -446,20 +479,35 @@ def test_lora_drafter_trains_and_works_as_assistant(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 # Learning
 # ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_training_raises_acceptance_length(tmp_path):
     """A tiny random Llama's greedy continuations are learnable: a few hundred steps lift the acceptance length
     on held-out prompts clearly above the untrained drafter's."""
-    from moa_hf.training.prompts import default_prompts
+    from moa_hf.offline_prompts import default_prompts
 
     target = tiny_target(initializer_range=0.02, logit_scale=30.0)  # peaky, loopy greedy continuations
     tokenizer = tiny_tokenizer()
-    data = build_dataset(target, tokenizer, [p[:40] for p in default_prompts(256)], tmp_path / "data",
-                         max_new_tokens=32, batch_size=32, progress=False)
+    data = build_dataset(
+        target,
+        tokenizer,
+        [p[:40] for p in default_prompts(256)],
+        tmp_path / "data",
+        max_new_tokens=32,
+        batch_size=32,
+        progress=False,
+    )
     held_out = format_prompts(tokenizer, [p[:40] for p in default_prompts(8, split="validation")])
     drafter = make_drafter(target)
     before = measure_acceptance(target, drafter, held_out, max_new_tokens=32)["acceptance_length"]
-    args = make_args(tmp_path, max_steps=300, per_device_train_batch_size=8, learning_rate=3e-3, warmup_steps=10,
-                     lr_scheduler_type="cosine", logging_steps=50)
+    args = make_args(
+        tmp_path,
+        max_steps=300,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        warmup_steps=10,
+        lr_scheduler_type="cosine",
+        logging_steps=50,
+    )
     trainer = MoATrainer(model=drafter, target=target, args=args, train_dataset=data)
     trainer.train()
     after = measure_acceptance(target, drafter, held_out, max_new_tokens=32)["acceptance_length"]
@@ -496,13 +544,13 @@ def test_measure_acceptance_uses_default_settings_without_lookup():
     drafter = moa_hf.build_drafter(target).eval()
     own = drafter.generation_config
     own.num_assistant_tokens, own.assistant_confidence_threshold = 6, 0.0  # own: always 6 tokens
-    own.prompt_lookup_num_tokens, own.prompt_lookup_min_ngram = 4, 1
+    drafter.config.lookup_num_tokens, drafter.config.lookup_min_ngram = 4, 1
     prompt = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
     with drafter.attached(target):
         measure_acceptance(target, drafter, prompt, max_new_tokens=12)
         stats = drafter.speculation_stats
         # default threshold 0.3: a random drafter stops after one token (its own settings would draft 6)
         assert stats.lookup_cycles == 0 and stats.drafted_tokens <= len(stats.accepted_lengths)
-        assert drafter.generation_config is own and own.prompt_lookup_num_tokens == 4
+        assert drafter.generation_config is own and drafter.config.lookup_num_tokens == 4
         target.generate(torch.tensor(prompt), max_new_tokens=12, do_sample=False, assistant_model=drafter)
         assert drafter.speculation_stats.lookup_cycles > 0  # its own settings are back

@@ -10,6 +10,9 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from safetensors import safe_open
+
+from moa_hf.cli import main as moa_main
 from moa_hf.modeling import MoADrafterModel
 from moa_hf.training import (
     SpecBenchPromptsError,
@@ -20,10 +23,8 @@ from moa_hf.training import (
     written_briefs,
 )
 from moa_hf.training.data import _tidy_material
-from moa_hf.training.testing import tiny_target, tiny_tokenizer
-from safetensors import safe_open
 
-from moa_hf.cli import main as moa_main
+from factory import tiny_target, tiny_tokenizer
 
 torch.set_num_threads(1)
 
@@ -162,8 +163,16 @@ def test_evaluation_benchmark_prompts_are_refused(tmp_path):
 # Dataset building
 # ---------------------------------------------------------------------------------------------------------------------
 def test_build_dataset_matches_unbatched_greedy_and_resumes(tmp_path, target, tokenizer):
-    prompts = ["Hi", "What is the capital of France?", "Write a poem about the sea, please.", "2+2?", "Tell me a joke",
-               "x", "Summarise: the quick brown fox jumps over the lazy dog.", "ok"]
+    prompts = [
+        "Hi",
+        "What is the capital of France?",
+        "Write a poem about the sea, please.",
+        "2+2?",
+        "Tell me a joke",
+        "x",
+        "Summarise: the quick brown fox jumps over the lazy dog.",
+        "ok",
+    ]
     out = tmp_path / "data"
     ds = build_dataset(target, tokenizer, prompts, out, max_new_tokens=12, batch_size=3, shard_size=3, progress=False)
     assert ds.column_names == ["input_ids", "prompt_length", "prompt_index"]
@@ -187,19 +196,32 @@ def test_build_dataset_matches_unbatched_greedy_and_resumes(tmp_path, target, to
 
     shutil.rmtree(shards[-1])
     stamps = {p.name: os.stat(p / "state.json").st_mtime_ns for p in shards[:-1]}
-    again = build_dataset(target, tokenizer, prompts, out, max_new_tokens=12, batch_size=3, shard_size=3,
-                          progress=False)
+    again = build_dataset(
+        target, tokenizer, prompts, out, max_new_tokens=12, batch_size=3, shard_size=3, progress=False
+    )
     assert again["input_ids"] == ds["input_ids"]
     assert {p.name: os.stat(p / "state.json").st_mtime_ns for p in shards[:-1]} == stamps
-    parts = [build_dataset(target, tokenizer, prompts, tmp_path / f"part{k}", max_new_tokens=12, batch_size=3,
-                           part=(k, 2), progress=False) for k in range(2)]
+    parts = [
+        build_dataset(
+            target,
+            tokenizer,
+            prompts,
+            tmp_path / f"part{k}",
+            max_new_tokens=12,
+            batch_size=3,
+            part=(k, 2),
+            progress=False,
+        )
+        for k in range(2)
+    ]
     assert [p["prompt_index"] for p in parts] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     for p in parts:
         for row in p:
             assert row["input_ids"] == ds[row["prompt_index"]]["input_ids"]
     with pytest.raises(ValueError, match="other prompts"):
-        build_dataset(target, tokenizer, prompts[:-1], out, max_new_tokens=12, batch_size=3, shard_size=3,
-                      progress=False)
+        build_dataset(
+            target, tokenizer, prompts[:-1], out, max_new_tokens=12, batch_size=3, shard_size=3, progress=False
+        )
 
 
 def test_build_dataset_sampling_is_seeded(tmp_path, target, tokenizer):
@@ -227,14 +249,67 @@ def test_cli_data_then_train(tmp_path, target, tokenizer, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(p[:40].replace("\n", " ") for p in default_prompts(24)) + "\n")
     data = tmp_path / "data"
-    assert moa_main(["data", "--target", str(folder), "--prompts", str(prompts), "--output", str(data),
-                     "--max-new-tokens", "8", "--batch-size", "8", "--num-prompts", "16", "--quiet"]) == 0
+    assert (
+        moa_main(
+            [
+                "data",
+                "--target",
+                str(folder),
+                "--prompts",
+                str(prompts),
+                "--output",
+                str(data),
+                "--max-new-tokens",
+                "8",
+                "--batch-size",
+                "8",
+                "--num-prompts",
+                "16",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert len(datasets.load_from_disk(str(data))) == 16
     out = tmp_path / "drafter"
-    assert moa_main(["train", "--target", str(folder), "--data", str(data), "--output", str(out), "--max-steps", "4",
-                     "--batch-size", "4", "--grad-accum", "2", "--lr", "1e-3", "--cpu", "--quiet", "--save-steps", "2",
-                     "--eval-prompts", str(prompts), "--eval-num-prompts", "2", "--eval-max-new-tokens", "6",
-                     "--eval-steps", "2", "--logging-steps", "1", "--eval-data", str(data)]) == 0
+    assert (
+        moa_main(
+            [
+                "train",
+                "--target",
+                str(folder),
+                "--data",
+                str(data),
+                "--output",
+                str(out),
+                "--max-steps",
+                "4",
+                "--batch-size",
+                "4",
+                "--grad-accum",
+                "2",
+                "--lr",
+                "1e-3",
+                "--cpu",
+                "--quiet",
+                "--save-steps",
+                "2",
+                "--eval-prompts",
+                str(prompts),
+                "--eval-num-prompts",
+                "2",
+                "--eval-max-new-tokens",
+                "6",
+                "--eval-steps",
+                "2",
+                "--logging-steps",
+                "1",
+                "--eval-data",
+                str(data),
+            ]
+        )
+        == 0
+    )
     drafter = MoADrafterModel.from_pretrained(out)
     assert (out / "generation_config.json").exists() and (out / "config.json").exists()
     assert _saved_keys(out / "model.safetensors") == set(drafter.state_dict())
@@ -244,7 +319,122 @@ def test_cli_data_then_train(tmp_path, target, tokenizer, capsys):
     assert 0.0 <= info["top1_heldout"] <= 1.0 and 0.0 <= info["top1_first_heldout"] <= 1.0
     assert (out / "checkpoint-4").is_dir()
     # resume from the latest checkpoint with more steps
-    assert moa_main(["train", "--target", str(folder), "--data", str(data), "--output", str(out), "--max-steps", "6",
-                     "--batch-size", "4", "--cpu", "--quiet", "--resume", "--eval-prompts", "none",
-                     "--save-steps", "100"]) == 0
+    assert (
+        moa_main(
+            [
+                "train",
+                "--target",
+                str(folder),
+                "--data",
+                str(data),
+                "--output",
+                str(out),
+                "--max-steps",
+                "6",
+                "--batch-size",
+                "4",
+                "--cpu",
+                "--quiet",
+                "--resume",
+                "--eval-prompts",
+                "none",
+                "--save-steps",
+                "100",
+            ]
+        )
+        == 0
+    )
     assert json.loads((out / "training_info.json").read_text())["steps"] == 6
+
+
+def _parsed(argv: list[str]) -> tuple:
+    from moa_hf.cli import build_parser
+    from moa_hf.training.cli import data_arguments, train_arguments
+
+    args = build_parser().parse_args(argv)
+    return train_arguments(args) if args.command == "train" else data_arguments(args)
+
+
+def test_train_help_lists_every_training_argument(capsys):
+    """`moa train` takes every `MoATrainingArguments` field (`HfArgumentParser`), in both spellings."""
+    import dataclasses
+
+    from moa_hf.training import MoATrainingArguments
+
+    with pytest.raises(SystemExit):
+        moa_main(["train", "--help"])
+    text = capsys.readouterr().out
+    names = [f.name for f in dataclasses.fields(MoATrainingArguments) if f.init]
+    assert len(names) > 100 and {"min_cycle", "sa_curriculum", "learning_rate", "eval_acceptance_steps"} <= set(names)
+    for name in names:
+        assert f"--{name} " in text or f"--{name}," in text, name
+        assert "_" not in name or f"--{name.replace('_', '-')}" in text, name
+
+
+def test_makefile_flags_parse_to_the_right_fields(tmp_path):
+    """The hyphenated flags of the Makefile's `data` and `drafters` targets (and the README's) keep their meaning."""
+    target, data, drafter, training = _parsed([
+        "train", "--target", "default", "--dtype", "bfloat16", "--data", "runs/data", "runs/written",
+        "--states", "runs/states", "--max-steps", "480", "--batch-size", "8", "--lr", "1e-3", "--warmup-steps", "10",
+        "--min-cycle", "2", "--max-cycle", "8", "--eval-num-prompts", "8", "--eval-max-new-tokens", "64",
+        "--save-steps", "100", "--save-total-limit", "1", "--kind", "moa", "--draft-vocab-size", "8192",
+        "--lsa-hidden-size", "128", "--eval-steps", "60", "--output", str(tmp_path / "moa"),
+    ])  # fmt: skip
+    assert (target.target, target.dtype) == ("default", "bfloat16")
+    assert data.data == ["runs/data", "runs/written"] and data.states == ["runs/states"]
+    assert (drafter.kind, drafter.draft_vocab_size, drafter.lsa_hidden_size) == ("moa", 8192, 128)
+    assert training.output_dir == str(tmp_path / "moa") and training.max_steps == 480
+    assert training.per_device_train_batch_size == training.per_device_eval_batch_size == 8
+    assert training.learning_rate == 1e-3 and training.warmup_steps == 10
+    assert (training.min_cycle, training.max_cycle) == (2, 8)
+    assert (training.eval_num_prompts, training.eval_max_new_tokens) == (8, 64)
+    assert (training.save_steps, training.save_total_limit) == (100, 1)
+    # no --eval-data: --eval-steps is the period of the acceptance length on held-out prompts
+    assert training.eval_acceptance_steps == 60 and training.eval_strategy == "no"
+    # the command's own defaults (not TrainingArguments')
+    assert (training.lr_scheduler_type, training.max_grad_norm, training.seed) == ("cosine", 0.5, 0)
+    assert training.include_num_input_tokens_seen == "non_padding" and training.report_to == []
+
+    *_, training = _parsed(
+        [
+            "train",
+            "--target",
+            "t",
+            "--data",
+            "d",
+            "--output",
+            "o",
+            "--max_steps",
+            "6",
+            "--cpu",
+            "--quiet",
+            "--resume",
+            "--grad-accum",
+            "2",
+            "--lr-scheduler",
+            "linear",
+            "--num-workers",
+            "1",
+            "--eval-data",
+            "e",
+            "--eval_steps",
+            "3",
+            "--per_device_eval_batch_size",
+            "2",
+        ]
+    )
+    assert training.use_cpu and training.disable_tqdm and training.resume_from_checkpoint == "latest"
+    assert (training.gradient_accumulation_steps, training.lr_scheduler_type) == (2, "linear")
+    assert training.dataloader_num_workers == 1 and training.per_device_eval_batch_size == 2
+    assert training.eval_strategy == "steps" and training.eval_steps == 3 and training.eval_acceptance_steps is None
+    with pytest.raises(ValueError, match="--max-steps"):
+        _parsed(["train", "--target", "t", "--data", "d", "--output", "o"])
+
+    target, data_args = _parsed([
+        "data", "--target", "default", "--dtype", "bfloat16", "--prompts", "default:written", "--num-prompts", "100",
+        "--max-new-tokens", "256", "--batch-size", "64", "--shard-size", "64", "--output", "runs/written",
+        "--part", "1/4", "--do-sample", "--no-chat-template",
+    ])  # fmt: skip
+    assert (data_args.prompts, data_args.num_prompts, data_args.max_new_tokens) == ("default:written", 100, 256)
+    assert (data_args.batch_size, data_args.shard_size, data_args.output) == (64, 64, "runs/written")
+    assert data_args.part_indices() == (1, 4) and data_args.do_sample and data_args.no_chat_template

@@ -13,18 +13,42 @@ from pathlib import Path
 
 import pytest
 import torch
-from moa_hf.training import build_dataset, default_prompts
-from moa_hf.training.testing import tiny_target, tiny_tokenizer
 from safetensors.torch import load_file
+
+from moa_hf.training import build_dataset, default_prompts
+
+from factory import tiny_target, tiny_tokenizer
+
+pytestmark = pytest.mark.slow  # two processes with gloo (~25 s): `make test-all`
 
 ACCELERATE = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
 
 
 def _train_cmd(target: Path, data: Path, out: Path, batch_size: int) -> list[str]:
     return [
-        "-m", "moa_hf.training.cli", "train", "--target", str(target), "--data", str(data), "--output", str(out),
-        "--max-steps", "4", "--batch-size", str(batch_size), "--lr", "1e-3", "--cpu", "--quiet",
-        "--logging-steps", "1", "--save-steps", "4", "--eval-prompts", "none",
+        "-m",
+        "moa_hf.training.cli",
+        "train",
+        "--target",
+        str(target),
+        "--data",
+        str(data),
+        "--output",
+        str(out),
+        "--max-steps",
+        "4",
+        "--batch-size",
+        str(batch_size),
+        "--lr",
+        "1e-3",
+        "--cpu",
+        "--quiet",
+        "--logging-steps",
+        "1",
+        "--save-steps",
+        "4",
+        "--eval-prompts",
+        "none",
     ]
 
 
@@ -53,16 +77,39 @@ def test_two_process_ddp_matches_one_process(tmp_path):
     target.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     data = tmp_path / "data"
-    build_dataset(target, tokenizer, [p[:40] for p in default_prompts(32)], data, max_new_tokens=16, batch_size=16,
-                  progress=False)
+    build_dataset(
+        target,
+        tokenizer,
+        [p[:40] for p in default_prompts(32)],
+        data,
+        max_new_tokens=16,
+        batch_size=16,
+        progress=False,
+    )
 
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     _run([sys.executable, *_train_cmd(folder, data, single, batch_size=8)], tmp_path)
     # accelerate 1.x: `--cpu` with several processes expects MPI; `--multi_gpu` on a machine without GPUs launches
     # torchrun processes that use the gloo backend on the CPU (and `--cpu` of `moa train` keeps them there).
-    _run([ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
-          "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-          *_train_cmd(folder, data, ddp, batch_size=4)], tmp_path)
+    _run(
+        [
+            ACCELERATE,
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(_free_port()),
+            *_train_cmd(folder, data, ddp, batch_size=4),
+        ],
+        tmp_path,
+    )
 
     state = json.loads((ddp / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["epoch"] == pytest.approx(1.0)  # 2 processes x 4 examples per step over 32 examples

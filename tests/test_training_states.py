@@ -6,14 +6,15 @@ from __future__ import annotations
 import datasets
 import pytest
 import torch
-from moa_hf.training import MoATrainer, run_target
-from moa_hf.training.builders import build_for_kind, build_independent, frequent_tokens, init_from_target_layer
-from moa_hf.training.states import TargetStatesDataset, cache_target_states, load_target_states
-from moa_hf.training.testing import random_dataset, tiny_target
-from moa_hf.training.testing import tiny_training_args as make_args
-from moa_hf.training.trainer import drafter_kind
 
 import moa_hf
+from moa_hf.training import MoATrainer, run_target
+from moa_hf.training.builders import build_independent, frequent_tokens, init_from_target_layer
+from moa_hf.training.drafters import ADAPTERS, adapter_for, adapter_named, build_for_kind, drafter_kind
+from moa_hf.training.states import TargetStatesDataset, cache_target_states, load_target_states
+
+from factory import random_dataset, tiny_target
+from factory import tiny_training_args as make_args
 
 torch.set_num_threads(1)
 
@@ -71,7 +72,7 @@ def test_cached_states_for_target_layer_inference(tmp_path, target):
             states = run_target(target, ids, target_layer_inference=n)
             torch.testing.assert_close(item["tli_hidden"][:, n - 1].float(), states.feature[0].bfloat16().float())
             for layer, (k, v) in zip(range(num_layers - n, num_layers), states.tli_kv):
-                keys, values = moa_hf.split_target_kv(item["target_kv"][None], layer, 2)
+                keys, values = moa_hf.modeling.split_target_kv(item["target_kv"][None], layer, 2)
                 torch.testing.assert_close(keys.float(), k.bfloat16().float())
                 torch.testing.assert_close(values.float(), v.bfloat16().float())
     assert cache_target_states(target, data, folder, progress=False, tli_layers=1) == folder  # enough: reused
@@ -127,8 +128,13 @@ def test_draft_vocabulary_head_and_lossless_generation(target):
             g = torch.Generator().manual_seed(seed)
             prompt = torch.randint(3, 100, (1, 6), generator=g)
             plain = target.generate(prompt, do_sample=False, max_new_tokens=20, attention_mask=torch.ones_like(prompt))
-            spec = target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=drafter,
-                                   attention_mask=torch.ones_like(prompt))
+            spec = target.generate(
+                prompt,
+                do_sample=False,
+                max_new_tokens=20,
+                assistant_model=drafter,
+                attention_mask=torch.ones_like(prompt),
+            )
             assert torch.equal(plain, spec)
     finally:
         drafter.detach()
@@ -184,6 +190,21 @@ def test_independent_lm_is_the_targets_first_layers(target):
     assert not small.get_input_embeddings().weight.requires_grad
 
 
+def test_drafter_adapters_are_picked_by_class_and_by_kind(target):
+    """One adapter per drafter class (PEFT-style registry): found through wrappers, by `--kind` name, or refused."""
+    pytest.importorskip("peft")
+    from moa_hf.training import apply_lora
+
+    moa = moa_hf.build_drafter(target)
+    assert adapter_for(moa) is adapter_named("moa") is ADAPTERS[moa_hf.MoADrafterModel]
+    assert adapter_for(apply_lora(moa, r=2)) is adapter_named("moa")
+    assert adapter_for(tiny_target(num_hidden_layers=1)) is adapter_named("independent")
+    with pytest.raises(ValueError, match="Unknown drafter kind 'medusa'"):
+        adapter_named("medusa")
+    with pytest.raises(TypeError, match="No training adapter for Linear"):
+        adapter_for(torch.nn.Linear(2, 2))
+
+
 @pytest.mark.parametrize("kind", ["independent", "eagle"])
 def test_peers_train_with_the_same_trainer_on_cached_states(tmp_path, target, kind):
     data = random_dataset(8)
@@ -191,8 +212,12 @@ def test_peers_train_with_the_same_trainer_on_cached_states(tmp_path, target, ki
     torch.manual_seed(0)
     model = build_for_kind(kind, target, **({"num_layers": 1} if kind == "independent" else {}))
     assert drafter_kind(model) == kind
-    trainer = MoATrainer(model=model, target=target, args=make_args(tmp_path, max_steps=6, learning_rate=3e-3),
-                         train_dataset=TargetStatesDataset(data, folder))
+    trainer = MoATrainer(
+        model=model,
+        target=target,
+        args=make_args(tmp_path, max_steps=6, learning_rate=3e-3),
+        train_dataset=TargetStatesDataset(data, folder),
+    )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 6 and losses[-1] < losses[0]
@@ -207,7 +232,8 @@ def test_moa_train_cli_on_cached_states_records_a_continuing_learning_curve(tmp_
     import json
 
     from moa_hf.training.cli import main
-    from moa_hf.training.testing import tiny_tokenizer
+
+    from factory import tiny_tokenizer
 
     folder = tmp_path / "target"
     tiny_target().save_pretrained(folder)
@@ -215,11 +241,47 @@ def test_moa_train_cli_on_cached_states_records_a_continuing_learning_curve(tmp_
     random_dataset(8).save_to_disk(str(tmp_path / "data"))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "hello there"}\n{"prompt": "one two three"}\n')
-    common = ["train", "--target", str(folder), "--dtype", "float32", "--data", str(tmp_path / "data"), "--states",
-              str(tmp_path / "states"), "--batch-size", "4", "--eval-prompts", str(prompts), "--eval-num-prompts", "2",
-              "--eval-max-new-tokens", "8", "--eval-steps", "2", "--save-steps", "100", "--quiet", "--cpu"]
-    assert main([*common, "--output", str(tmp_path / "a"), "--max-steps", "4", "--draft-vocab-size", "16",
-                 "--lsa-hidden-size", "32"]) == 0
+    common = [
+        "train",
+        "--target",
+        str(folder),
+        "--dtype",
+        "float32",
+        "--data",
+        str(tmp_path / "data"),
+        "--states",
+        str(tmp_path / "states"),
+        "--batch-size",
+        "4",
+        "--eval-prompts",
+        str(prompts),
+        "--eval-num-prompts",
+        "2",
+        "--eval-max-new-tokens",
+        "8",
+        "--eval-steps",
+        "2",
+        "--save-steps",
+        "100",
+        "--quiet",
+        "--cpu",
+    ]
+    assert (
+        main(
+            [
+                *common,
+                "--output",
+                str(tmp_path / "a"),
+                "--max-steps",
+                "4",
+                "--draft-vocab-size",
+                "16",
+                "--lsa-hidden-size",
+                "32",
+            ]
+        )
+        == 0
+    )
     info = json.loads((tmp_path / "a" / "training_info.json").read_text())
     assert info["cached_target_states"] is True and info["kind"] == "moa"
     curve = info["learning_curve"]
@@ -236,8 +298,10 @@ def test_moa_train_cli_on_cached_states_records_a_continuing_learning_curve(tmp_
     more_args[more_args.index("--data") + 1 : more_args.index("--data") + 1] = two
     more_args[more_args.index("--states") + 1 : more_args.index("--states") + 1] = [
         str(tmp_path / "states"), str(tmp_path / "states2")]  # fmt: skip
-    assert main([*more_args, "--output", str(tmp_path / "b"), "--max-steps", "2", "--init-drafter",
-                 str(tmp_path / "a")]) == 0
+    assert (
+        main([*more_args, "--output", str(tmp_path / "b"), "--max-steps", "2", "--init-drafter", str(tmp_path / "a")])
+        == 0
+    )
     assert kv_file.stat().st_mtime_ns == before and (tmp_path / "states2" / "states.json").exists()
     info_b = json.loads((tmp_path / "b" / "training_info.json").read_text())
     more = info_b["learning_curve"]

@@ -13,13 +13,12 @@ _EXPORTS = {
     "MoATrainingArguments": "arguments",
     "MoATrainer": "trainer",
     "MoADataCollator": "trainer",
-    "TargetStates": "trainer",
+    "TargetStates": "states",
     "IGNORE_INDEX": "trainer",
     "run_target": "trainer",
     "staircase_restarts": "trainer",
     "draw_cycle_lengths": "trainer",
     "sa_curriculum_mask": "trainer",
-    "unwrap_drafter": "trainer",
     # losses
     "chunked_soft_cross_entropy": "losses",
     "feature_loss": "losses",
@@ -32,8 +31,8 @@ _EXPORTS = {
     "format_prompts": "data",
     "check_not_spec_bench": "data",
     "SpecBenchPromptsError": "data",
-    "default_prompts": "prompts",
-    "written_briefs": "prompts",
+    "default_prompts": "data",
+    "written_briefs": "data",
     "written_prompts": "data",
     # conversion
     "with_own_embeddings": "convert",
@@ -41,20 +40,26 @@ _EXPORTS = {
     "apply_lora": "peft_utils",
     "merge_lora": "peft_utils",
     "DEFAULT_LORA_TARGETS": "peft_utils",
-    "tune_speculation": "tune",
     "TargetStatesDataset": "states",
     "cache_target_states": "states",
     "load_target_states": "states",
-    "build_for_kind": "builders",
+    # drafters: one training adapter per drafter class
+    "ADAPTERS": "drafters",
+    "DrafterAdapter": "drafters",
+    "adapter_for": "drafters",
+    "build_for_kind": "drafters",
+    "drafter_kind": "drafters",
+    "unwrap_drafter": "drafters",
     "build_independent": "builders",
     "frequent_tokens": "builders",
     "init_from_target_layer": "builders",
-    "drafter_kind": "trainer",
 }
 
 __all__ = [
+    "ADAPTERS",
     "AcceptanceEvalCallback",
     "DEFAULT_LORA_TARGETS",
+    "DrafterAdapter",
     "IGNORE_INDEX",
     "MoADataCollator",
     "MoATrainer",
@@ -62,6 +67,7 @@ __all__ = [
     "SpecBenchPromptsError",
     "TargetStates",
     "TargetStatesDataset",
+    "adapter_for",
     "apply_lora",
     "build_for_kind",
     "build_independent",
@@ -85,7 +91,6 @@ __all__ = [
     "run_target",
     "sa_curriculum_mask",
     "staircase_restarts",
-    "tune_speculation",
     "unwrap_drafter",
     "with_own_embeddings",
 ]
@@ -103,25 +108,23 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs
+    from moa_hf.offline_prompts import default_prompts
+
     from .arguments import MoATrainingArguments
-    from .builders import build_for_kind, build_independent, frequent_tokens, init_from_target_layer
+    from .builders import build_independent, frequent_tokens, init_from_target_layer
     from .convert import with_own_embeddings
     from .data import SpecBenchPromptsError, build_dataset, check_not_spec_bench, format_prompts, load_prompts
+    from .drafters import ADAPTERS, DrafterAdapter, adapter_for, build_for_kind, drafter_kind, unwrap_drafter
     from .evaluation import AcceptanceEvalCallback, measure_acceptance
     from .losses import chunked_soft_cross_entropy, feature_loss
     from .peft_utils import DEFAULT_LORA_TARGETS, apply_lora, merge_lora
-    from .prompts import default_prompts
-    from .states import TargetStatesDataset, cache_target_states, load_target_states
+    from .states import TargetStates, TargetStatesDataset, cache_target_states, load_target_states
     from .trainer import (
         IGNORE_INDEX,
         MoADataCollator,
         MoATrainer,
-        TargetStates,
-        drafter_kind,
         draw_cycle_lengths,
         run_target,
         sa_curriculum_mask,
         staircase_restarts,
-        unwrap_drafter,
     )
-    from .tune import tune_speculation

@@ -1,12 +1,26 @@
-"""Training arguments of the MoA drafter (a `transformers.TrainingArguments` with the drafter's own fields)."""
+"""Arguments of drafter training: `MoATrainingArguments` (a `transformers.TrainingArguments` with the drafter's own
+fields), and the dataclasses `moa data` / `moa train` parse their options into (`transformers.HfArgumentParser`:
+each field is an option, spelled with underscores or hyphens, `--max_steps` or `--max-steps`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from transformers import TrainingArguments
+from transformers import SchedulerType, TrainingArguments
 
-__all__ = ["MoATrainingArguments"]
+from .drafters import KINDS, DrafterAdapter, MoAAdapter
+
+__all__ = [
+    "DataArguments",
+    "DrafterArguments",
+    "MoATrainingArguments",
+    "TargetArguments",
+    "TrainCommandArguments",
+    "TrainDataArguments",
+]
+
+_DTYPES = ["auto", "bfloat16", "float16", "float32"]
 
 
 @dataclass
@@ -71,8 +85,12 @@ class MoATrainingArguments(TrainingArguments):
     ddp_find_unused_parameters: bool | None = field(
         default=False, metadata={"help": "Every trainable drafter parameter is used in each forward."}
     )
-    include_num_input_tokens_seen: str | bool = field(
-        default="non_padding", metadata={"help": "Count the (non-padding) tokens trained on: logs tokens/s."}
+    include_num_input_tokens_seen: str = field(  # str (a bool still maps to "all" / "no"): HfArgumentParser-safe
+        default="non_padding",
+        metadata={
+            "choices": ["all", "non_padding", "no"],
+            "help": "Count the (non-padding) tokens trained on: logs tokens/s.",
+        },
     )
 
     def __post_init__(self):
@@ -85,3 +103,213 @@ class MoATrainingArguments(TrainingArguments):
             raise ValueError("soft_ce_weight and feature_weight must be >= 0 and not both 0.")
         if self.vocab_chunk_size < 1:
             raise ValueError(f"vocab_chunk_size must be positive, got {self.vocab_chunk_size}.")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `moa data` / `moa train` options
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class TargetArguments:
+    """The frozen target model."""
+
+    _argument_group_name: ClassVar[str] = "target"
+
+    target: str = field(
+        metadata={"help": "`default` (SmolLM2-135M-Instruct, offline), a folder or a Hub id (see moa_hf.loading)."}
+    )
+    dtype: str = field(
+        default="auto", metadata={"choices": _DTYPES, "help": "Target dtype (auto: bf16 on a GPU, fp32 on a CPU)."}
+    )
+
+
+@dataclass
+class DataArguments:
+    """`moa data`: the target answers prompts; prompt + response token ids are saved as a `datasets` folder."""
+
+    _argument_group_name: ClassVar[str] = "data"
+
+    output: str = field(metadata={"help": "Dataset folder to write."})
+    prompts: str = field(
+        default="default",
+        metadata={
+            "help": "`default` (offline generator), `default:written` (material the target writes first; needs "
+            "--num-prompts), a .jsonl/.txt file, a saved `datasets` folder or a dataset name."
+        },
+    )
+    max_new_tokens: int = field(default=256, metadata={"help": "Most tokens of each response."})
+    batch_size: int = field(default=16, metadata={"help": "Prompts answered together."})
+    num_prompts: int | None = field(default=None, metadata={"help": "Use the first N prompts (default: all)."})
+    prompt_column: str | None = field(default=None, metadata={"help": "Field/column holding the prompt."})
+    prompt_split: str = field(default="train", metadata={"help": "Split of a dataset source."})
+    do_sample: bool = field(default=False, metadata={"help": "Sample responses instead of greedy decoding."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (with --do-sample)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling (with --do-sample)."})
+    top_k: int | None = field(default=None, metadata={"help": "Top-k sampling (with --do-sample)."})
+    no_chat_template: bool = field(default=False, metadata={"help": "Feed raw prompt text (no chat template)."})
+    system_prompt: str | None = field(default=None, metadata={"help": "System message of the chat template."})
+    shard_size: int = field(default=512, metadata={"help": "Prompts per saved shard (resume granularity)."})
+    part: str | None = field(
+        default=None,
+        metadata={
+            "metavar": "K/N",
+            "help": "Answer only every N-th prompt starting at K (run N of these, e.g. one per GPU, then "
+            "`moa train --data PART0 ... PARTN-1`).",
+        },
+    )
+    device: str | None = field(default=None, metadata={"help": "Device of the target (default: cuda if available)."})
+    seed: int = field(default=0, metadata={"help": "Seed of the prompts' order and of sampling."})
+    quiet: bool = field(default=False, metadata={"help": "No progress bars."})
+
+    def part_indices(self) -> tuple[int, int] | None:
+        """(K, N) of `part`, or None."""
+        if self.part is None:
+            return None
+        try:
+            k, n = (int(x) for x in self.part.split("/"))
+        except ValueError as err:
+            raise ValueError(f"--part must look like K/N (e.g. 0/4), got {self.part!r}") from err
+        return k, n
+
+
+@dataclass
+class TrainDataArguments:
+    """`moa train`: the training data, its cached target states and the held-out evaluation data."""
+
+    _argument_group_name: ClassVar[str] = "training data"
+
+    data: list[str] = field(metadata={"help": "Dataset folder(s) written by `moa data`."})
+    eval_data: str | None = field(default=None, metadata={"help": "Held-out dataset folder for the evaluation loss."})
+    states: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Folder of the target's cached states (K/V and final hidden states, computed once on first use, "
+            "memory-mapped): epochs then cost only the drafter; one folder per --data folder reuses each dataset's "
+            "states."
+        },
+    )
+    eval_prompts: str = field(
+        default="default:validation",
+        metadata={"help": "Held-out prompts for the acceptance length (`none` disables)."},
+    )
+
+
+@dataclass
+class DrafterArguments:
+    """`moa train`: which drafter is trained, and how it starts."""
+
+    _argument_group_name: ClassVar[str] = "drafter"
+
+    kind: str = field(
+        default=MoAAdapter.name,
+        metadata={
+            "choices": KINDS,
+            "help": "Drafter type: MoA (default), the EAGLE-style peer, or an independent small LM distilled from "
+            "the target.",
+        },
+    )
+    init_drafter: str | None = field(
+        default=None, metadata={"help": "Start from a saved drafter (a `moa train` --output) instead of a fresh one."}
+    )
+    draft_vocab_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "MoA: predict only the N most frequent tokens of the target's responses in --data (a smaller, "
+            "faster head; still lossless; 0: the full vocabulary)."
+        },
+    )
+    lsa_hidden_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "MoA: width of the Layer Self-Attention (default 2 x KV heads x head dim; 0: that default); the "
+            "LSA runs over every target layer of every token, so it dominates training cost."
+        },
+    )
+    init_from_target_layer: int | None = field(
+        default=None,
+        metadata={"metavar": "I", "help": "Start the drafter's decoder layers from the target's layer I (e.g. -1)."},
+    )
+    independent_layers: int = field(
+        default=2, metadata={"help": "Independent LM: number of decoder layers (copied from the target's first ones)."}
+    )
+    target_layer_inference: int = field(
+        default=0,
+        metadata={
+            "help": "N: the target's last N layers run in the drafter (TLI); --states then also caches the inputs of "
+            "those layers."
+        },
+    )
+    own_embeddings: bool = field(
+        default=False,
+        metadata={"help": "The drafter keeps (frozen) copies of the embedding and LM head, saved with it."},
+    )
+    lora_r: int = field(
+        default=0,
+        metadata={"help": "Train LoRA adapters of this rank instead of all weights (the merged drafter is saved)."},
+    )
+
+    def __post_init__(self):
+        self.draft_vocab_size = self.draft_vocab_size or None  # 0: the full vocabulary
+        self.lsa_hidden_size = self.lsa_hidden_size or None  # 0: the default width
+
+    def build_options(self, adapter: DrafterAdapter) -> dict:
+        """The keyword arguments of `adapter.build` that these options set (unset ones left out)."""
+        values = {keyword: getattr(self, name) for name, keyword in adapter.options.items()}
+        return {keyword: value for keyword, value in values.items() if value is not None}
+
+
+@dataclass
+class TrainCommandArguments(MoATrainingArguments):
+    """`MoATrainingArguments` as `moa train` takes them: short aliases of a few names (`--output`, `--lr`,
+    `--batch-size`, `--grad-accum`, `--lr-scheduler`, `--cpu`, `--num-workers`, `--quiet`, `--resume`) and other
+    defaults; `--max-steps` is required."""
+
+    _argument_group_name: ClassVar[str] = "training (MoATrainingArguments)"
+
+    output_dir: str = field(
+        metadata={"aliases": ["--output"], "help": "Output folder: checkpoints and the final drafter."}
+    )
+    learning_rate: float = field(default=3e-4, metadata={"aliases": ["--lr"], "help": "Peak learning rate."})
+    per_device_train_batch_size: int = field(
+        default=8,
+        metadata={"aliases": ["--batch-size"], "help": "Per-device batch size (also for caching the target states)."},
+    )
+    per_device_eval_batch_size: int | None = field(
+        default=None, metadata={"help": "Per-device evaluation batch size (default: --batch-size)."}
+    )
+    gradient_accumulation_steps: int = field(
+        default=1, metadata={"aliases": ["--grad-accum"], "help": "Batches accumulated per optimizer step."}
+    )
+    lr_scheduler_type: SchedulerType | str = field(
+        default="cosine", metadata={"aliases": ["--lr-scheduler"], "help": "Learning-rate schedule."}
+    )
+    max_grad_norm: float = field(default=0.5, metadata={"help": "Gradient clipping norm (0: none)."})
+    save_total_limit: int | None = field(default=2, metadata={"help": "Checkpoints kept in --output."})
+    eval_steps: float | None = field(
+        default=500,
+        metadata={
+            "help": "Evaluate every N steps: the evaluation loss with --eval-data, else the acceptance length on "
+            "--eval-prompts."
+        },
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the drafter's initialisation and of training."})
+    use_cpu: bool = field(
+        default=False, metadata={"aliases": ["--cpu"], "help": "Train on CPU even if a GPU is available."}
+    )
+    dataloader_num_workers: int = field(default=0, metadata={"aliases": ["--num-workers"], "help": "Data workers."})
+    disable_tqdm: bool = field(default=False, metadata={"aliases": ["--quiet"], "help": "No progress bars."})
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={
+            "aliases": ["--resume"],
+            "nargs": "?",
+            "const": "latest",
+            "help": "Resume from the latest checkpoint in --output (no value), or from the given checkpoint folder.",
+        },
+    )
+
+    def __post_init__(self):
+        if self.max_steps <= 0:
+            raise ValueError(f"--max-steps N (N > 0) is required, got {self.max_steps}.")
+        if self.per_device_eval_batch_size is None:
+            self.per_device_eval_batch_size = self.per_device_train_batch_size
+        super().__post_init__()

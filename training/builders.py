@@ -1,5 +1,5 @@
-"""Fresh drafters for a target: MoA, the EAGLE-style peer and an independent small LM, plus their initialisations
-(a target layer's weights, a reduced draft vocabulary)."""
+"""Initialisations of fresh drafters for a target: an independent small LM (the target's first layers), a target
+layer's weights, a reduced draft vocabulary. Which drafter `moa train --kind` builds: `drafters.py`."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ from collections import Counter
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-__all__ = ["KINDS", "build_for_kind", "build_independent", "frequent_tokens", "init_from_target_layer"]
-
-KINDS = ("moa", "eagle", "independent")
+__all__ = ["build_independent", "frequent_tokens", "init_from_target_layer"]
 
 
 def _decoder_layers(target: PreTrainedModel) -> torch.nn.ModuleList:
@@ -86,19 +84,3 @@ def build_independent(target: PreTrainedModel, num_layers: int = 2) -> PreTraine
     model.generation_config.num_assistant_tokens_schedule = "constant"
     model.generation_config.assistant_confidence_threshold = 0.3
     return model
-
-
-def build_for_kind(kind: str, target: PreTrainedModel, **overrides) -> torch.nn.Module:
-    """A fresh fp32 drafter of `kind` ("moa", "eagle", "independent") for `target`."""
-    if kind == "moa":
-        from moa_hf import build_drafter
-
-        return build_drafter(target, **overrides)
-    if kind == "eagle":
-        from moa_hf.modeling.configuration_eagle import EagleDrafterConfig
-        from moa_hf.modeling.modeling_eagle import EagleDrafterModel
-
-        return EagleDrafterModel(EagleDrafterConfig.from_target_config(target.config, **overrides)).float()
-    if kind == "independent":
-        return build_independent(target, **overrides)
-    raise ValueError(f"Unknown drafter kind {kind!r}; use one of {KINDS}.")

@@ -15,7 +15,7 @@ def with_own_embeddings(drafter: MoADrafterModel, target: PreTrainedModel) -> Mo
     """A copy of `drafter` (trained with the target's borrowed embedding / LM head) that owns frozen copies of them.
 
     This is how to get a standalone drafter after training with borrowed embeddings (required under FSDP / ZeRO-3,
-    see README-SCALE.md): the copies are exactly the modules training used.
+    see docs/training.md): the copies are exactly the modules training used.
     """
     if drafter.config.own_embeddings:
         return drafter

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel, TrainerCallback
+
+from moa_hf.bench import acceptance_length, count_forward_calls
+
+from .drafters import adapter_for, unwrap_model
 
 __all__ = ["AcceptanceEvalCallback", "measure_acceptance"]
 
@@ -24,63 +27,43 @@ def measure_acceptance(
 ) -> dict[str, float]:
     """Greedy `target.generate(..., assistant_model=drafter)` on each prompt (batch 1); pooled acceptance length.
 
-    Returns ``acceptance_length`` (tokens per target call, averaged over all drafting cycles of all prompts),
-    ``acceptance_cycles`` and ``acceptance_tokens``. The drafter is attached to `target` if it is not already.
-    A MoA/EAGLE drafter runs with the library's default speculation settings (`default_generation_config`: 5 tokens,
-    threshold 0.3, no prompt lookup), not its tuned ones, so that the points of a learning curve stay comparable and
-    measure the network alone.
+    Returns ``acceptance_length`` (`moa_hf.bench.acceptance_length`: new tokens per target call, pooled over all
+    prompts), ``acceptance_cycles`` (the target's calls) and ``acceptance_tokens`` (the new tokens). The drafter's
+    adapter (`drafters.ADAPTERS`) prepares it: a MoA/EAGLE drafter is attached to `target` if it is not already and
+    runs with the library's default speculation settings (`default_generation_config`: 5 tokens, threshold 0.3; no
+    prompt lookup), not its tuned ones, so that the points of a learning curve stay comparable and measure the
+    network alone.
     """
-    from .trainer import _unwrap_any, drafter_kind
-
-    independent = drafter_kind(drafter) == "independent"
-    base = _unwrap_any(drafter)
-    was_training = base.training
-    base.eval()
-    if not independent and not base.is_attached:
-        base.attach(target, allow_other_target=True)
-    accepted: list[int] = []
+    base = unwrap_model(drafter)
     pad = target.generation_config.pad_token_id
     if pad is None:
         pad = target.config.get_text_config().pad_token_id
-    own_config = getattr(base, "generation_config", None)
-    if not independent:
-        base.generation_config = base.default_generation_config(copy.deepcopy(own_config))
+    total, cycles = 0.0, 0.0
+    was_training = base.training
+    base.eval()
     try:
-        for ids in prompt_ids:
-            input_ids = torch.tensor([list(ids)], dtype=torch.long, device=target.device)  # [1, P]
-            calls = [0]
-
-            def count(*_, calls=calls) -> None:
-                calls[0] += 1
-
-            handle = target.register_forward_pre_hook(count)
-            try:
-                out = target.generate(
-                    input_ids=input_ids,
-                    attention_mask=torch.ones_like(input_ids),
-                    assistant_model=base,
-                    do_sample=False,
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=pad,
-                )
-            finally:
-                handle.remove()
-            if independent:  # tokens per target call: every call verifies one cycle
-                new = out.shape[1] - input_ids.shape[1]
-                accepted.extend([new / max(calls[0], 1)] * calls[0])
-            else:
-                accepted.extend(base.speculation_stats.accepted_lengths)
+        with adapter_for(base).generating(base, target):
+            for ids in prompt_ids:
+                input_ids = torch.tensor([list(ids)], dtype=torch.long, device=target.device)  # [1, P]
+                with count_forward_calls(target) as counter:
+                    out = target.generate(
+                        input_ids=input_ids,
+                        attention_mask=torch.ones_like(input_ids),
+                        assistant_model=base,
+                        do_sample=False,
+                        max_new_tokens=max_new_tokens,
+                        pad_token_id=pad,
+                    )
+                total, cycles = total + out.shape[1] - input_ids.shape[1], cycles + counter.calls
     finally:
         base.train(was_training)
-        if not independent:
-            base.generation_config = own_config
-    total, cycles = float(sum(accepted)), float(len(accepted))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         sums = torch.tensor([total, cycles], dtype=torch.float64, device=target.device)
         torch.distributed.all_reduce(sums)
         total, cycles = float(sums[0]), float(sums[1])
+    length = acceptance_length(total, cycles)
     return {
-        "acceptance_length": total / max(cycles, 1.0),
+        "acceptance_length": 0.0 if length is None else length,
         "acceptance_cycles": cycles,
         "acceptance_tokens": total,
     }

@@ -90,8 +90,9 @@ def chunked_soft_cross_entropy(
         return _soft_ce(student_head(h), teacher_logits)
 
     parts = [
-        checkpoint(one_chunk, student_hidden[s : s + chunk_size], teacher_hidden[s : s + chunk_size],
-                   use_reentrant=False)
+        checkpoint(
+            one_chunk, student_hidden[s : s + chunk_size], teacher_hidden[s : s + chunk_size], use_reentrant=False
+        )
         for s in range(0, student_hidden.shape[0], chunk_size)
     ]
     return torch.cat(parts) if parts else student_hidden.new_zeros(0, dtype=torch.float32)

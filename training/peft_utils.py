@@ -29,8 +29,11 @@ def apply_lora(
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
-        r=r, lora_alpha=alpha if alpha is not None else 2 * r, lora_dropout=dropout,
-        target_modules=list(target_modules), **kwargs,
+        r=r,
+        lora_alpha=alpha if alpha is not None else 2 * r,
+        lora_dropout=dropout,
+        target_modules=list(target_modules),
+        **kwargs,
     )
     return get_peft_model(drafter, config)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +28,28 @@ from transformers import PreTrainedModel
 
 from ..modeling import gather_target_kv, target_signature
 
-__all__ = ["TargetStatesDataset", "cache_target_states", "load_target_states"]
+__all__ = ["TargetStates", "TargetStatesDataset", "cache_target_states", "load_target_states"]
 
 _META = "states.json"
 _KV, _HIDDEN, _TLI = "target_kv", "final_hidden", "tli_hidden"
 _FORMAT = 1
+
+
+@dataclass
+class TargetStates:
+    """What the frozen target provides for one batch.
+
+    target_kv: [B, T, L, 2*Hkv*hd] keys/values of every layer (the LSA input).
+    feature: [B, T, d] the drafter's regression target: the post-norm final hidden state (TLI N > 0: the hidden state
+        after layer L-N).
+    final_hidden: [B, T, d] post-norm final hidden state, which the target's head turns into its next-token logits.
+    tli_kv: with N > 0, N (key, value) pairs [B, Hkv, T, hd] of the last N layers; else None.
+    """
+
+    target_kv: torch.Tensor
+    feature: torch.Tensor
+    final_hidden: torch.Tensor
+    tli_kv: list | None = None
 
 
 def _signature(target: PreTrainedModel) -> dict:
@@ -105,8 +123,13 @@ def cache_target_states(
         for r, i in enumerate(rows):
             ids[r, : lengths[i]] = torch.as_tensor(dataset[i]["input_ids"][: lengths[i]])
             mask[r, : lengths[i]] = 1
-        o = target(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=True, output_hidden_states=True,
-                   logits_to_keep=1)
+        o = target(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            use_cache=True,
+            output_hidden_states=True,
+            logits_to_keep=1,
+        )
         states = gather_target_kv(o.past_key_values, 0, T)  # [B, T, L, W]
         final = o.hidden_states[-1]  # [B, T, d] post-norm
         if tli is not None:  # hidden_states[L-n] for n = 1..M: [B, T, M, d]

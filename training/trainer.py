@@ -18,28 +18,22 @@ import torch
 from torch.utils.data import Dataset
 from transformers import PreTrainedModel, Trainer
 
-from moa_hf import (
-    MoADrafterModel,
-    EagleDrafterModel,
-    cycle_starts_from_restarts,
-    gather_target_kv,
-    split_target_kv,
-)
+from moa_hf.modeling import cycle_starts_from_restarts, gather_target_kv, split_target_kv
 
 from .arguments import MoATrainingArguments
+from .drafters import adapter_for, unwrap_model
+from .evaluation import AcceptanceEvalCallback
 from .losses import chunked_soft_cross_entropy, feature_loss
+from .states import TargetStates
 
 __all__ = [
     "IGNORE_INDEX",
     "MoADataCollator",
     "MoATrainer",
-    "TargetStates",
     "draw_cycle_lengths",
     "run_target",
     "sa_curriculum_mask",
     "staircase_restarts",
-    "drafter_kind",
-    "unwrap_drafter",
 ]
 
 logger = logging.getLogger(__name__)
@@ -161,23 +155,6 @@ def sa_curriculum_mask(cycle_starts: torch.Tensor, rows: torch.Tensor) -> torch.
 # ---------------------------------------------------------------------------------------------------------------------
 # The target's side
 # ---------------------------------------------------------------------------------------------------------------------
-@dataclass
-class TargetStates:
-    """What the frozen target provides for one batch.
-
-    target_kv: [B, T, L, 2*Hkv*hd] keys/values of every layer (the LSA input).
-    feature: [B, T, d] the drafter's regression target: the post-norm final hidden state (TLI N > 0: the hidden state
-        after layer L-N).
-    final_hidden: [B, T, d] post-norm final hidden state, which the target's head turns into its next-token logits.
-    tli_kv: with N > 0, N (key, value) pairs [B, Hkv, T, hd] of the last N layers; else None.
-    """
-
-    target_kv: torch.Tensor
-    feature: torch.Tensor
-    final_hidden: torch.Tensor
-    tli_kv: list | None = None
-
-
 @torch.no_grad()
 def run_target(
     target: PreTrainedModel,
@@ -215,53 +192,20 @@ def _accepts(model: torch.nn.Module, name: str) -> bool:
         return False
 
 
-def _unwrap_any(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside PEFT / DDP / torch.compile wrappers (itself when unwrapped)."""
-    seen = model
-    for _ in range(8):
-        if hasattr(seen, "get_base_model"):  # peft.PeftModel
-            seen = seen.get_base_model()
-        elif hasattr(seen, "module"):  # DistributedDataParallel and friends
-            seen = seen.module
-        elif hasattr(seen, "_orig_mod"):  # torch.compile
-            seen = seen._orig_mod
-        else:
-            break
-    return seen
-
-
-def drafter_kind(model: torch.nn.Module) -> str:
-    """"moa" (MoADrafterModel), "eagle" (EagleDrafterModel) or "independent" (an ordinary causal LM assistant,
-    trained by distillation from the target's distribution alone)."""
-    seen = _unwrap_any(model)
-    if isinstance(seen, MoADrafterModel):
-        return "moa"
-    return "eagle" if isinstance(seen, EagleDrafterModel) else "independent"
-
-
-def unwrap_drafter(model: torch.nn.Module) -> MoADrafterModel:
-    """The MoA (or EAGLE-style) drafter inside `model` (itself, or under a PEFT / DDP / compile wrapper)."""
-    seen = _unwrap_any(model)
-    if not isinstance(seen, (MoADrafterModel, EagleDrafterModel)):
-        raise TypeError(
-            f"Expected a MoADrafterModel or EagleDrafterModel (optionally wrapped by PEFT/DDP), got "
-            f"{type(model).__name__}."
-        )
-    return seen
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------------------------------
 class MoATrainer(Trainer):
-    """Trains `model` (a MoA drafter, optionally PEFT-wrapped) against a frozen `target`.
+    """Trains `model` (a drafter, optionally PEFT-wrapped) against a frozen `target`.
 
     The target is kept as a trainer attribute: it is put in eval mode with `requires_grad=False`, never optimized,
-    never saved (checkpoints and `save_model` hold the drafter only). The drafter is attached to it for the
-    borrowed embedding / LM head (and TLI layers). A drafter with `own_embeddings=True` keeps its copies frozen.
+    never saved (checkpoints and `save_model` hold the drafter only). The drafter's class picks its adapter
+    (`drafters.ADAPTERS`): how it runs on a batch and which head it is scored through. A MoA / EAGLE-style drafter is
+    attached to the target for the borrowed embedding / LM head (and TLI layers); one with `own_embeddings=True`
+    keeps its copies frozen.
 
     Args:
-        model: the drafter.
+        model: the drafter: MoA, EAGLE-style or an independent causal LM.
         target: the frozen target LLM.
         args: `MoATrainingArguments`.
         train_dataset / eval_dataset: map-style datasets of ``{"input_ids", "prompt_length"}`` (see `build_dataset`).
@@ -294,18 +238,13 @@ class MoATrainer(Trainer):
                 f"{args.n_gpu} GPUs are visible to one process (torch.nn.DataParallel), which MoATrainer does not "
                 "support. Launch one process per GPU: `accelerate launch --multi_gpu ...` or `torchrun ...`."
             )
-        self.kind = drafter_kind(model)
+        self.adapter = adapter_for(model)  # how this class of drafter is built, run and read
         self.target = target
         target.eval()
         target.requires_grad_(False)
         if getattr(target, "hf_device_map", None) is None and target.device != args.device:
             target.to(args.device)
-        if self.kind != "independent":
-            drafter = unwrap_drafter(model)
-            if getattr(drafter.config, "own_embeddings", False):  # frozen copies of the target's embedding / head
-                drafter.embed_tokens.requires_grad_(False)
-                drafter.lm_head.requires_grad_(False)
-            drafter.attach(target, allow_other_target=True)
+        self.adapter.prepare(unwrap_model(model), target)
         if data_collator is None:
             pad = target.config.get_text_config().pad_token_id
             data_collator = MoADataCollator(pad_token_id=pad if pad is not None else 0, max_length=args.max_length)
@@ -325,8 +264,6 @@ class MoATrainer(Trainer):
         self._parts = torch.zeros(3, dtype=torch.float64)  # soft CE sum, feature loss sum, tokens since last log
         self._agreement = torch.zeros(4, dtype=torch.float64)  # evaluation: top-1 hits, positions, first-of-cycle ones
         if eval_prompts is not None and args.eval_num_prompts > 0:
-            from .evaluation import AcceptanceEvalCallback
-
             self.add_callback(
                 AcceptanceEvalCallback(
                     target,
@@ -341,7 +278,7 @@ class MoATrainer(Trainer):
     @property
     def drafter(self) -> torch.nn.Module:
         """The drafter being trained (under any PEFT / DDP wrapper): MoA, EAGLE-style or an independent LM."""
-        return _unwrap_any(self.model)
+        return unwrap_model(self.model)
 
     # -----------------------------------------------------------------------------------------------------------------
     # Batch preparation
@@ -349,15 +286,18 @@ class MoATrainer(Trainer):
     def target_states(self, inputs: dict[str, torch.Tensor]) -> TargetStates:
         """The frozen target's states for the batch: cached ones (`states.TargetStatesDataset`) when the batch has
         them, else one no-grad forward of the target."""
-        tli = getattr(self.drafter.config, "target_layer_inference", 0) if self.kind == "moa" else 0
+        tli = self.adapter.target_layer_inference(self.drafter)
         if "final_hidden" not in inputs:
             return run_target(
                 self.target, inputs["input_ids"], inputs.get("attention_mask"), target_layer_inference=tli
             )
         hidden = inputs["final_hidden"]
         kv = inputs.get("target_kv")
-        if self.kind == "moa" and kv is None:
-            raise ValueError("MoA drafters need the cached `target_kv`; build the states with them.")
+        if self.adapter.needs_target_kv and kv is None:
+            raise ValueError(
+                f"{type(self.drafter).__name__} reads the target's keys/values but the cached target states have no "
+                "`target_kv`; cache the states with them (`cache_target_states`)."
+            )
         if tli == 0:
             return TargetStates(target_kv=kv, feature=hidden, final_hidden=hidden)
         before_last = inputs.get("tli_hidden")  # [B, T, M, d]: hidden_states[L-n] for n = 1..M
@@ -416,7 +356,7 @@ class MoATrainer(Trainer):
         ce = torch.zeros(n, device=student.device)
         if args.soft_ce_weight > 0 or feature is None:
             weight = self.target.get_output_embeddings().weight  # [V, d]
-            student_head, draft_ids = self._student_head()
+            student_head, draft_ids = self.adapter.student_head(drafter)
             if draft_ids is not None:
                 weight = weight[draft_ids.to(weight.device)]  # [V', d]: the teacher over the draft vocab
                 head_frozen = False
@@ -444,33 +384,15 @@ class MoATrainer(Trainer):
         """Sum of per-position losses over the counted positions / `num_items_in_batch` (the counted positions of
         the whole accumulated batch on all devices), so gradient accumulation and DDP match one large batch."""
         states = self.target_states(inputs)
-        cycle_starts = None
-        if self.kind == "moa":
-            cycle_starts, sa_mask = self.simulated_cycles(inputs)
-            outputs = model(
-                input_ids=inputs["input_ids"],
-                target_kv=states.target_kv,
-                cycle_starts=cycle_starts,
-                sa_mask=sa_mask,
-                target_tli_kv=states.tli_kv,
-                return_logits=False,
-            )
-            feature = outputs.hidden_states  # [B, T, d]
-            student = outputs.final_hidden_states if outputs.final_hidden_states is not None else feature
-        elif self.kind == "eagle":  # teacher-forced: input i reads the target's feature of token i-1
-            outputs = model(
-                input_ids=inputs["input_ids"],
-                target_hidden=states.final_hidden,
-                attention_mask=inputs.get("attention_mask"),
-                noise_std=self.args.feature_noise if model.training else 0.0,
-            )
-            feature = student = outputs.hidden_states
-        else:  # an independent causal LM: its own final (post-norm) hidden states through its own head
-            outputs = model(
-                input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"), output_hidden_states=True,
-                logits_to_keep=1,
-            )
-            student, feature = outputs.hidden_states[-1], None
+        cycle_starts, sa_mask = self.simulated_cycles(inputs) if self.adapter.simulates_cycles else (None, None)
+        student, feature = self.adapter.training_forward(
+            model,
+            inputs,
+            states,
+            cycle_starts=cycle_starts,
+            sa_mask=sa_mask,
+            feature_noise=self.args.feature_noise if model.training else 0.0,
+        )
         counted = inputs["labels"] != IGNORE_INDEX  # [B, T]
         if "attention_mask" in inputs:
             counted &= inputs["attention_mask"].bool()
@@ -491,21 +413,11 @@ class MoATrainer(Trainer):
             return loss, {"token_loss": token_loss, "cycle_starts": cycle_starts}
         return loss
 
-    def _student_head(self):
-        """(head, column ids): what turns the drafter's hidden states [n, d] into its logits, and the full-vocabulary
-        ids of those logits' columns (None: the full vocabulary itself)."""
-        drafter = self.drafter
-        if self.kind == "independent":
-            return drafter.get_output_embeddings(), None
-        if getattr(drafter.config, "draft_vocab_size", None) is not None:
-            return drafter.draft_logits, drafter.draft_ids
-        return drafter.head, None
-
     @torch.no_grad()
     def _student_top1(self, hidden: torch.Tensor) -> torch.Tensor:
         """The drafter's most likely next token (full-vocabulary ids) [n] for the hidden states [n, d] its head
         reads."""
-        head, draft_ids = self._student_head()
+        head, draft_ids = self.adapter.student_head(self.drafter)
         top = head(hidden).argmax(-1)
         return top if draft_ids is None else draft_ids.to(top.device)[top]
 
@@ -517,7 +429,7 @@ class MoATrainer(Trainer):
         hidden = student[counted]  # [N, d]
         top = torch.cat([self._student_top1(hidden[i : i + 1024]) for i in range(0, hidden.shape[0], 1024)])
         hits = (top == labels[counted]).double()
-        if cycle_starts is None:  # EAGLE-style / independent: every position reads the target's true past
+        if cycle_starts is None:  # no simulated cycles: every position reads the target's true past
             first = torch.ones_like(hits, dtype=torch.bool)
         else:
             pos = torch.arange(counted.shape[1], device=counted.device)
@@ -526,8 +438,9 @@ class MoATrainer(Trainer):
             [float(hits.sum()), float(hits.numel()), float(hits[first].sum()), float(first.sum())], dtype=torch.float64
         )
 
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix: str = "eval"):
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix: str = "eval"
+    ):
         """Adds ``{prefix}_top1`` (the drafter's top-1 token = the target's, all counted positions) and
         ``{prefix}_top1_first`` (first positions of simulated cycles) to the evaluation loss."""
         self._agreement.zero_()

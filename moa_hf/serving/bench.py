@@ -62,8 +62,9 @@ def _summarise(results: list, references: list[list[int]]) -> dict:
     }
 
 
-def _outage_run(client: MoAClient, proxy: DelayProxy, prompt: list[int], max_new_tokens: int, after: int,
-                offline_tokens: int):
+def _outage_run(
+    client: MoAClient, proxy: DelayProxy, prompt: list[int], max_new_tokens: int, after: int, offline_tokens: int
+):
     """One generation whose link is cut after `after` verified tokens and restored after `offline_tokens` drafted
     alone. Returns the result and the offline tokens with their positions."""
     events = client.iter_generate(prompt, max_new_tokens)
@@ -104,8 +105,9 @@ def run_serving_bench(
     texts = (prompts or DEFAULT_PROMPTS)[:num_prompts]
     encoded = []
     for text in texts:
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
         encoded.append(list(tokenizer(chat, add_special_tokens=False).input_ids))
     references = []
     with torch.no_grad():
@@ -136,12 +138,15 @@ def run_serving_bench(
             with DelayProxy(server.port, profile) as proxy:
                 for method, length in (("plain", 0), ("moa", None)):
                     t0 = time.perf_counter()
-                    with MoAClient(proxy.url, drafter=drafter, tokenizer=tokenizer, draft_length=length,
-                                   timeout_s=60.0) as client:
+                    with MoAClient(
+                        proxy.url, drafter=drafter, tokenizer=tokenizer, draft_length=length, timeout_s=60.0
+                    ) as client:
                         results = [client.generate(ids, max_new_tokens) for ids in encoded]
                     entry["methods"][method] = _summarise(results, references)
-                    log(f"{name:>9} {method:>5}: {entry['methods'][method]['calls_per_token']:.2f} calls/token, "
-                        f"{entry['methods'][method]['ms_per_token']:.1f} ms/token ({time.perf_counter() - t0:.0f} s)")
+                    log(
+                        f"{name:>9} {method:>5}: {entry['methods'][method]['calls_per_token']:.2f} calls/token, "
+                        f"{entry['methods'][method]['ms_per_token']:.1f} ms/token ({time.perf_counter() - t0:.0f} s)"
+                    )
                 plain, moa = entry["methods"]["plain"], entry["methods"]["moa"]
                 entry["speedup"] = plain["ms_per_token"] / max(moa["ms_per_token"], 1e-9)
             report["profiles"][name] = entry
@@ -155,8 +160,13 @@ def run_serving_bench(
                     drafted += sum(s["drafted"] for s in spans)
                     accepted += sum(s["accepted"] for s in spans)
                     agree += sum(1 for pos, tok in offline if pos < len(ref) and ref[pos] == tok)
-                    runs.append({"identical_to_target": result.token_ids == ref, "offline_spans": spans,
-                                 "unverified_tokens": result.unverified_tokens})
+                    runs.append(
+                        {
+                            "identical_to_target": result.token_ids == ref,
+                            "offline_spans": spans,
+                            "unverified_tokens": result.unverified_tokens,
+                        }
+                    )
         report["outage"] = {
             "after_verified_tokens": outage_after,
             "offline_tokens": outage_tokens,

@@ -10,31 +10,39 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["register", "load_target", "load_server_drafter"]
+__all__ = ["register", "load_server_drafter"]
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+_DTYPE_CHOICES = ("bfloat16", "float32")
 _TOKEN_ENV = "MOA_SERVE_TOKEN"
 
 
 def register(subparsers) -> None:
     """Add the `serve`, `client` and `serve-bench` subcommands."""
-    p = subparsers.add_parser("serve", help="host a target for client-server speculative decoding",
-                              description="Host the target (and the drafter's LSA) behind an HTTP server; clients "
-                              "draft locally and send one verification request per drafting cycle.")
+    p = subparsers.add_parser(
+        "serve",
+        help="host a target for client-server speculative decoding",
+        description="Host the target (and the drafter's LSA) behind an HTTP server; clients "
+        "draft locally and send one verification request per drafting cycle.",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--target", default="default",
-                   help="a local Hugging Face model folder, or 'default' for SmolLM2-135M-Instruct")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
-    p.add_argument("--drafter", default=None,
-                   help="a saved MoA drafter folder, 'default' (the packaged drafter for the default target) or "
-                   "'random' (exact output, near-zero acceptance); default: 'default' for the default target, else "
-                   "'random'")
+    p.add_argument(
+        "--target", default="default", help="a local Hugging Face model folder, or 'default' for SmolLM2-135M-Instruct"
+    )
+    p.add_argument("--dtype", choices=_DTYPE_CHOICES, default="bfloat16")
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="a saved MoA drafter folder, 'default' (the packaged drafter for the default target) or "
+        "'random' (exact output, near-zero acceptance); default: 'default' for the default target, else "
+        "'random'",
+    )
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the target's)")
-    p.add_argument("--token", default=None,
-                   help=f"auth token clients must send (default: ${_TOKEN_ENV}); required off loopback")
+    p.add_argument(
+        "--token", default=None, help=f"auth token clients must send (default: ${_TOKEN_ENV}); required off loopback"
+    )
     p.add_argument("--max-sessions", type=int, default=16)
     p.add_argument("--max-tokens-per-session", type=int, default=4096)
     p.add_argument("--max-draft-tokens", type=int, default=64, help="most drafted tokens per verification call")
@@ -44,43 +52,67 @@ def register(subparsers) -> None:
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_serve)
 
-    c = subparsers.add_parser("client", help="generate with a local drafter and a `moa serve` server",
-                              description="Draft locally, verify on the server, stream the verified text.")
+    c = subparsers.add_parser(
+        "client",
+        help="generate with a local drafter and a `moa serve` server",
+        description="Draft locally, verify on the server, stream the verified text.",
+    )
     c.add_argument("--server", default="http://127.0.0.1:8000")
     c.add_argument("--prompt", required=True)
     c.add_argument("--max-new-tokens", type=int, default=128)
-    c.add_argument("--json", action="store_true",
-                   help="print one JSON object (text, token_ids, server_calls, unverified_tokens, timings, ...)")
+    c.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (text, token_ids, server_calls, unverified_tokens, timings, ...)",
+    )
     c.add_argument("--raw", action="store_true", help="send the prompt as raw text (no chat template)")
     c.add_argument("--token", default=None, help=f"the server's auth token (default: ${_TOKEN_ENV})")
-    c.add_argument("--drafter", default=None,
-                   help="a local drafter folder (own embeddings); if it does not exist, the server's drafter and "
-                   "tokenizer are downloaded and saved there (default: download, keep in memory)")
-    c.add_argument("--tokenizer", default=None, help="a local tokenizer folder (default: the drafter folder's, "
-                   "else the server's)")
+    c.add_argument(
+        "--drafter",
+        default=None,
+        help="a local drafter folder (own embeddings); if it does not exist, the server's drafter and "
+        "tokenizer are downloaded and saved there (default: download, keep in memory)",
+    )
+    c.add_argument(
+        "--tokenizer", default=None, help="a local tokenizer folder (default: the drafter folder's, else the server's)"
+    )
     c.add_argument("--do-sample", action="store_true")
     c.add_argument("--temperature", type=float, default=1.0)
     c.add_argument("--top-k", type=int, default=0)
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--seed", type=int, default=None)
-    c.add_argument("--draft-length", type=int, default=None,
-                   help="fixed drafted tokens per call (0: plain decoding); default: adaptive")
+    c.add_argument(
+        "--draft-length",
+        type=int,
+        default=None,
+        help="fixed drafted tokens per call (0: plain decoding); default: adaptive",
+    )
     c.add_argument("--max-draft-length", type=int, default=16)
     c.add_argument("--context-format", choices=["fp16", "int8", "fp32"], default="fp16")
     c.add_argument("--timeout-s", type=float, default=30.0)
-    c.add_argument("--reconnect-timeout-s", type=float, default=10.0,
-                   help="after drafting every token offline, how long to wait for the server")
+    c.add_argument(
+        "--reconnect-timeout-s",
+        type=float,
+        default=10.0,
+        help="after drafting every token offline, how long to wait for the server",
+    )
     c.set_defaults(func=_client)
 
-    b = subparsers.add_parser("serve-bench", help="benchmark client-server drafting over emulated links",
-                              description="Measure server calls per token, latency per token against plain "
-                              "token-by-token streaming, and drafter-only quality during an outage, over emulated "
-                              "LAN / 4G / 3G / satellite links (real sockets on 127.0.0.1).")
+    b = subparsers.add_parser(
+        "serve-bench",
+        help="benchmark client-server drafting over emulated links",
+        description="Measure server calls per token, latency per token against plain "
+        "token-by-token streaming, and drafter-only quality during an outage, over emulated "
+        "LAN / 4G / 3G / satellite links (real sockets on 127.0.0.1).",
+    )
     b.add_argument("--target", default="default")
-    b.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
-    b.add_argument("--drafter", default=None,
-                   help="a drafter folder, 'default' or 'random' (as for `moa serve`); the client side gets a copy "
-                   "with its own embedding and LM head")
+    b.add_argument("--dtype", choices=_DTYPE_CHOICES, default="float32")
+    b.add_argument(
+        "--drafter",
+        default=None,
+        help="a drafter folder, 'default' or 'random' (as for `moa serve`); the client side gets a copy "
+        "with its own embedding and LM head",
+    )
     b.add_argument("--profiles", default="lan,4g,3g,satellite")
     b.add_argument("--prompts", type=int, default=3, help="how many of the built-in prompts")
     b.add_argument("--max-new-tokens", type=int, default=32)
@@ -92,27 +124,13 @@ def register(subparsers) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-def load_target(name: str, dtype: torch.dtype, tokenizer_path: str | None = None):
-    """(model, tokenizer or None): 'default' (SmolLM2-135M-Instruct) or a local Hugging Face folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load_target(spec: str, dtype: str, tokenizer: str | None = None):
+    """(model on the CPU, tokenizer or None): 'default' or a local folder, never downloaded (`moa_hf.loading`)."""
+    from ..loading import load_target
 
-    if name == "default":
-        from ..default_target import load_default_target
-
-        model, tokenizer = load_default_target(dtype=dtype)
-    else:
-        if not Path(name).is_dir():
-            raise FileNotFoundError(f"--target {name!r} is not a folder; give a local Hugging Face model folder or "
-                                    "'default' (models are never downloaded)")
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=True).eval()
-        tokenizer = None
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
-        except (OSError, ValueError, TypeError):
-            logger.warning("No tokenizer in %s: clients must send token ids or bring their own.", name)
-    if tokenizer_path is not None:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    return model, tokenizer
+    return load_target(
+        spec, dtype=dtype, device="cpu", tokenizer=tokenizer, require_tokenizer=False, local_files_only=True
+    )
 
 
 def load_server_drafter(spec: str | None, target, seed: int = 0, own_embeddings: bool = False):
@@ -121,7 +139,7 @@ def load_server_drafter(spec: str | None, target, seed: int = 0, own_embeddings:
     target and the packaged drafter exists, else "random"."""
     from .. import build_drafter, default_drafter_path
     from ..default_target import DEFAULT_TARGET_NAME
-    from ..modeling import MoADrafterModel
+    from ..loading import load_drafter
 
     packaged = default_drafter_path()
     if spec is None:
@@ -131,12 +149,8 @@ def load_server_drafter(spec: str | None, target, seed: int = 0, own_embeddings:
         logger.warning("Using a RANDOM drafter (seed %d): output stays exact, acceptance will be near zero.", seed)
         torch.manual_seed(seed)
         return build_drafter(target, own_embeddings=own_embeddings).eval(), f"random (seed {seed})"
-    path = packaged if spec == "default" else Path(spec)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"No drafter at {path} (no config.json); give a saved drafter folder, 'default' or "
-                                "'random'")
-    name = "packaged default drafter" if spec == "default" else str(path)
-    return MoADrafterModel.from_pretrained(path).to(target.dtype).eval(), name
+    name = "packaged default drafter" if spec == "default" else str(spec)
+    return load_drafter(spec, dtype=target.dtype, kind="moa"), name
 
 
 def _missing_extras() -> str | None:
@@ -159,15 +173,22 @@ def _serve(args) -> int:
 
     token = args.token or os.environ.get(_TOKEN_ENV) or None
     if not is_loopback(args.host) and token is None:
-        print(f"error: --host {args.host} is not a loopback address: set an auth token with --token or "
-              f"${_TOKEN_ENV} (clients then pass the same token)", file=sys.stderr)
+        print(
+            f"error: --host {args.host} is not a loopback address: set an auth token with --token or "
+            f"${_TOKEN_ENV} (clients then pass the same token)",
+            file=sys.stderr,
+        )
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    target, tokenizer = load_target(args.target, _DTYPES[args.dtype], args.tokenizer)
+    target, tokenizer = _load_target(args.target, args.dtype, args.tokenizer)
     drafter, _ = load_server_drafter(args.drafter, target, seed=args.seed)
-    limits = ServerLimits(max_sessions=args.max_sessions, max_tokens_per_session=args.max_tokens_per_session,
-                          max_draft_tokens=args.max_draft_tokens, session_ttl_s=args.session_ttl_s,
-                          max_request_bytes=args.max_request_bytes)
+    limits = ServerLimits(
+        max_sessions=args.max_sessions,
+        max_tokens_per_session=args.max_tokens_per_session,
+        max_draft_tokens=args.max_draft_tokens,
+        session_ttl_s=args.session_ttl_s,
+        max_request_bytes=args.max_request_bytes,
+    )
     state = ServingState(target, drafter, tokenizer=tokenizer, limits=limits, token=token)
     print(f"moa serve: {state.info()['target']} ({args.dtype}) on http://{args.host}:{args.port}", file=sys.stderr)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level.lower())
@@ -180,22 +201,29 @@ def _client(args) -> int:
         return 2
     from transformers import AutoTokenizer
 
-    from ..modeling import MoADrafterModel
+    from ..loading import load_drafter
     from .client import MoAClient
 
     token = args.token or os.environ.get(_TOKEN_ENV) or None
     drafter = tokenizer = None
     folder = Path(args.drafter) if args.drafter else None
     if folder is not None and (folder / "config.json").is_file():
-        drafter = MoADrafterModel.from_pretrained(folder, dtype=torch.float32).eval()
+        drafter = load_drafter(folder, dtype=torch.float32, kind="moa")
         if (folder / "tokenizer_config.json").is_file() and args.tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(folder)
     if args.tokenizer is not None:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    client = MoAClient(args.server, drafter=drafter, tokenizer=tokenizer, token=token,
-                       draft_length=args.draft_length, max_draft_length=args.max_draft_length,
-                       context_format=args.context_format, timeout_s=args.timeout_s,
-                       reconnect_timeout_s=args.reconnect_timeout_s)
+    client = MoAClient(
+        args.server,
+        drafter=drafter,
+        tokenizer=tokenizer,
+        token=token,
+        draft_length=args.draft_length,
+        max_draft_length=args.max_draft_length,
+        context_format=args.context_format,
+        timeout_s=args.timeout_s,
+        reconnect_timeout_s=args.reconnect_timeout_s,
+    )
     with client:
         try:
             client.info()
@@ -213,9 +241,16 @@ def _client(args) -> int:
             client.drafter.save_pretrained(folder)
             client.tokenizer.save_pretrained(folder)
             print(f"saved the server's drafter and tokenizer to {folder}", file=sys.stderr)
-        events = client.iter_generate(args.prompt, args.max_new_tokens, raw=args.raw, do_sample=args.do_sample,
-                                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                      seed=args.seed)
+        events = client.iter_generate(
+            args.prompt,
+            args.max_new_tokens,
+            raw=args.raw,
+            do_sample=args.do_sample,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
         while True:
             try:
                 event = next(events)
@@ -253,7 +288,7 @@ def _bench(args) -> int:
     from .protocol import decode_drafter, encode_drafter
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
-    target, tokenizer = load_target(args.target, _DTYPES[args.dtype])
+    target, tokenizer = _load_target(args.target, args.dtype)
     if tokenizer is None:
         print("error: the benchmark needs the target's tokenizer (its prompts are text)", file=sys.stderr)
         return 2
@@ -262,8 +297,14 @@ def _bench(args) -> int:
         drafter = decode_drafter(encode_drafter(drafter, target))
     drafter = drafter.float().eval()
     report = run_serving_bench(
-        target, tokenizer, drafter, profiles=args.profiles.split(","), num_prompts=args.prompts,
-        max_new_tokens=args.max_new_tokens, outage_after=args.outage_after, outage_tokens=args.outage_tokens,
+        target,
+        tokenizer,
+        drafter,
+        profiles=args.profiles.split(","),
+        num_prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        outage_after=args.outage_after,
+        outage_tokens=args.outage_tokens,
         drafter_name=name,
     )
     if args.output:

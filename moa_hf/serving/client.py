@@ -23,6 +23,7 @@ import httpx
 import torch
 
 from ..modeling import MoADrafterCache
+from ..speculative import sampling_warpers
 from .protocol import PROTOCOL_VERSION, VerifyResult, decode_drafter, decode_result, lsa_fingerprint
 
 __all__ = ["DraftLengthPolicy", "GenerationEvent", "GenerationResult", "MoAClient", "ServingError"]
@@ -94,8 +95,14 @@ class DraftLengthPolicy:
     adaptation off.
     """
 
-    def __init__(self, min_length: int = 0, max_length: int = 16, fixed: int | None = None, probe_every: int = 8,
-                 max_probe_every: int = 64):
+    def __init__(
+        self,
+        min_length: int = 0,
+        max_length: int = 16,
+        fixed: int | None = None,
+        probe_every: int = 8,
+        max_probe_every: int = 64,
+    ):
         if fixed is None and not 0 <= min_length <= max_length:
             raise ValueError(f"need 0 <= min_length <= max_length, got {min_length} and {max_length}")
         self.min_length, self.max_length, self.fixed = min_length, max_length, fixed
@@ -125,8 +132,9 @@ class DraftLengthPolicy:
         slope = max(0.0, slope)
         return max(0.0, my - slope * mx), slope
 
-    def observe_call(self, network_s: float, server_s: float | None, forward_tokens: int, drafted: int,
-                     accepted: int) -> None:
+    def observe_call(
+        self, network_s: float, server_s: float | None, forward_tokens: int, drafted: int, accepted: int
+    ) -> None:
         """One answered call; `server_s` None for calls whose forward is a prefill (not a drafting cycle)."""
         network_s = max(0.0, network_s)
         self.network_s = network_s if self.network_s is None else 0.7 * self.network_s + 0.3 * network_s
@@ -267,8 +275,12 @@ class MoAClient:
         self.server = server.rstrip("/")
         if transport is None:  # no Nagle delay between the request's header and body writes (40 ms per call)
             transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        self._http = httpx.Client(base_url=self.server, headers=headers, transport=transport,
-                                  timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
+        self._http = httpx.Client(
+            base_url=self.server,
+            headers=headers,
+            transport=transport,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+        )
         self.drafter = drafter.eval() if drafter is not None else None
         self.tokenizer = tokenizer
         self.draft_length = draft_length
@@ -296,11 +308,14 @@ class MoAClient:
     def _check_standalone(drafter) -> None:
         c = drafter.config
         if not c.own_embeddings:
-            raise ValueError("The client's drafter must hold its own embedding and LM head: build it with "
-                             "`moa_hf.build_drafter(target, own_embeddings=True)` or let the client download it.")
+            raise ValueError(
+                "The client's drafter must hold its own embedding and LM head: build it with "
+                "`moa_hf.build_drafter(target, own_embeddings=True)` or let the client download it."
+            )
         if c.target_layer_inference > 0:
-            raise ValueError("The client cannot run the target's last layers: use a drafter with "
-                             "target_layer_inference=0.")
+            raise ValueError(
+                "The client cannot run the target's last layers: use a drafter with target_layer_inference=0."
+            )
 
     def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
         try:
@@ -331,8 +346,11 @@ class MoAClient:
         if self._info is None:
             info = self._fetch("/v1/info").json()
             if info.get("protocol_version") != PROTOCOL_VERSION:
-                raise ServingError(400, f"the server speaks protocol {info.get('protocol_version')}, this client "
-                                   f"{PROTOCOL_VERSION}: update moa-hf on one side")
+                raise ServingError(
+                    400,
+                    f"the server speaks protocol {info.get('protocol_version')}, this client "
+                    f"{PROTOCOL_VERSION}: update moa-hf on one side",
+                )
             self._info = info
         return self._info
 
@@ -378,8 +396,9 @@ class MoAClient:
             if not raw:
                 logger.warning("The tokenizer has no chat template: sending the prompt as raw text.")
             return list(tokenizer(prompt).input_ids)
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         return list(tokenizer(text, add_special_tokens=False).input_ids)
 
     # -- generation -------------------------------------------------------------------------------------------------
@@ -444,14 +463,20 @@ class MoAClient:
         max_draft = min(self.max_draft_length, limits.get("max_draft_tokens", self.max_draft_length))
         limit = limits.get("max_tokens_per_session")
         if limit is not None and len(prompt_ids) + max_new_tokens + 1 > limit:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                             f"server's {limit} tokens per session: shorten one of them")
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"server's {limit} tokens per session: shorten one of them"
+            )
         eos = (info or {}).get("eos_token_ids")
         if eos is None:
             e = self.drafter.config.eos_token_id
             eos = [e] if isinstance(e, int) else list(e or [])
-        run = _Run(prompt=prompt_ids, verified=list(prompt_ids), max_new_tokens=max_new_tokens,
-                   sampling=dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+        run = _Run(
+            prompt=prompt_ids,
+            verified=list(prompt_ids),
+            max_new_tokens=max_new_tokens,
+            sampling=dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+        )
         if do_sample and seed is not None:
             run.generator = torch.Generator(device=self.drafter.device).manual_seed(seed)
         text = _TextStream(self.tokenizer)
@@ -545,6 +570,10 @@ class MoAClient:
             run.lookup_drafted += len(tokens)
             run.draft_s += time.perf_counter() - t0
             return
+        warpers, top_k = None, self.draft_top_k
+        if s["do_sample"]:
+            top_k = min(self.draft_top_k, s["top_k"]) if s["top_k"] > 0 else self.draft_top_k
+            warpers = sampling_warpers(s["temperature"], top_k=top_k)
         n = 0
         for _ in range(k):
             tokens = run.verified + run.pending
@@ -553,15 +582,15 @@ class MoAClient:
             if keep < cache.get_seq_length():
                 cache.truncate(keep)
             logits = drafter.draft_step(ids[:, cache.get_seq_length() :], cache)[0]  # [V]
-            if s["do_sample"]:
-                top_k = min(self.draft_top_k, s["top_k"]) if s["top_k"] > 0 else self.draft_top_k
-                values, support = (logits / s["temperature"]).topk(min(top_k, logits.shape[-1]))
+            if warpers is not None:  # q: the drafter's warped distribution on its top-k tokens
+                scores = warpers(ids, logits[None])[0]  # [V]
+                values, support = scores.topk(min(top_k, logits.shape[-1]))
                 probs = values.softmax(-1)  # [top_k]
                 token = int(support[torch.multinomial(probs, 1, generator=run.generator)])
                 run.dists.append({"ids": support.tolist(), "probs": probs.tolist()})
-            else:
+            else:  # greedy (also sampling at a temperature below MIN_TEMPERATURE): q one-hot
                 token = int(logits.argmax())
-                run.dists.append(None)
+                run.dists.append({"ids": [token], "probs": [1.0]} if s["do_sample"] else None)
             run.pending.append(token)
             n += 1
             if token in self._eos:
@@ -574,8 +603,12 @@ class MoAClient:
     def _call(self, run: _Run, sent: int) -> VerifyResult:
         """Create or verify: the first `sent` pending tokens are verified. Re-creates a lost session once."""
         drafts = run.pending[:sent]
-        body = {"draft_ids": drafts, "context_from": run.cache.context_length, "context_format": self.context_format,
-                "want_context": self.draft_length != 0}  # plain decoding (draft_length=0) needs no context
+        body = {
+            "draft_ids": drafts,
+            "context_from": run.cache.context_length,
+            "context_format": self.context_format,
+            "want_context": self.draft_length != 0,
+        }  # plain decoding (draft_length=0) needs no context
         if run.sampling["do_sample"] and drafts:
             body["draft_probs"] = run.dists[:sent]
         for _attempt in range(2):

@@ -118,8 +118,9 @@ class DelayProxy:
     ```
     """
 
-    def __init__(self, upstream_port: int, profile: LinkProfile, port: int = 0, seed: int = 0,
-                 upstream_host: str = "127.0.0.1"):
+    def __init__(
+        self, upstream_port: int, profile: LinkProfile, port: int = 0, seed: int = 0, upstream_host: str = "127.0.0.1"
+    ):
         self.upstream = (upstream_host, upstream_port)
         self.profile, self.port = profile, port
         self.rng = random.Random(seed)

@@ -96,7 +96,13 @@ class CreateSessionRequest(_Drafts):
 
     input_ids: list[_TokenId] = Field(min_length=1, max_length=_MAX_IDS)
     do_sample: bool = False
-    temperature: float = Field(default=1.0, gt=0.0, le=100.0, allow_inf_nan=False)
+    temperature: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=100.0,
+        allow_inf_nan=False,
+        description="with do_sample; below 1e-5 sampling is greedy (moa_hf.speculative.MIN_TEMPERATURE)",
+    )
     top_k: json_int(ge=0) = Field(default=0, description="0: no top-k filtering of the target's distribution")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: json_int(ge=0, lt=1 << 63) | None = None

