@@ -218,6 +218,7 @@ def _architecture(drafter_or_config: MoADrafterModel | MoADrafterConfig) -> tupl
         "target_kv_heads": config.target_num_key_value_heads,
         "target_head_dim": config.target_head_dim,
         "vocab_size": config.vocab_size,
+        "target_fingerprint": getattr(config, "target_fingerprint", None),  # None: drafters that do not record it
         "hidden_size": config.hidden_size,
         "lsa_hidden_size": config.lsa_hidden_size,
         "tli": config.target_layer_inference,

@@ -14,6 +14,7 @@ from .modeling import (
     MoADrafterModel,
     MoADrafterOutput,
     SpeculationStats,
+    target_fingerprint,
     target_signature,
     unsupported_target_reason,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "load_drafter",
     "load_target",
     "parse_dtype",
+    "target_fingerprint",
     "target_signature",
     "unsupported_target_reason",
 ]
@@ -55,7 +57,9 @@ def attached(drafter: MoADrafterModel, target, allow_other_target: bool = False)
 
 
 def build_drafter(target, *, own_embeddings: bool = False, **overrides) -> MoADrafterModel:
-    """A freshly initialised fp32 drafter with the paper's defaults for `target` (a model), on its device."""
+    """A freshly initialised fp32 drafter with the paper's defaults for `target` (a model), on its device; its config
+    records `target_fingerprint(target)`."""
+    overrides = {"target_fingerprint": target_fingerprint(target), **overrides}
     config = MoADrafterConfig.from_target_config(target.config, own_embeddings=own_embeddings, **overrides)
     drafter = MoADrafterModel(config).to(device=target.device)
     if own_embeddings:

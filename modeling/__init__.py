@@ -1,8 +1,13 @@
 """Config and modeling files of the MoA drafter and its EAGLE-style peer (self-contained: also Hub remote code)."""
 
 from .configuration_eagle import EagleDrafterConfig
-from .configuration_moa import MoADrafterConfig, target_signature, unsupported_target_reason
-from .drafting import DrafterMixin, RollbackCache, SpeculationStats
+from .configuration_moa import (
+    MoADrafterConfig,
+    target_signature,
+    tli_unsupported_reason,
+    unsupported_target_reason,
+)
+from .drafting import DrafterMixin, RollbackCache, SpeculationStats, target_fingerprint
 from .lookup import LookupSettings, lookup_continuation
 from .modeling_eagle import EagleDrafterModel
 from .modeling_moa import (
@@ -12,6 +17,9 @@ from .modeling_moa import (
     MoAPreTrainedModel,
     cycle_starts_from_restarts,
     gather_target_kv,
+    held_at_reads,
+    held_capacities,
+    oldest_held_position,
     split_target_kv,
 )
 
@@ -29,8 +37,13 @@ __all__ = [
     "SpeculationStats",
     "cycle_starts_from_restarts",
     "gather_target_kv",
+    "held_at_reads",
+    "held_capacities",
+    "oldest_held_position",
     "lookup_continuation",
     "split_target_kv",
+    "target_fingerprint",
     "target_signature",
+    "tli_unsupported_reason",
     "unsupported_target_reason",
 ]

@@ -11,7 +11,8 @@ def eagle_unsupported_target_reason(target_config) -> str | None:
     """Why an EAGLE drafter cannot serve this target, or None when it can.
 
     EAGLE reads only the target's post-norm final hidden state (never its key/value cache), so any decoder-only
-    target with a standard config will do; sliding-window or hybrid caches are fine.
+    target with a standard config will do: sliding-window, chunked and hybrid sliding/full attention included (the
+    target's own cache is rolled back by transformers' assisted generation, lossless; tests/test_sliding.py).
     """
     cfg = _text_config(target_config)
     if getattr(cfg, "is_encoder_decoder", False):
@@ -30,6 +31,10 @@ class EagleDrafterConfig(PreTrainedConfig):
     target with [`EagleDrafterConfig.from_target_config`].
 
     Args:
+        target_fingerprint: `target_fingerprint(target)`: the weights of the model the drafter was built for. A
+            target with the same signature but other weights (a fine-tune, another model) is refused unless
+            `allow_other_target=True`; the same weights attach under any name or path. None (older drafters): the
+            target is recognised by the last part of its `name_or_path` instead.
         hidden_size: width of the drafter's decoder layer; must equal `target_hidden_size` (the drafter predicts the
             target's final hidden state, which the target's LM head reads).
         num_hidden_layers: decoder layers after the `fc` fusion of (previous feature, token embedding); EAGLE uses 1.
@@ -43,6 +48,7 @@ class EagleDrafterConfig(PreTrainedConfig):
     # The target's signature.
     target_model_type: str | None = None
     target_name_or_path: str | None = None
+    target_fingerprint: str | None = None  # of the target's weights (`target_fingerprint(model)`)
     target_hidden_size: int = 576
     target_num_hidden_layers: int = 30
     target_num_attention_heads: int = 9

@@ -1,10 +1,19 @@
 """Configuration of the Mixture-of-Attentions (MoA) drafter (Zimmer et al., ICLR 2025, arXiv 2410.03804)."""
 
-from transformers import PreTrainedConfig
+from transformers import DynamicCache, PreTrainedConfig
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .lookup import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM, LookupSettings
 
-__all__ = ["MoADrafterConfig", "target_layer_defaults", "target_signature", "unsupported_target_reason"]
+__all__ = [
+    "READABLE_CACHE_LAYERS",
+    "MoADrafterConfig",
+    "target_layer_defaults",
+    "target_layer_types",
+    "target_signature",
+    "tli_unsupported_reason",
+    "unsupported_target_reason",
+]
 
 # Attributes of a target config that the drafter depends on ("the target's signature").
 _SIGNATURE_KEYS = (
@@ -40,11 +49,44 @@ def target_signature(target_config) -> dict:
     }
 
 
+# The target cache layers the LSA reads: one key/value per token, for every position (full attention) or for the newest
+# window-1 (sliding-window and chunked attention). A cycle reads newly verified positions, which are the newest, so
+# every such layer still holds them; older ones a sliding layer dropped stay out of the CA memory (`read_context`).
+READABLE_CACHE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+
+
+def target_layer_types(target_config) -> list[str]:
+    """transformers' name for the kind of every target layer: the config's `layer_types` where it has them, else
+    sliding attention for a config with a `sliding_window` in use, chunked attention for one with an
+    `attention_chunk_size`, full attention otherwise."""
+    cfg = _text_config(target_config)
+    if getattr(cfg, "layer_types", None) is not None:
+        return [str(kind) for kind in cfg.layer_types]
+    if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True) is not False:
+        kind = "sliding_attention"
+    elif getattr(cfg, "attention_chunk_size", None) is not None:
+        kind = "chunked_attention"
+    else:
+        kind = "full_attention"
+    return [kind] * cfg.num_hidden_layers
+
+
+def _cache_layers(target_config) -> list[tuple[str, object]]:
+    """(layer type, cache layer) per target layer: the cache transformers builds for the target in `generate`."""
+    layers = DynamicCache(config=target_config).layers
+    names = target_layer_types(target_config)
+    if len(names) != len(layers):
+        names = [type(layer).__name__ for layer in layers]
+    return list(zip(names, layers))
+
+
 def unsupported_target_reason(target_config) -> str | None:
     """Why the drafter cannot serve this target, or None when it can.
 
-    The drafter reads every target layer's full key/value cache (LSA), so every layer must keep a full-attention
-    cache that can be cropped back after a rejected draft.
+    The drafter reads the per-token keys/values of every target layer from the target's cache (LSA), so every layer
+    must keep them: full attention, sliding-window or chunked attention (whose cache keeps the newest positions, the
+    ones a cycle reads; see `READABLE_CACHE_LAYERS`). Layers with a recurrent state (linear attention, state-space,
+    convolution) or without a cache of their own (shared keys/values) are refused.
     """
     cfg = _text_config(target_config)
     if getattr(cfg, "is_encoder_decoder", False):
@@ -52,20 +94,42 @@ def unsupported_target_reason(target_config) -> str | None:
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if getattr(cfg, key, None) is None:
             return f"{cfg.model_type} config has no `{key}`; the MoA drafter needs a standard decoder-only config"
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types is not None and any(t != "full_attention" for t in layer_types):
-        kinds = sorted(set(layer_types))
+    other = {
+        f"{name} ({type(layer).__name__})"
+        for name, layer in _cache_layers(target_config)
+        if type(layer) not in READABLE_CACHE_LAYERS
+    }
+    if other:
         return (
-            f"{cfg.model_type} has layers of type {kinds}; the MoA drafter needs every layer to keep a full-attention "
-            "cache (sliding-window, chunked and linear-attention/hybrid caches drop or summarise past keys/values)"
-        )
-    sliding = getattr(cfg, "sliding_window", None)
-    if sliding is not None and getattr(cfg, "use_sliding_window", True) and layer_types is None:
-        return (
-            f"{cfg.model_type} uses sliding-window attention (sliding_window={sliding}); the MoA drafter needs a "
-            "full-attention cache. Set `sliding_window=None` if the checkpoint does not actually use it"
+            f"{cfg.model_type} has layers of type {sorted(other)} (cache layer in brackets), which keep no per-token "
+            "keys/values: a recurrent or convolution state that summarises the past, or another layer's cache. The "
+            "MoA drafter reads every layer's per-token keys/values; it serves targets whose layers are full, "
+            "sliding-window or chunked attention. Serving this one would need the LSA to read the attention layers "
+            "alone (masking the others out) and a target cache that transformers rolls back after a rejected draft"
         )
     return None
+
+
+def tli_unsupported_reason(target_config, target_layer_inference: int) -> str | None:
+    """Why Target Layer Inference with the target's last `target_layer_inference` layers cannot serve this target,
+    or None when it can: those layers run inside the drafter on a copy of their cache with full-attention masks, so
+    they must all be full-attention layers."""
+    n = target_layer_inference
+    if n <= 0:
+        return None
+    layers = _cache_layers(target_config)
+    windowed = sorted(
+        {name for name, layer in layers[len(layers) - n :] if isinstance(layer, DynamicSlidingWindowLayer)}
+    )
+    if not windowed:
+        return None
+    full_tail = next((i for i, (_, layer) in enumerate(reversed(layers)) if type(layer) is not DynamicLayer), 0)
+    return (
+        f"target_layer_inference={n} runs the target's last {n} layer(s) inside the drafter with full-attention "
+        f"masks, but some of them are {windowed} layers, whose window the drafter does not apply. Use "
+        "target_layer_inference=0"
+        + (f" (or at most {full_tail}: the target's last {full_tail} layers are full attention)" if full_tail else "")
+    )
 
 
 def target_layer_defaults(target_config) -> dict:
@@ -98,6 +162,10 @@ class MoADrafterConfig(PreTrainedConfig):
     [`MoADrafterConfig.from_target_config`].
 
     Args:
+        target_fingerprint: `target_fingerprint(target)`: the weights of the model the drafter was built for. A
+            target with the same signature but other weights (a fine-tune, another model) is refused unless
+            `allow_other_target=True`; the same weights attach under any name or path. None (older drafters): the
+            target is recognised by the last part of its `name_or_path` instead.
         hidden_size: width of the SA/CA layers; must equal `target_hidden_size` (their output feeds the target's head
             or its last layers).
         lsa_hidden_size: width of the Layer Self-Attention that runs across the target's layers for each verified
@@ -128,6 +196,7 @@ class MoADrafterConfig(PreTrainedConfig):
     # The target's signature.
     target_model_type: str | None = None
     target_name_or_path: str | None = None
+    target_fingerprint: str | None = None  # of the target's weights (`target_fingerprint(model)`)
     target_hidden_size: int = 576
     target_num_hidden_layers: int = 30
     target_num_attention_heads: int = 9
@@ -222,7 +291,9 @@ class MoADrafterConfig(PreTrainedConfig):
 
         Raises `ValueError` for targets the drafter cannot serve (see `unsupported_target_reason`).
         """
-        reason = unsupported_target_reason(target_config)
+        reason = unsupported_target_reason(target_config) or tli_unsupported_reason(
+            target_config, overrides.get("target_layer_inference", 0)
+        )
         if reason is not None:
             raise ValueError(f"Cannot build a MoA drafter for this target: {reason}.")
         kwargs = target_layer_defaults(target_config)

@@ -10,6 +10,7 @@ This file ships inside every Hub repo as remote code: it imports only torch, tra
 """
 
 import contextlib
+import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ __all__ = [
     "decoder_of",
     "one_hot_scores",
     "register_hooks",
+    "target_fingerprint",
 ]
 
 
@@ -148,6 +150,8 @@ class DraftingSession:
 def decoder_of(target: nn.Module) -> nn.Module:
     """The target's decoder (the module with its `layers`, final `norm` and `rotary_emb`)."""
     decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", target)
+    if not hasattr(decoder, "layers"):  # e.g. Llama 4's text model, whose `get_decoder()` returns itself
+        decoder = getattr(target, "model", decoder)
     if not hasattr(decoder, "layers"):
         raise ValueError(
             f"Cannot find the decoder layers of {type(target).__name__} (expected `.get_decoder().layers`)."
@@ -157,6 +161,96 @@ def decoder_of(target: nn.Module) -> nn.Module:
 
 def _short_name(name_or_path: str) -> str:
     return str(name_or_path).rstrip("/").split("/")[-1].lower()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The target's weights fingerprint
+# ---------------------------------------------------------------------------------------------------------------------
+_FINGERPRINT_VERSION = "sign1"
+_FINGERPRINT_ROWS = 64  # evenly spaced rows read from each sampled matrix
+
+
+def _fixed_rows(weight: torch.Tensor) -> torch.Tensor:
+    """`_FINGERPRINT_ROWS` evenly spaced rows of `weight` (all of them when it has fewer)."""
+    rows = weight.detach().reshape(-1, weight.shape[-1])  # [R, in]: a stacked [E, out, in] expert weight too
+    index = torch.linspace(0, rows.shape[0] - 1, min(_FINGERPRINT_ROWS, rows.shape[0])).round().long()
+    return rows[index.to(rows.device)]  # [n, in]
+
+
+def _sign_digest(matrices: list[torch.Tensor]) -> str | None:
+    """12 hex digits hashing the shapes and the sign bits of fixed rows of `matrices`; None when one of them cannot
+    be read (integer-quantised, offloaded to "meta") or there is none."""
+    if not matrices:
+        return None
+    digest = hashlib.sha256()
+    for weight in matrices:
+        if not weight.is_floating_point() or weight.device.type == "meta":
+            return None
+        bits = torch.signbit(_fixed_rows(weight)).flatten().to(torch.uint8)  # [N]
+        bits = torch.cat([bits, bits.new_zeros(-bits.numel() % 8)]).view(-1, 8)  # [N/8, 8], zero-padded
+        packed = (bits << torch.arange(8, dtype=torch.uint8, device=bits.device)).sum(1)  # [N/8]: 8 bits a byte
+        digest.update(str(tuple(weight.shape)).encode())
+        digest.update(bytes(packed.tolist()))
+    return digest.hexdigest()[:12]
+
+
+def target_fingerprint(model: nn.Module) -> str | None:
+    """A fingerprint of a target model's weights, e.g. "sign1:embed=3f0c...,layer0=...,layer15=...,layer29=...".
+
+    The same for the same weights under any name or path, in fp32 / bf16 / fp16 and whether loaded from safetensors
+    or dequantised from GGUF; another one for a fine-tune or another model of the same architecture. Each part hashes
+    the sign bits of fixed rows of the input embedding, or of every matrix of the first, middle and last decoder
+    layer: a sign bit survives every rounding between float dtypes (an underflow to +-0 included), and a fine-tune
+    flips those of its weights near zero. Cheap: at most 64 rows of each matrix are read (~1M sign bits for a 135M
+    model, tens of milliseconds on a CPU).
+
+    None when the weights cannot be read: integer-quantised (bitsandbytes, GPTQ, ...), offloaded to the "meta"
+    device, or no `get_input_embeddings()` / decoder `layers` to sample.
+    """
+    embed = model.get_input_embeddings()
+    try:
+        layers = decoder_of(model).layers
+    except ValueError:
+        return None
+    if embed is None or getattr(embed, "weight", None) is None or len(layers) == 0:
+        return None
+    parts = {"embed": [embed.weight]}
+    for i in sorted({0, len(layers) // 2, len(layers) - 1}):
+        parts[f"layer{i}"] = [p for p in layers[i].parameters() if p.ndim >= 2]
+    digests = {name: _sign_digest(matrices) for name, matrices in parts.items()}
+    if None in digests.values():
+        return None
+    return f"{_FINGERPRINT_VERSION}:" + ",".join(f"{name}={digest}" for name, digest in digests.items())
+
+
+def _fingerprint_parts(fingerprint: str | None) -> dict[str, str] | None:
+    """{part: digest} of a fingerprint of this version, else None."""
+    version, _, body = (fingerprint or "").partition(":")
+    if version != _FINGERPRINT_VERSION:
+        return None
+    try:
+        return dict(part.split("=", 1) for part in body.split(","))
+    except ValueError:  # a part without "=": not a fingerprint this code wrote
+        return None
+
+
+def _weights_difference(recorded: str | None, actual: str | None) -> str | None:
+    """What differs between the recorded and the actual fingerprint ("" when nothing does); None when they cannot be
+    compared (one is missing or of another version)."""
+    old, new = _fingerprint_parts(recorded), _fingerprint_parts(actual)
+    if old is None or new is None or old.keys() != new.keys():
+        return None
+    differ = [name for name in old if old[name] != new[name]]
+    if not differ:
+        return ""
+    layers = [name.removeprefix("layer") for name in differ if name != "embed"]
+    names = (["the input embedding"] if "embed" in differ else []) + (
+        [f"decoder layer{'s' if len(layers) > 1 else ''} {', '.join(layers)}"] if layers else []
+    )
+    subject = f"{' and '.join(names)} {'differs' if len(differ) == 1 else 'differ'}"
+    if len(differ) == len(old):
+        return f"{subject}: another model of the same architecture, or another quantisation of it?"
+    return f"{subject}, the rest matches: a fine-tune?"
 
 
 def one_hot_scores(tokens: torch.Tensor, config) -> list[torch.Tensor]:
@@ -239,7 +333,8 @@ class DrafterMixin:
         return self._attachment is not None
 
     def _check_signature(self, target: PreTrainedModel, allow_other_target: bool) -> None:
-        """The target's signature must equal the drafter's; a target of another name needs `allow_other_target`."""
+        """The target's signature must equal the drafter's, and another model than the drafter's target (see
+        `_other_target_reason`) needs `allow_other_target`."""
         sig = target_signature(target.config)
         head = target.get_output_embeddings()
         if head is not None and hasattr(head, "weight"):
@@ -256,14 +351,33 @@ class DrafterMixin:
                 + "). Use a drafter trained for this target, or build one with "
                 f"`{type(self.config).__name__}.from_target_config(target.config)`."
             )
+        reason = None if allow_other_target else self._other_target_reason(target)
+        if reason is not None:
+            raise ValueError(
+                f"{reason} Their signatures match, so it will run, but its acceptance may be poor. Use a drafter "
+                "trained for this target, or pass `allow_other_target=True` to attach anyway."
+            )
+
+    def _other_target_reason(self, target: PreTrainedModel) -> str | None:
+        """Why `target` (of the drafter's signature) is another model than the one the drafter was trained for, or
+        None. By the weights where the drafter records `target_fingerprint` and the target's can be read (the same
+        weights pass under any name or path); else (older drafters, integer-quantised targets) by the last part of
+        `name_or_path`."""
         expected = self.config.target_name_or_path
         actual = getattr(target.config, "name_or_path", "") or ""
-        if expected and actual and not allow_other_target and _short_name(expected) != _short_name(actual):
-            raise ValueError(
-                f"This drafter was trained for target '{expected}' but is being attached to '{actual}'. Their "
-                "signatures match, so it will run, but its acceptance may be poor. Pass `allow_other_target=True` "
-                "to attach anyway."
-            )
+        recorded = getattr(self.config, "target_fingerprint", None)
+        if recorded:
+            difference = _weights_difference(recorded, target_fingerprint(target))
+            if difference == "":
+                return None
+            if difference is not None:
+                return (
+                    f"This drafter was trained for target '{expected}' but '{actual or type(target).__name__}' has "
+                    f"other weights ({difference})."
+                )
+        if expected and actual and _short_name(expected) != _short_name(actual):
+            return f"This drafter was trained for target '{expected}' but is being attached to '{actual}'."
+        return None
 
     # ----------------------------------------------------------------------------------------------------------------
     # Borrowed or own embedding / head

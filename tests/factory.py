@@ -13,12 +13,20 @@ import random
 
 import torch
 from transformers import (
+    Cohere2Config,
+    Cohere2ForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -28,6 +36,7 @@ from moa_hf import MoADrafterModel
 
 __all__ = [
     "FAMILIES",
+    "SLIDING_FAMILIES",
     "OracleDrafter",
     "make_independent",
     "make_target",
@@ -60,9 +69,22 @@ FAMILIES = {
     "gemma": (GemmaConfig, GemmaForCausalLM, {"head_dim": 16}),
 }
 
+# Targets with sliding-window layers (window 8: shorter than the tests' prompts), kept out of `FAMILIES` (the
+# `family` fixture of every other test). "mistral-default" keeps MistralConfig's own default window (4096).
+_S, _F, _W = "sliding_attention", "full_attention", {"sliding_window": 8}
+SLIDING_FAMILIES = {
+    "mistral-sliding": (MistralConfig, MistralForCausalLM, _W),  # every layer slides
+    "mistral-default": (MistralConfig, MistralForCausalLM, {}),
+    "qwen2-sliding": (Qwen2Config, Qwen2ForCausalLM, {**_W, "use_sliding_window": True, "max_window_layers": 1}),
+    "phi3-sliding": (Phi3Config, Phi3ForCausalLM, _W),  # every layer slides
+    "gemma2-sliding": (Gemma2Config, Gemma2ForCausalLM, {**_W, "head_dim": 16}),  # alternating, sliding first
+    "gemma3-sliding": (Gemma3TextConfig, Gemma3ForCausalLM, {**_W, "head_dim": 16, "layer_types": [_S, _S, _F]}),
+    "cohere2-sliding": (Cohere2Config, Cohere2ForCausalLM, {**_W, "layer_types": [_S, _S, _F]}),
+}
+
 
 def make_target(family: str = "llama", seed: int = 0, **overrides):
-    config_cls, model_cls, extra = FAMILIES[family]
+    config_cls, model_cls, extra = {**FAMILIES, **SLIDING_FAMILIES}[family]
     torch.manual_seed(seed)
     config = config_cls(**{**_COMMON, **extra, **overrides})
     config.name_or_path = f"tiny-random-{family}"

@@ -210,16 +210,18 @@ def test_remote_code_without_moa_hf(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- unsupported targets
-def test_sliding_window_target_is_refused():
+def test_sliding_window_target_is_refused_for_target_layer_inference():
+    """Sliding-window targets are served (tests/test_sliding.py), but not with TLI over a sliding layer."""
     target = make_target("mistral", sliding_window=16)
     with pytest.raises(ValueError, match="sliding"):
-        MoADrafterConfig.from_target_config(target.config)
+        MoADrafterConfig.from_target_config(target.config, target_layer_inference=1)
 
 
 def test_hybrid_target_is_refused():
-    from transformers import Gemma2Config
+    """A linear-attention hybrid (sliding/full hybrids such as Gemma 2 are served: tests/test_sliding.py)."""
+    from transformers import Qwen3NextConfig
 
-    cfg = Gemma2Config(
+    cfg = Qwen3NextConfig(
         vocab_size=128,
         hidden_size=64,
         intermediate_size=128,
@@ -228,7 +230,7 @@ def test_hybrid_target_is_refused():
         num_key_value_heads=2,
         head_dim=16,
     )
-    with pytest.raises(ValueError, match="full-attention"):
+    with pytest.raises(ValueError, match="linear_attention"):
         MoADrafterConfig.from_target_config(cfg)
 
 

@@ -51,6 +51,12 @@ def oracle(drafter, reference: list[int], p_right: float, seed: int = 0) -> Orac
     return o
 
 
+@pytest.fixture(autouse=True)
+def drafter_cache(tmp_path, monkeypatch):
+    """Clients that download the server's drafter cache it in a folder of the test's own, never the user's."""
+    monkeypatch.setenv("MOA_HF_DRAFTER_CACHE", str(tmp_path / "drafters"))
+
+
 @pytest.fixture(scope="module")
 def tiny():
     target = make_target("llama")

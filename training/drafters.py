@@ -16,7 +16,7 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 from transformers import PreTrainedModel
 
-from moa_hf import EagleDrafterConfig, EagleDrafterModel, MoADrafterModel, build_drafter
+from moa_hf import EagleDrafterConfig, EagleDrafterModel, MoADrafterModel, build_drafter, target_fingerprint
 
 from .builders import build_independent, frequent_tokens
 from .builders import init_from_target_layer as copy_target_layer
@@ -117,7 +117,8 @@ class _AttachingAdapter(DrafterAdapter):
         return drafter
 
     def new_drafter(self, target: PreTrainedModel, data=None, **overrides) -> torch.nn.Module:
-        """A fresh fp32 drafter for `target` (`overrides`: its config fields)."""
+        """A fresh fp32 drafter for `target` (`overrides`: its config fields); its config records
+        `target_fingerprint(target)`, the weights it serves without `allow_other_target`."""
         raise NotImplementedError
 
     def prepare(self, drafter, target) -> None:
@@ -178,6 +179,7 @@ class MoAAdapter(_AttachingAdapter):
         outputs = model(
             input_ids=inputs["input_ids"],
             target_kv=states.target_kv,
+            target_kv_held=states.target_kv_held,
             cycle_starts=cycle_starts,
             sa_mask=sa_mask,
             target_tli_kv=states.tli_kv,
@@ -201,6 +203,7 @@ class EagleAdapter(_AttachingAdapter):
     options = {"init_from_target_layer": "init_from_target_layer"}
 
     def new_drafter(self, target, data=None, **overrides):
+        overrides = {"target_fingerprint": target_fingerprint(target), **overrides}
         return EagleDrafterModel(EagleDrafterConfig.from_target_config(target.config, **overrides)).float()
 
     def training_forward(self, model, inputs, states, cycle_starts=None, sa_mask=None, feature_noise=0.0):

@@ -3,7 +3,9 @@
 Training a drafter online runs the target over every batch of every epoch. Its outputs never change (the target is
 frozen), so `cache_target_states` runs it once over a `moa data` dataset and writes, for every token:
 
-- `target_kv.npy`: the keys/values of every layer, [N, L, 2*Hkv*hd] bfloat16 (the LSA input of MoA drafters);
+- `target_kv.npy`: the keys/values of every layer, [N, L, 2*Hkv*hd] bfloat16 (the LSA input of MoA drafters), for
+  every position, also in sliding-window layers (which of them a drafter could still read at inference depends on
+  the prompt length: the trainer marks it, see `MoATrainer.held_target_kv`);
 - `final_hidden.npy`: the post-norm final hidden state, [N, d] bfloat16 (the regression target, the teacher's logits
   through the target's head, and the feature input of EAGLE-style drafters);
 - with `tli_layers=M > 0`, `tli_hidden.npy`: [N, M, d] bfloat16, the residual stream before the target's last n
@@ -24,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from ..modeling import gather_target_kv, target_signature
 
@@ -44,12 +46,15 @@ class TargetStates:
         after layer L-N).
     final_hidden: [B, T, d] post-norm final hidden state, which the target's head turns into its next-token logits.
     tli_kv: with N > 0, N (key, value) pairs [B, Hkv, T, hd] of the last N layers; else None.
+    target_kv_held: optional bool [B, T], whether every layer still holds token j's key/value when the drafter reads
+        it at inference (a sliding-window layer drops old positions; `MoATrainer.held_target_kv`); None: all do.
     """
 
     target_kv: torch.Tensor
     feature: torch.Tensor
     final_hidden: torch.Tensor
     tli_kv: list | None = None
+    target_kv_held: torch.Tensor | None = None
 
 
 def _signature(target: PreTrainedModel) -> dict:
@@ -95,7 +100,8 @@ def cache_target_states(
     total = int(offsets[-1])
     cfg = target.config.get_text_config()
     device = target.device
-    probe = target(input_ids=torch.tensor([[0]], device=device), use_cache=True)  # cache layout (L, W)
+    probe_ids = torch.tensor([[0]], device=device)
+    probe = target(input_ids=probe_ids, use_cache=True, past_key_values=DynamicCache())  # cache layout (L, W)
     width = gather_target_kv(probe.past_key_values, 0, 1).shape[-1]
     num_layers = len(probe.past_key_values.layers)
     kv = np.lib.format.open_memmap(out / (_KV + ".npy"), mode="w+", dtype=np.uint16, shape=(total, num_layers, width))
@@ -126,6 +132,7 @@ def cache_target_states(
         o = target(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
+            past_key_values=DynamicCache(),  # every layer keeps every position (sliding-window ones too)
             use_cache=True,
             output_hidden_states=True,
             logits_to_keep=1,

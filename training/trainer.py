@@ -6,6 +6,10 @@ j < start(i), where a cycle starts at every prompt token and every `every` token
 U{min_cycle..max_cycle} per sequence. Loss per counted position (predicting a response token):
 `soft_ce_weight * CE(p_target, p_drafter) + feature_weight * SmoothL1(drafter feature, target's final hidden)`,
 summed and divided by the number of counted positions in the whole (accumulated, all-device) batch.
+
+A target with sliding-window layers: the drafter reads a prompt at the end of it, when such a layer holds only its
+last window-1 positions; the older ones have no context and stay out of the CA memory, in training
+(`held_target_kv`) as at inference (`MoADrafterModel.read_context`).
 """
 
 from __future__ import annotations
@@ -16,9 +20,15 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils.data import Dataset
-from transformers import PreTrainedModel, Trainer
+from transformers import DynamicCache, PreTrainedModel, Trainer
 
-from moa_hf.modeling import cycle_starts_from_restarts, gather_target_kv, split_target_kv
+from moa_hf.modeling import (
+    cycle_starts_from_restarts,
+    gather_target_kv,
+    held_at_reads,
+    held_capacities,
+    split_target_kv,
+)
 
 from .arguments import MoATrainingArguments
 from .drafters import adapter_for, unwrap_model
@@ -31,6 +41,7 @@ __all__ = [
     "MoADataCollator",
     "MoATrainer",
     "draw_cycle_lengths",
+    "read_ends_of_cycles",
     "run_target",
     "sa_curriculum_mask",
     "staircase_restarts",
@@ -143,6 +154,21 @@ def staircase_restarts(prompt_lengths: torch.Tensor, cycle_lengths: torch.Tensor
     return (rel < 0) | (rel % cycle_lengths.to(rel.device)[:, None] == 0)
 
 
+def read_ends_of_cycles(prompt_lengths: torch.Tensor, cycle_starts: torch.Tensor) -> torch.Tensor:
+    """[B, T]: the target's cache length when the drafter reads token j at inference, for simulated cycles.
+
+    The first read covers the whole prompt (the target's cache then holds the prompt: `prompt_length`); a response
+    token is read at the start of the next cycle (T for the last one, which no token of the sequence reads). With
+    `held_at_reads` this gives the tokens a sliding-window layer of the target no longer holds when they are read.
+    """
+    B, T = cycle_starts.shape
+    pos = torch.arange(T, device=cycle_starts.device).expand(B, T)
+    starts = torch.where(cycle_starts == pos, pos, torch.full_like(pos, T))  # restart positions, T elsewhere
+    at_or_after = torch.flip(torch.cummin(torch.flip(starts, [1]), dim=1).values, [1])  # next restart >= j
+    after = torch.cat([at_or_after[:, 1:], torch.full_like(pos[:, :1], T)], dim=1)  # next restart > j
+    return torch.maximum(after, prompt_lengths.to(after.device)[:, None])  # [B, T]
+
+
 def sa_curriculum_mask(cycle_starts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """SA mask bool [B, T, T]: rows marked True see only tokens j >= start(i) (their current cycle); other rows see
     everything (the drafter intersects the mask with causality)."""
@@ -163,10 +189,18 @@ def run_target(
     target_layer_inference: int = 0,
 ) -> TargetStates:
     """One no-grad forward of the target with its cache and hidden states; the [B, T, V] logits are not computed
-    (only the last position's, where the model supports `logits_to_keep`)."""
+    (only the last position's, where the model supports `logits_to_keep`).
+
+    The cache is a full one (every layer keeps every position, sliding-window layers included: the same outputs);
+    which keys/values inference could still read is marked by `MoATrainer.held_target_kv`."""
     kwargs = {"logits_to_keep": 1} if _accepts(target, "logits_to_keep") else {}
     out = target(
-        input_ids=input_ids, attention_mask=attention_mask, use_cache=True, output_hidden_states=True, **kwargs
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        past_key_values=DynamicCache(),
+        use_cache=True,
+        output_hidden_states=True,
+        **kwargs,
     )
     cache, hidden = out.past_key_values, out.hidden_states  # hidden: L+1 x [B, T, d]
     T = input_ids.shape[1]
@@ -240,6 +274,7 @@ class MoATrainer(Trainer):
             )
         self.adapter = adapter_for(model)  # how this class of drafter is built, run and read
         self.target = target
+        self.target_capacities = held_capacities(DynamicCache(config=target.config))  # positions each layer keeps
         target.eval()
         target.requires_grad_(False)
         if getattr(target, "hf_device_map", None) is None and target.device != args.device:
@@ -316,6 +351,15 @@ class MoATrainer(Trainer):
         ]
         return TargetStates(target_kv=kv, feature=before_last[:, :, tli - 1], final_hidden=hidden, tli_kv=tli_kv)
 
+    def held_target_kv(self, prompt_lengths: torch.Tensor, cycle_starts: torch.Tensor) -> torch.Tensor | None:
+        """bool [B, T]: whether every layer of the target still holds token j's key/value when the drafter reads it
+        at inference (`held_at_reads`): a sliding-window layer has dropped prompt positions older than its window by
+        the first read (at the end of the prompt). None when every layer holds every position of the batch."""
+        T = cycle_starts.shape[1]
+        if all(c is None or c >= T for c in self.target_capacities):
+            return None
+        return held_at_reads(read_ends_of_cycles(prompt_lengths, cycle_starts), self.target_capacities)
+
     def simulated_cycles(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(cycle_starts [B, T], sa_mask [B, T, T] or None) for the batch: the staircase of simulated drafting cycles
         and, with `sa_curriculum`, the SA mask. Random draws depend on (seed, global step, sample index) only (in
@@ -385,6 +429,8 @@ class MoATrainer(Trainer):
         the whole accumulated batch on all devices), so gradient accumulation and DDP match one large batch."""
         states = self.target_states(inputs)
         cycle_starts, sa_mask = self.simulated_cycles(inputs) if self.adapter.simulates_cycles else (None, None)
+        if cycle_starts is not None and states.target_kv is not None:
+            states.target_kv_held = self.held_target_kv(inputs["prompt_lengths"], cycle_starts)
         student, feature = self.adapter.training_forward(
             model,
             inputs,

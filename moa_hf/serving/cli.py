@@ -39,6 +39,12 @@ def register(subparsers) -> None:
         "'random' (exact output, near-zero acceptance); default: 'default' for the default target, else "
         "'random'",
     )
+    p.add_argument(
+        "--allow-other-target",
+        action="store_true",
+        help="serve a drafter trained for other weights (e.g. the base model of a fine-tuned target); exact output, "
+        "lower acceptance",
+    )
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the target's)")
     p.add_argument(
         "--token", default=None, help=f"auth token clients must send (default: ${_TOKEN_ENV}); required off loopback"
@@ -71,7 +77,21 @@ def register(subparsers) -> None:
         "--drafter",
         default=None,
         help="a local drafter folder (own embeddings); if it does not exist, the server's drafter and "
-        "tokenizer are downloaded and saved there (default: download, keep in memory)",
+        "tokenizer are downloaded and saved there (default: the server's, from the drafter cache)",
+    )
+    c.add_argument(
+        "--cache-dir",
+        default=None,
+        help="the drafter cache: the server's drafter and tokenizer, one folder per revision, used when the server "
+        "runs that revision or does not answer (default: $MOA_HF_DRAFTER_CACHE, else ~/.cache/moa_hf/drafters)",
+    )
+    c.add_argument(
+        "--no-cache", action="store_true", help="download the server's drafter into memory only (no drafter cache)"
+    )
+    c.add_argument(
+        "--offline",
+        action="store_true",
+        help="do not contact the server: generate with --drafter or the newest cached drafter alone (unverified)",
     )
     c.add_argument(
         "--tokenizer", default=None, help="a local tokenizer folder (default: the drafter folder's, else the server's)"
@@ -140,10 +160,18 @@ def load_server_drafter(spec: str | None, target, seed: int = 0, own_embeddings:
     from .. import build_drafter, default_drafter_path
     from ..default_target import DEFAULT_TARGET_NAME
     from ..loading import load_drafter
+    from ..modeling import target_fingerprint
 
     packaged = default_drafter_path()
-    if spec is None:
-        is_default = getattr(target.config, "name_or_path", None) == DEFAULT_TARGET_NAME
+    if spec is None:  # the packaged drafter serves the default target, recognised by its weights (or its name)
+        recorded = None
+        if (packaged / "config.json").is_file():
+            recorded = json.loads((packaged / "config.json").read_text()).get("target_fingerprint")
+        actual = target_fingerprint(target) if recorded else None
+        if recorded and actual:
+            is_default = actual == recorded
+        else:
+            is_default = getattr(target.config, "name_or_path", None) == DEFAULT_TARGET_NAME
         spec = "default" if is_default and (packaged / "config.json").is_file() else "random"
     if spec == "random":
         logger.warning("Using a RANDOM drafter (seed %d): output stays exact, acceptance will be near zero.", seed)
@@ -189,7 +217,9 @@ def _serve(args) -> int:
         session_ttl_s=args.session_ttl_s,
         max_request_bytes=args.max_request_bytes,
     )
-    state = ServingState(target, drafter, tokenizer=tokenizer, limits=limits, token=token)
+    state = ServingState(
+        target, drafter, tokenizer=tokenizer, limits=limits, token=token, allow_other_target=args.allow_other_target
+    )
     print(f"moa serve: {state.info()['target']} ({args.dtype}) on http://{args.host}:{args.port}", file=sys.stderr)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0
@@ -205,6 +235,9 @@ def _client(args) -> int:
     from .client import MoAClient
 
     token = args.token or os.environ.get(_TOKEN_ENV) or None
+    if args.offline and args.no_cache and not args.drafter:
+        print("error: --offline with --no-cache leaves nothing to draft with: pass --drafter DIR", file=sys.stderr)
+        return 2
     drafter = tokenizer = None
     folder = Path(args.drafter) if args.drafter else None
     if folder is not None and (folder / "config.json").is_file():
@@ -213,34 +246,43 @@ def _client(args) -> int:
             tokenizer = AutoTokenizer.from_pretrained(folder)
     if args.tokenizer is not None:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    client = MoAClient(
-        args.server,
-        drafter=drafter,
-        tokenizer=tokenizer,
-        token=token,
-        draft_length=args.draft_length,
-        max_draft_length=args.max_draft_length,
-        context_format=args.context_format,
-        timeout_s=args.timeout_s,
-        reconnect_timeout_s=args.reconnect_timeout_s,
-    )
+    try:
+        client = MoAClient(
+            args.server,
+            drafter=drafter,
+            tokenizer=tokenizer,
+            token=token,
+            draft_length=args.draft_length,
+            max_draft_length=args.max_draft_length,
+            context_format=args.context_format,
+            timeout_s=args.timeout_s,
+            reconnect_timeout_s=args.reconnect_timeout_s,
+            cache_dir=args.cache_dir,
+            use_cache=not args.no_cache,
+            offline=args.offline,
+        )
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     with client:
         try:
-            client.info()
-            client.load_drafter()
+            client.prepare()
             client.load_tokenizer()
-        except ConnectionError as err:
-            if drafter is None or client.tokenizer is None:
-                print(f"error: {err}", file=sys.stderr)
-                return 1
-            print(f"[{err}: drafting alone with the local drafter, retrying]", file=sys.stderr)
         except Exception as err:  # a CLI reports any failure in one line
             print(f"error: {err}", file=sys.stderr)
             return 1
+        if not client.connected:
+            source = f"cached drafter (revision {client.revision})" if client.revision else "local drafter"
+            why = "offline mode" if args.offline else "server unreachable"
+            print(
+                f"[{why}: generating with the {source} alone; tokens stay unverified until it answers]",
+                file=sys.stderr,
+            )
         if folder is not None and drafter is None:
             client.drafter.save_pretrained(folder)
             client.tokenizer.save_pretrained(folder)
             print(f"saved the server's drafter and tokenizer to {folder}", file=sys.stderr)
+        quiet_offline = not client.connected  # already said above
         events = client.iter_generate(
             args.prompt,
             args.max_new_tokens,
@@ -262,9 +304,10 @@ def _client(args) -> int:
             if event.kind == "verified":
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
-            elif event.kind == "offline":
+            elif event.kind == "offline" and not quiet_offline:
                 print("\n[server unreachable: drafting alone, retrying]", file=sys.stderr)
             elif event.kind == "online":
+                quiet_offline = False
                 print("\n[server back: verifying the drafted tokens]", file=sys.stderr)
     if args.json:
         out = result.as_dict()

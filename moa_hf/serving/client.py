@@ -4,13 +4,17 @@ When the server is unreachable the client keeps generating with its drafter alon
 unverified), retries with exponential backoff, and on reconnection has the pending tokens verified, correcting from
 the first rejected one. Verified tokens are never dropped. The draft length adapts to the measured round-trip time,
 server time, drafting time and acceptance (more tokens per call, so fewer calls, when the network is slow).
+
+The server's drafter and tokenizer are kept in a local cache (`cache.DrafterCache`, one folder per revision): a
+client downloads them only when the server announces a revision it does not hold, and a client whose server is
+down at start generates with the newest cached copy from the first token (unverified until the server is back).
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
+import os
 import socket
 import tempfile
 import time
@@ -24,7 +28,17 @@ import torch
 
 from ..modeling import MoADrafterCache
 from ..speculative import sampling_warpers
-from .protocol import PROTOCOL_VERSION, VerifyResult, decode_drafter, decode_result, lsa_fingerprint
+from .cache import CachedDrafter, CacheError, DrafterCache
+from .protocol import (
+    DRAFTER_FILE,
+    PROTOCOL_VERSION,
+    TOKENIZER_DIR,
+    VerifyResult,
+    decode_drafter,
+    decode_result,
+    lsa_fingerprint,
+    tokenizer_file_bytes,
+)
 
 __all__ = ["DraftLengthPolicy", "GenerationEvent", "GenerationResult", "MoAClient", "ServingError"]
 
@@ -213,7 +227,8 @@ class _Run:
     network_s: float = 0.0
     server_s: float = 0.0
     draft_s: float = 0.0
-    first_token_s: float | None = None
+    first_token_s: float | None = None  # the first verified token
+    first_unverified_s: float | None = None  # the first token shown unverified (drafted while offline)
     offline_spans: list[dict] = field(default_factory=list)
     shown: int = 0  # leading pending tokens already shown as unverified
     generator: torch.Generator | None = None  # the drafter's sampling RNG (seeded with `seed`)
@@ -236,9 +251,10 @@ class MoAClient:
     Args:
         server: base URL of the server.
         drafter: a `MoADrafterModel` with `own_embeddings=True` (the same checkpoint the server runs; checked by
-            the fingerprint of its LSA weights). None: downloaded from the server.
-        tokenizer: the target's tokenizer (for text prompts, the chat template and streaming). None: downloaded
-            from the server when needed.
+            the fingerprint of its LSA weights). None: the server's, from the cache when it holds the revision the
+            server announces, else downloaded (and cached); the server unreachable, the newest cached copy.
+        tokenizer: the target's tokenizer (for text prompts, the chat template and streaming). None: the one cached
+            with the server's drafter, else downloaded from the server when needed.
         token: the server's auth token (sent as a Bearer token).
         draft_length: a fixed number of drafted tokens per call (0: plain decoding, one call per token), or None
             to adapt it between `min_draft_length` and `max_draft_length`.
@@ -247,6 +263,11 @@ class MoAClient:
         backoff_initial_s, backoff_max_s: retry delays while the server is unreachable (doubling).
         reconnect_timeout_s: once every token is drafted offline, how long to keep retrying before returning the
             result with an unverified tail.
+        cache_dir: the drafter cache (default `$MOA_HF_DRAFTER_CACHE`, else `~/.cache/moa_hf/drafters`);
+            `use_cache=False` keeps a downloaded drafter in memory only.
+        offline: never contact the server: draft alone with the given or newest cached drafter (all unverified).
+        info_max_age_s: a generation starting this long after the client last read /v1/info reads it again (and
+            switches drafters if the server now runs another revision); it is read again after every outage too.
     """
 
     def __init__(
@@ -268,6 +289,10 @@ class MoAClient:
         reconnect_timeout_s: float = 10.0,
         check_drafter: bool = True,
         transport: httpx.BaseTransport | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        use_cache: bool = True,
+        offline: bool = False,
+        info_max_age_s: float = 60.0,
     ):
         if drafter is not None:
             self._check_standalone(drafter)
@@ -290,8 +315,18 @@ class MoAClient:
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
         self.reconnect_timeout_s = reconnect_timeout_s
         self.check_drafter = check_drafter
-        self._info: dict | None = None
-        self._checked = False
+        self.offline = offline
+        self.cache = DrafterCache(self.server, cache_dir) if use_cache else None
+        self.revision: str | None = None  # the cached/downloaded drafter's revision (None: a drafter passed in)
+        self._given_drafter, self._given_tokenizer = drafter is not None, tokenizer is not None
+        self._fingerprint = lsa_fingerprint(self.drafter) if drafter is not None else None
+        self._dtype = torch.float32
+        self._info: dict | None = None  # the server's /v1/info; None while it has not answered (offline)
+        self._info_at = 0.0
+        self.info_max_age_s = info_max_age_s
+        self._cached_info: dict | None = None  # its /v1/info when the cached drafter was downloaded
+        self._unreachable = ""  # why the server did not answer last
+        self._failed_at = -1e9  # when it did not (time.monotonic)
         self.policy = DraftLengthPolicy(min_draft_length, max_draft_length, fixed=draft_length)
 
     # -- plumbing ---------------------------------------------------------------------------------------------------
@@ -318,10 +353,17 @@ class MoAClient:
             )
 
     def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
+        if self.offline:
+            raise _Unreachable("offline mode: the client does not contact the server")
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.TransportError as err:
             raise _Unreachable(f"{type(err).__name__}: {err}") from err
+        self._raise_for_status(response, path)
+        return response
+
+    @staticmethod
+    def _raise_for_status(response: httpx.Response, path: str) -> None:
         if response.status_code in (429, 502, 503, 504) or response.status_code >= 500:
             raise _Unreachable(f"HTTP {response.status_code}: {response.text[:200]}")
         if response.status_code in (404, 409, 410) and "/sessions/" in path:
@@ -332,7 +374,6 @@ class MoAClient:
             except ValueError:
                 detail = response.text
             raise ServingError(response.status_code, str(detail))
-        return response
 
     def _fetch(self, path: str, **kwargs) -> httpx.Response:
         """GET `path`, raising `ConnectionError` (not retried) if the server is unreachable."""
@@ -341,9 +382,16 @@ class MoAClient:
         except _Unreachable as err:
             raise ConnectionError(f"cannot reach the server at {self.server} ({path}): {err}") from err
 
+    @property
+    def connected(self) -> bool:
+        """Whether the server answered last time the client asked (False while offline)."""
+        return self._info is not None
+
     def info(self) -> dict:
-        """The server's /v1/info (target, limits, drafter fingerprint); raises if unreachable."""
-        if self._info is None:
+        """The server's /v1/info (target, limits, drafter fingerprint and revision); raises if unreachable. Read
+        again when older than `info_max_age_s` (a generation starting later notices a server upgrade)."""
+        if self._info is None or time.monotonic() - self._info_at > self.info_max_age_s:
+            self._info = None
             info = self._fetch("/v1/info").json()
             if info.get("protocol_version") != PROTOCOL_VERSION:
                 raise ServingError(
@@ -351,43 +399,189 @@ class MoAClient:
                     f"the server speaks protocol {info.get('protocol_version')}, this client "
                     f"{PROTOCOL_VERSION}: update moa-hf on one side",
                 )
-            self._info = info
+            self._info, self._info_at = info, time.monotonic()
         return self._info
 
+    def _try_info(self) -> dict | None:
+        """/v1/info, or None when the server is unreachable (the reason goes to `_unreachable`); not asked again
+        within a second of such a failure (a dead link can take `connect_timeout_s` per attempt)."""
+        if self._info is None and time.monotonic() - self._failed_at < 1.0:
+            return None
+        try:
+            return self.info()
+        except ConnectionError as err:
+            self._unreachable, self._failed_at = str(err), time.monotonic()
+            return None
+
+    def prepare(self, dtype: torch.dtype = torch.float32) -> dict | None:
+        """Ask the server for its /v1/info and get the drafter ready (see `load_drafter`); returns the info, or
+        None when the server is unreachable (then the client starts offline, with a cached or given drafter)."""
+        info = self._try_info()
+        if self.drafter is None or self._stale(info):
+            self._dtype = dtype
+            self._load_server_drafter(info, fall_back=True)
+            info = self._info
+        self._check_fingerprint(info)
+        return info
+
+    def _stale(self, info: dict | None) -> bool:
+        """Whether the server (answering with `info`) now announces another revision than the drafter it gave."""
+        return info is not None and not self._given_drafter and info["drafter"].get("revision") != self.revision
+
     def load_drafter(self, dtype: torch.dtype = torch.float32):
-        """Download the server's drafter (with its own embedding and LM head)."""
+        """The drafter: the one given; else the server's current one, from the cache when it holds the revision the
+        server announces (downloaded into the cache otherwise); else, the server unreachable (or the download
+        broken off), the newest valid cached copy. Raises `ConnectionError` when there is none of these."""
         if self.drafter is None:
-            blob = self._fetch("/v1/drafter", timeout=httpx.Timeout(600.0, connect=10.0)).content
-            self.drafter = decode_drafter(blob, dtype)
-            self._checked = True
+            self.prepare(dtype)
         return self.drafter
 
+    def _load_server_drafter(self, info: dict | None, fall_back: bool) -> None:
+        """Load the drafter of the server whose /v1/info is `info` (None: unreachable) from the cache or a download;
+        `fall_back`: when that fails for want of the server, take the newest valid cached copy."""
+        revision = (info or {}).get("drafter", {}).get("revision")
+        if info is not None and (self.cache is None or revision is None):  # no cache (or an older server)
+            blob = self._fetch("/v1/drafter", timeout=httpx.Timeout(600.0, connect=10.0)).content
+            self._set_drafter(decode_drafter(blob, self._dtype), revision)
+            return
+        entry = None
+        if info is not None:
+            entry = self.cache.load(revision, self._dtype)
+            if entry is None:
+                try:
+                    entry = self._download(revision, info)
+                except (ConnectionError, CacheError) as err:  # the server went away (or changed) meanwhile
+                    if not fall_back:
+                        raise ConnectionError(str(err)) from err
+                    logger.warning("downloading the server's drafter failed (%s)", err)
+                    self._info, self._unreachable = None, str(err)
+        if entry is None and self.cache is not None:
+            entry = self.cache.load(None, self._dtype)
+            if entry is not None:
+                logger.warning(
+                    "server unreachable (%s): using the cached drafter %s, downloaded %s; every token stays "
+                    "unverified until the server answers",
+                    self._unreachable,
+                    entry.path,
+                    time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.manifest["created_at"])),
+                )
+        if entry is None:
+            where = f"{self.cache.folder} holds no valid cached drafter for it" if self.cache else "the cache is off"
+            raise ConnectionError(
+                f"{self._unreachable or f'cannot reach the server at {self.server}'}; and {where}. Start the server "
+                "(`moa serve`) and run the client again (it then caches the drafter for offline use), or pass a "
+                "drafter folder (`moa client --drafter DIR`, `MoAClient(drafter=...)`)."
+            )
+        self._use_entry(entry)
+
+    def _download(self, revision: str, info: dict) -> CachedDrafter:
+        """Download the server's drafter (and tokenizer) into a new cache entry; a failure leaves nothing behind."""
+        logger.info("downloading the server's drafter (revision %s) into %s", revision, self.cache.folder)
+        with self.cache.writing(revision, info) as tmp:
+            self._download_file("/v1/drafter", tmp / DRAFTER_FILE)
+            if info.get("has_tokenizer"):
+                self._write_tokenizer(tmp / TOKENIZER_DIR)
+        entry = self.cache.load(revision, self._dtype)
+        if entry is None:
+            raise CacheError(f"the new cache entry {self.cache.folder / revision} does not load (see the warning)")
+        return entry
+
+    def _download_file(self, path: str, dest: Path) -> None:
+        """Stream GET `path` into the file `dest`; `ConnectionError` if the server is unreachable or stops."""
+        try:
+            with self._http.stream("GET", path, timeout=httpx.Timeout(600.0, connect=10.0)) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    self._raise_for_status(response, path)
+                with open(dest, "wb") as f:
+                    for chunk in response.iter_bytes():
+                        f.write(chunk)
+        except httpx.TransportError as err:
+            raise ConnectionError(
+                f"cannot reach the server at {self.server} ({path}): the download broke off ({type(err).__name__})"
+            ) from err
+        except _Unreachable as err:
+            raise ConnectionError(f"cannot reach the server at {self.server} ({path}): {err}") from err
+
+    def _write_tokenizer(self, folder: Path) -> None:
+        """Write the server's tokenizer files (GET /v1/tokenizer) into `folder`."""
+        files = tokenizer_file_bytes(self._fetch("/v1/tokenizer").json())
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+
+    def _use_entry(self, entry: CachedDrafter) -> None:
+        self._set_drafter(entry.drafter, entry.revision)
+        self._cached_info = entry.server_info
+        if not self._given_tokenizer and entry.tokenizer is not None:
+            self.tokenizer = entry.tokenizer
+
+    def _set_drafter(self, drafter, revision: str | None) -> None:
+        self.drafter, self.revision = drafter.eval(), revision
+        self._fingerprint = lsa_fingerprint(drafter)
+
     def load_tokenizer(self):
-        """Download the target's tokenizer from the server (needed for text prompts and streaming)."""
+        """The target's tokenizer: the one given or cached with the drafter, else downloaded from the server (needed
+        for text prompts and streaming)."""
         if self.tokenizer is None:
             from transformers import AutoTokenizer
 
-            answer = self._fetch("/v1/tokenizer").json()
             with tempfile.TemporaryDirectory() as tmp:
-                for name, text in answer.get("files", {}).items():
-                    (Path(tmp) / Path(name).name).write_text(text, encoding="utf-8")
-                for name, data in answer.get("binary_files", {}).items():
-                    (Path(tmp) / Path(name).name).write_bytes(base64.b64decode(data))
+                self._write_tokenizer(Path(tmp))
                 self.tokenizer = AutoTokenizer.from_pretrained(tmp)
         return self.tokenizer
 
-    def _check_fingerprint(self) -> None:
-        if self._checked or not self.check_drafter or self._info is None:
+    def _check_fingerprint(self, info: dict | None) -> None:
+        if not self.check_drafter or info is None or self.drafter is None:
             return
-        server = self._info["drafter"]["lsa_fingerprint"]
-        mine = lsa_fingerprint(self.drafter)
-        if server != mine:
+        mine, theirs = getattr(self.drafter.config, "target_fingerprint", None), info.get("target_fingerprint")
+        if mine and theirs and mine != theirs:
             raise ValueError(
-                f"This client's drafter (LSA fingerprint {mine}) differs from the server's ({server}): the context "
-                "vectors the server computes would not fit it. Use the same drafter checkpoint on both sides, or "
-                "let the client download the server's (no --drafter)."
+                "This client's drafter was trained for other target weights than the server's target (target "
+                f"fingerprint {mine} vs {theirs}). Use the drafter trained for the server's model, or let the client "
+                "download the server's (no --drafter)."
             )
-        self._checked = True
+        server = info["drafter"]["lsa_fingerprint"]
+        if server != self._fingerprint:
+            raise ValueError(
+                f"This client's drafter (LSA fingerprint {self._fingerprint}) differs from the server's ({server}): "
+                "the context vectors the server computes would not fit it. Use the same drafter checkpoint on both "
+                "sides, or let the client download the server's (no --drafter)."
+            )
+
+    def _sync(self, run: _Run) -> None:
+        """The server answers again (after an offline start or an outage): re-read its /v1/info. When it now runs
+        another drafter revision, switch to it (cached or downloaded) and restart the drafter's cache, whose context
+        vectors came from the other drafter; the next call then asks for the context of every verified token.
+        Raises `_Unreachable` while the server (or the download) does not answer."""
+        try:
+            info = self.info()
+        except ConnectionError as err:
+            raise _Unreachable(str(err)) from err
+        if self._stale(info):
+            revision = info["drafter"].get("revision")
+            logger.warning("the server now runs drafter revision %s (this client had %s)", revision, self.revision)
+            try:
+                self._load_server_drafter(info, fall_back=False)
+            except ConnectionError as err:
+                self._info = None
+                raise _Unreachable(str(err)) from err
+            run.cache = MoADrafterCache()
+        self._check_fingerprint(info)
+        self._eos, self._vocab = self._eos_ids(), int(self.drafter.config.vocab_size)
+
+    def _limits(self) -> dict:
+        return (self._info or self._cached_info or {}).get("limits", {})
+
+    def _max_draft(self) -> int:
+        return min(self.max_draft_length, self._limits().get("max_draft_tokens", self.max_draft_length))
+
+    def _eos_ids(self) -> set[int]:
+        eos = (self._info or self._cached_info or {}).get("eos_token_ids")
+        if eos is None:
+            e = self.drafter.config.eos_token_id
+            eos = [e] if isinstance(e, int) else list(e or [])
+        return set(eos)
 
     def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
         """Token ids of `prompt`, wrapped in the target's chat template as one user turn unless `raw`."""
@@ -448,29 +642,16 @@ class MoAClient:
         (an adaptive one depends on timings, and so does which random numbers are drawn).
         """
         t_start = time.perf_counter()
-        try:
-            info = self.info()
-        except ConnectionError:
-            info = None  # start offline: the drafter and tokenizer must be local then
-            if self.drafter is None:
-                raise
-        self.load_drafter()
-        self._check_fingerprint()
+        self.prepare()  # None: start offline, with the given or the newest cached drafter
         prompt_ids = list(prompt) if not isinstance(prompt, str) else self.encode_prompt(prompt, raw=raw)
         if not prompt_ids:
             raise ValueError("The prompt is empty: give at least one token.")
-        limits = (info or {}).get("limits", {})
-        max_draft = min(self.max_draft_length, limits.get("max_draft_tokens", self.max_draft_length))
-        limit = limits.get("max_tokens_per_session")
+        limit = self._limits().get("max_tokens_per_session")
         if limit is not None and len(prompt_ids) + max_new_tokens + 1 > limit:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"server's {limit} tokens per session: shorten one of them"
             )
-        eos = (info or {}).get("eos_token_ids")
-        if eos is None:
-            e = self.drafter.config.eos_token_id
-            eos = [e] if isinstance(e, int) else list(e or [])
         run = _Run(
             prompt=prompt_ids,
             verified=list(prompt_ids),
@@ -480,7 +661,7 @@ class MoAClient:
         if do_sample and seed is not None:
             run.generator = torch.Generator(device=self.drafter.device).manual_seed(seed)
         text = _TextStream(self.tokenizer)
-        self._eos = set(eos)
+        self._eos = self._eos_ids()
         self._vocab = int(self.drafter.config.vocab_size)
 
         def emit(event: GenerationEvent):
@@ -491,32 +672,41 @@ class MoAClient:
         offline_since: float | None = None  # when the server became unreachable (None: online)
         drafting_done_at: float | None = None  # offline, when every remaining token had been drafted
         backoff, next_retry = self.backoff_initial_s, 0.0
+        start_offline = self._info is None  # the server did not answer just now: draft from the first token
         while not run.done and run.generated < max_new_tokens:
             remaining = max_new_tokens - run.generated
             if offline_since is None:
                 # no context from the target yet (first call): drafts would be blind, send the prompt alone
                 k = self.policy.choose(remaining - 1 - len(run.pending)) if run.cache.context_length else 0
-                self._draft(run, min(k, max_draft))
+                self._draft(run, min(k, self._max_draft()))
             elif time.monotonic() < next_retry:
                 if run.generated + len(run.pending) < max_new_tokens and not self._ends(run.pending):
                     position = run.generated + len(run.pending)
                     self._draft(run, 1)
                     run.shown = len(run.pending)
                     run.offline_spans[-1]["drafted"] += 1
+                    if run.first_unverified_s is None:
+                        run.first_unverified_s = time.perf_counter() - t_start
                     yield emit(GenerationEvent("unverified", run.pending[-1:], position=position))
                     continue
                 if drafting_done_at is None:
                     drafting_done_at = time.monotonic()
                 give_up_at = drafting_done_at + self.reconnect_timeout_s
-                if time.monotonic() >= give_up_at:
+                if self.offline or time.monotonic() >= give_up_at:
                     break  # the tail stays unverified
                 time.sleep(max(0.0, min(next_retry, give_up_at) - time.monotonic()))
                 continue
-            sent = min(len(run.pending), max_draft)
             try:
+                if start_offline:
+                    start_offline = False
+                    raise _Unreachable(self._unreachable)
+                if self._info is None:  # the first call since an offline start or an outage: the server may differ
+                    self._sync(run)
+                sent = min(len(run.pending), self._max_draft())
                 result = self._call(run, sent)
             except _Unreachable as err:
                 run.failed_calls += 1
+                self._info = None
                 if offline_since is None:
                     offline_since = time.monotonic()
                     logger.warning("server unreachable (%s): drafting alone until it is back", err)
@@ -525,6 +715,8 @@ class MoAClient:
                     yield emit(GenerationEvent("offline", position=run.generated))
                     if run.pending:
                         run.shown = len(run.pending)
+                        if run.first_unverified_s is None:
+                            run.first_unverified_s = time.perf_counter() - t_start
                         yield emit(GenerationEvent("unverified", list(run.pending), position=run.generated))
                 else:
                     backoff = min(backoff * 2, self.backoff_max_s)
@@ -601,17 +793,18 @@ class MoAClient:
         self.policy.observe_draft(seconds / max(n, 1))
 
     def _call(self, run: _Run, sent: int) -> VerifyResult:
-        """Create or verify: the first `sent` pending tokens are verified. Re-creates a lost session once."""
+        """Create or verify: the first `sent` pending tokens are verified. Re-creates a lost session once (after
+        re-reading /v1/info: a server that lost the session may have restarted with another drafter)."""
         drafts = run.pending[:sent]
-        body = {
-            "draft_ids": drafts,
-            "context_from": run.cache.context_length,
-            "context_format": self.context_format,
-            "want_context": self.draft_length != 0,
-        }  # plain decoding (draft_length=0) needs no context
-        if run.sampling["do_sample"] and drafts:
-            body["draft_probs"] = run.dists[:sent]
         for _attempt in range(2):
+            body = {
+                "draft_ids": drafts,
+                "context_from": run.cache.context_length,  # 0 again after `_sync` switched drafters
+                "context_format": self.context_format,
+                "want_context": self.draft_length != 0,
+            }  # plain decoding (draft_length=0) needs no context
+            if run.sampling["do_sample"] and drafts:
+                body["draft_probs"] = run.dists[:sent]
             if run.session_id is None:
                 path = "/v1/sessions"
                 sampling = {k: v for k, v in run.sampling.items() if v is not None}
@@ -629,6 +822,8 @@ class MoAClient:
                 logger.info("session lost (%s): re-creating it from the %d verified tokens", err, len(run.verified))
                 run.session_id = None
                 run.recreations += 1
+                self._info = None
+                self._sync(run)
                 continue
             rtt = time.perf_counter() - t0
             result = decode_result(response.content)
@@ -709,6 +904,7 @@ class MoAClient:
             timings={
                 "total_s": total,
                 "first_token_s": run.first_token_s,
+                "first_unverified_token_s": run.first_unverified_s,
                 "per_token_ms": 1000 * total / max(len(tokens), 1),
                 "network_s": run.network_s,
                 "server_s": run.server_s,
@@ -726,5 +922,6 @@ class MoAClient:
                 "bytes_up": run.bytes_up,
                 "bytes_down": run.bytes_down,
                 "acceptance_estimate": self.policy.acceptance,
+                "drafter_revision": self.revision,
             },
         )

@@ -4,13 +4,17 @@ Requests are small JSON bodies (validated by the pydantic models below, which al
 Every verification answer is one safetensors blob: the LSA context vectors of the newly verified positions as
 tensors (fp16, fp32, or int8 with one fp32 scale per vector) and the scalar fields as JSON in the safetensors
 header's `__metadata__`. Weights (the drafter a client may download) travel as safetensors too; nothing is pickled.
+What a client downloads (the drafter blob and the tokenizer's files) has a revision, `download_revision`, that the
+server announces in /v1/info and the client's cache recomputes from the files it holds (see `cache`).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import struct
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Annotated, Literal
 
@@ -21,6 +25,8 @@ from safetensors.torch import save as st_save
 
 __all__ = [
     "CONTEXT_FORMATS",
+    "DRAFTER_FILE",
+    "TOKENIZER_DIR",
     "JsonInt",
     "json_int",
     "PROTOCOL_VERSION",
@@ -31,11 +37,15 @@ __all__ = [
     "decode_context",
     "decode_drafter",
     "decode_result",
+    "download_digests",
+    "download_revision",
     "encode_context",
     "encode_drafter",
     "encode_result",
     "lsa_fingerprint",
     "read_safetensors_metadata",
+    "sha256_hex",
+    "tokenizer_file_bytes",
 ]
 
 PROTOCOL_VERSION = 1
@@ -46,6 +56,9 @@ _MAX_IDS = 1 << 20
 _MAX_SPARSE = 1024
 _META_KEY = "moa"
 _LSA_PREFIXES = ("lsa_in_proj.", "layer_self_attention.", "Ekv2E.")
+# Where the files of a download live in a client's cache entry (and the names their revision is computed over).
+DRAFTER_FILE = "drafter.safetensors"
+TOKENIZER_DIR = "tokenizer"
 
 
 def _json_int(value):
@@ -228,9 +241,50 @@ def decode_drafter(blob: bytes, dtype: torch.dtype = torch.float32):
     for key in ("model_type", "transformers_version", "architectures", "auto_map"):
         config_dict.pop(key, None)
     config = MoADrafterConfig(**config_dict)
-    drafter = MoADrafterModel(config)
-    missing, unexpected = drafter.load_state_dict(st_load(blob), strict=False)
-    missing = [k for k in missing if not k.endswith("inv_freq")]
-    if missing or unexpected:
-        raise ValueError(f"The drafter blob does not match its config (missing {missing}, unexpected {unexpected}).")
-    return drafter.to(dtype).eval()
+    # from_pretrained builds the model without initialising weights that the state dict then replaces (a plain
+    # MoADrafterModel(config) spends seconds drawing random embeddings for a large vocabulary)
+    drafter, loading = MoADrafterModel.from_pretrained(
+        None, config=config, state_dict=st_load(blob), dtype=dtype, output_loading_info=True
+    )
+    missing = sorted(k for k in loading["missing_keys"] if not k.endswith("inv_freq"))
+    unexpected, mismatched = sorted(loading["unexpected_keys"]), loading.get("mismatched_keys") or []
+    if missing or unexpected or mismatched:
+        raise ValueError(
+            f"The drafter blob does not match its config (missing {missing}, unexpected {unexpected}, "
+            f"mismatched shapes {sorted(mismatched)})."
+        )
+    return drafter.eval()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def tokenizer_file_bytes(answer: dict) -> dict[str, bytes]:
+    """A /v1/tokenizer answer ({"files": {name: text}, "binary_files": {name: base64}}) -> {file name: bytes}.
+    Names must be plain file names (no folders): a server cannot make the client write elsewhere."""
+    out = {}
+    for key, decode in (("files", lambda v: v.encode("utf-8")), ("binary_files", base64.b64decode)):
+        for name, value in (answer.get(key) or {}).items():
+            if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+                raise ValueError(f"The tokenizer answer names a file {name!r}: only plain file names are accepted.")
+            out[name] = decode(value)
+    return out
+
+
+def download_digests(drafter_blob: bytes, tokenizer_files: Mapping[str, bytes] | None) -> dict[str, str]:
+    """{path in a cache entry: sha256} of what a client downloads: the drafter blob and the tokenizer's files."""
+    digests = {DRAFTER_FILE: sha256_hex(drafter_blob)}
+    for name, data in (tokenizer_files or {}).items():
+        digests[f"{TOKENIZER_DIR}/{name}"] = sha256_hex(data)
+    return digests
+
+
+def download_revision(digests: Mapping[str, str]) -> str:
+    """The revision of a download: a short hash of its files' paths and sha256 digests (`download_digests`). The
+    server announces it in /v1/info; the client names its cache folder after it and recomputes it on every load."""
+    h = hashlib.sha256()
+    for path in sorted(digests):
+        h.update(f"{path}\0{digests[path]}\n".encode())
+    return h.hexdigest()[:16]

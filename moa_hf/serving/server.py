@@ -29,6 +29,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import Field, create_model
 from transformers import DynamicCache
 
+from ..modeling import target_fingerprint
 from ..speculative import sampling_warpers, verify
 from . import protocol
 from .protocol import (
@@ -38,9 +39,12 @@ from .protocol import (
     SparseDistribution,
     VerifyRequest,
     VerifyResult,
+    download_digests,
+    download_revision,
     encode_drafter,
     encode_result,
     lsa_fingerprint,
+    tokenizer_file_bytes,
 )
 
 __all__ = ["ServerLimits", "ServingState", "ServerThread", "create_app", "is_loopback", "TOKEN_ENV_VAR"]
@@ -101,13 +105,21 @@ class _Session:
 class ServingState:
     """The models, limits and live sessions of one server. All model work runs under one lock."""
 
-    def __init__(self, target, drafter, tokenizer=None, limits: ServerLimits | None = None, token: str | None = None):
+    def __init__(
+        self,
+        target,
+        drafter,
+        tokenizer=None,
+        limits: ServerLimits | None = None,
+        token: str | None = None,
+        allow_other_target: bool = False,
+    ):
         if drafter.config.target_layer_inference > 0:
             raise ValueError(
                 "Client-server drafting needs a drafter with target_layer_inference=0 (the client cannot run the "
                 f"target's last layers); this one has {drafter.config.target_layer_inference}."
             )
-        drafter.check_target(target, allow_other_target=True)
+        drafter.check_target(target, allow_other_target=allow_other_target)  # by weights (`target_fingerprint`)
         self.target = target.eval()
         if drafter.dtype != target.dtype or drafter.device != target.device:  # a copy: leave the caller's as it is
             drafter = copy.deepcopy(drafter).to(device=target.device, dtype=target.dtype)
@@ -118,11 +130,15 @@ class ServingState:
         self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
         self.device = target.device
         self.fingerprint = lsa_fingerprint(self.drafter)
+        self.target_fingerprint = target_fingerprint(self.target)
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
         self.expired: deque[str] = deque(maxlen=1024)
         self.lock = threading.Lock()
-        self._drafter_blob: bytes | None = None
-        self._tokenizer_files: dict[str, dict[str, str]] | None = None
+        # What a client downloads, built once: its revision tells a client whether its cached copy is current.
+        self._drafter_blob = encode_drafter(self.drafter, self.target)
+        self._tokenizer_files = _saved_tokenizer_files(tokenizer) if tokenizer is not None else None
+        files = tokenizer_file_bytes(self._tokenizer_files) if tokenizer is not None else None
+        self.revision = download_revision(download_digests(self._drafter_blob, files))
         eos = target.generation_config.eos_token_id
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
 
@@ -132,11 +148,14 @@ class ServingState:
         return {
             "protocol_version": PROTOCOL_VERSION,
             "target": getattr(self.target.config, "name_or_path", "") or type(self.target).__name__,
+            "target_fingerprint": self.target_fingerprint,
             "dtype": str(self.target.dtype).removeprefix("torch."),
             "vocab_size": self.vocab_size,
             "eos_token_ids": self.eos_token_ids,
             "drafter": {
                 "lsa_fingerprint": self.fingerprint,
+                "revision": self.revision,
+                "bytes": len(self._drafter_blob),
                 "hidden_size": c.hidden_size,
                 "own_embeddings": bool(c.own_embeddings),
             },
@@ -146,28 +165,11 @@ class ServingState:
         }
 
     def drafter_blob(self) -> bytes:
-        with self.lock:
-            if self._drafter_blob is None:
-                self._drafter_blob = encode_drafter(self.drafter, self.target)
-            return self._drafter_blob
+        return self._drafter_blob
 
     def tokenizer_files(self) -> dict[str, dict[str, str]]:
         """The tokenizer's saved files: {"files": {name: text}, "binary_files": {name: base64}}."""
-        with self.lock:
-            if self._tokenizer_files is None:
-                files, binary = {}, {}
-                with tempfile.TemporaryDirectory() as tmp:
-                    self.tokenizer.save_pretrained(tmp)
-                    for path in sorted(Path(tmp).iterdir()):
-                        if not path.is_file():
-                            continue
-                        data = path.read_bytes()
-                        try:
-                            files[path.name] = data.decode("utf-8")
-                        except UnicodeDecodeError:  # e.g. a SentencePiece model
-                            binary[path.name] = base64.b64encode(data).decode("ascii")
-                self._tokenizer_files = {"files": files, "binary_files": binary}
-            return self._tokenizer_files
+        return self._tokenizer_files
 
     def _sweep(self, now: float) -> None:
         ttl = self.limits.session_ttl_s
@@ -319,6 +321,22 @@ class ServingState:
             server_s=time.perf_counter() - t0,
             context=context,
         )
+
+
+def _saved_tokenizer_files(tokenizer) -> dict[str, dict[str, str]]:
+    """The files `tokenizer.save_pretrained` writes: {"files": {name: text}, "binary_files": {name: base64}}."""
+    files, binary = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        for path in sorted(Path(tmp).iterdir()):
+            if not path.is_file():
+                continue
+            data = path.read_bytes()
+            try:
+                files[path.name] = data.decode("utf-8")
+            except UnicodeDecodeError:  # e.g. a SentencePiece model
+                binary[path.name] = base64.b64encode(data).decode("ascii")
+    return {"files": files, "binary_files": binary}
 
 
 def _crop_to(cache: DynamicCache, length: int) -> None:
