@@ -135,6 +135,9 @@ def run_demo(
 
 
 def _main(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the command's own output only (this process ends after the demo)
     result = run_demo(
         dtype=args.dtype, max_new_tokens=args.max_new_tokens, drafter_path=args.drafter, check=args.check
     )
