@@ -636,3 +636,35 @@ def test_client_prompt_lookup_is_exact_and_saves_calls(tiny, server):
     assert result.stats["lookup_drafted_tokens"] > 0 and plain.stats["lookup_drafted_tokens"] == 0
     assert result.server_calls < plain.server_calls
     assert len(sampled.token_ids) == 20 and sampled.unverified_tokens == 0 and sampled.stats["lookup_drafted_tokens"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+def test_sliding_window_target_context_beyond_the_window_is_marked_and_kept_out(monkeypatch):
+    """A prompt longer than a sliding window: a rejected draft crops the server's cache (which must keep the states
+    the rollback needs), the server says which positions have no context (zeros: the window had dropped them), the
+    client keeps such positions out of its CA memory, and the output is still the target's."""
+    target = make_target("mistral-sliding")  # window 8: a sliding layer holds the newest 7 positions
+    drafter = moa_hf.build_drafter(target, own_embeddings=True).eval()
+    prompt = prompts(5, 1)[0] + list(range(3, 23))  # > 20 tokens
+    wrong = (reference(target, prompt, 1)[0] + 1) % 128  # rejected: the server crops the draft away
+    state = ServingState(target, drafter, limits=ServerLimits(max_sessions=2, max_tokens_per_session=256))
+    seen = []
+    original = type(drafter).extend_context
+
+    def extend_context(self, cache, context, valid=None):
+        seen.append(None if valid is None else valid.tolist())
+        return original(self, cache, context, valid=valid)
+
+    with ServerThread(create_app(state)) as srv:
+        body = {"input_ids": prompt, "draft_ids": [wrong, 5, 6], "context_format": "fp32"}
+        first = decode_result(httpx.post(f"{srv.url}/v1/sessions", json=body).content)
+        assert first.accepted == 0 and first.context_valid_from == len(prompt) - 7  # the newest 7 are held
+        assert first.context[: first.context_valid_from].abs().max() == 0  # zeros, announced as such
+        assert first.context[first.context_valid_from :].abs().amax(dim=-1).min() > 0
+        client_drafter = copy.deepcopy(drafter)
+        monkeypatch.setattr(type(client_drafter), "extend_context", extend_context)
+        with MoAClient(srv.url, drafter=client_drafter, draft_length=4) as client:
+            result = client.generate(prompt, max_new_tokens=24)
+    assert result.token_ids == reference(target, prompt, 24) and result.unverified_tokens == 0
+    for valid in seen:  # where a read had positions without context, they are the oldest ones (a prefix)
+        assert valid is None or valid == sorted(valid)

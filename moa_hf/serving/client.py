@@ -868,7 +868,10 @@ class MoAClient:
             if skip < 0:
                 raise ServingError(502, f"context gap: have {cache.context_length}, got from {result.context_start}")
             if result.context.shape[0] > skip:
-                self.drafter.extend_context(cache, result.context[skip:][None].to(self.drafter.device))  # [1, T, d]
+                context = result.context[skip:][None].to(self.drafter.device)  # [1, T, d]
+                positions = torch.arange(cache.context_length, cache.context_length + context.shape[1])  # [T]
+                valid = (positions >= result.context_valid_from).to(self.drafter.device)  # [T]
+                self.drafter.extend_context(cache, context, valid=None if bool(valid.all()) else valid)
         generated = run.verified[len(run.prompt) :]
         first_new = len(generated) - len(new)
         stop = next((i for i, t in enumerate(new) if t in self._eos), None)  # stop at the first EOS

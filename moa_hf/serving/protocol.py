@@ -11,6 +11,7 @@ server announces in /v1/info and the client's cache recomputes from the files it
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 import struct
@@ -134,7 +135,9 @@ class VerifyResult:
 
     `accepted` drafted tokens were accepted and `next_token` (the target's correction, or its bonus token when all
     were accepted) follows them; the session now holds `num_verified` tokens. `context` [T, d] float32 holds the
-    context vectors of positions `context_start .. context_start+T-1` (None when not asked for).
+    context vectors of positions `context_start .. context_start+T-1` (None when not asked for); those before
+    `context_valid_from` are zero vectors with no context (a sliding-window layer had dropped them when they were
+    read), which the client keeps out of its CA memory.
     """
 
     session_id: str
@@ -145,6 +148,7 @@ class VerifyResult:
     server_s: float
     context: torch.Tensor | None = None
     payload_bytes: int = 0
+    context_valid_from: int = 0  # positions before it have no context (dropped by a sliding-window layer): zeros
 
     def metadata(self) -> dict:
         meta = asdict(self)
@@ -198,6 +202,8 @@ def decode_result(blob: bytes) -> VerifyResult:
     if _META_KEY not in meta:
         raise ValueError("The server's answer carries no MoA metadata: is the URL a `moa serve` server?")
     fields = json.loads(meta[_META_KEY])
+    known = {f.name for f in dataclasses.fields(VerifyResult)} - {"context", "payload_bytes"}
+    fields = {key: value for key, value in fields.items() if key in known}  # a newer server may send more
     return VerifyResult(**fields, context=decode_context(st_load(blob)), payload_bytes=len(blob))
 
 

@@ -29,7 +29,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import Field, create_model
 from transformers import DynamicCache
 
-from ..modeling import target_fingerprint
+from ..modeling import oldest_held_position, target_fingerprint
 from ..speculative import sampling_warpers, verify
 from . import protocol
 from .protocol import (
@@ -251,6 +251,8 @@ class ServingState:
                 request=req,
                 generator=generator,
             )
+            # sliding-window layers keep the states a rejected draft needs until `crop` (as assisted generation does)
+            session.cache.activate_past_recording()
             result = self._verify(session, req, start)
             self.sessions[session.id] = session
             return result
@@ -308,10 +310,11 @@ class ServingState:
         new_len = n + accepted  # keys/values kept for verified + accepted drafts; next_token has none yet
         _crop_to(session.cache, new_len)
         session.verified.extend(drafts[:accepted] + [next_token])
-        context = None
+        context, valid_from = None, 0
         if req.want_context:
             context = self.drafter.read_context(session.cache, min(context_start, new_len), new_len)  # [1, T, d]
             context = context[0].float().cpu()  # [T, d]
+            valid_from = oldest_held_position(session.cache)  # older positions were read as zeros
         return VerifyResult(
             session_id=session.id,
             num_verified=len(session.verified),
@@ -320,6 +323,7 @@ class ServingState:
             context_start=context_start,
             server_s=time.perf_counter() - t0,
             context=context,
+            context_valid_from=valid_from,
         )
 
 
