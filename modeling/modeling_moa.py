@@ -674,7 +674,8 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         end = min(target_cache.get_seq_length(), num_verified)
         start = cache.context_length
         if end > start:
-            valid = torch.arange(start, end) >= oldest_held_position(target_cache)  # [T] held by every layer
+            held = oldest_held_position(target_cache)  # 0 unless a sliding-window layer dropped older positions
+            valid = None if start >= held else torch.arange(start, end) >= held  # [T] held by every layer
             self.extend_context(cache, self.read_context(target_cache, start, end), valid=valid)
             if self._session is not None:
                 self._session.context_reads.append((start, end))

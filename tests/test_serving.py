@@ -641,8 +641,8 @@ def test_client_prompt_lookup_is_exact_and_saves_calls(tiny, server):
 # ---------------------------------------------------------------------------------------------------------------------
 def test_sliding_window_target_context_beyond_the_window_is_marked_and_kept_out(monkeypatch):
     """A prompt longer than a sliding window: a rejected draft crops the server's cache (which must keep the states
-    the rollback needs), the server says which positions have no context (zeros: the window had dropped them), the
-    client keeps such positions out of its CA memory, and the output is still the target's."""
+    the rollback needs), the server says which positions have no context (zeros: the window had dropped them), and a
+    client generating against it stays exact; whatever it marks as without context is the oldest positions."""
     target = make_target("mistral-sliding")  # window 8: a sliding layer holds the newest 7 positions
     drafter = moa_hf.build_drafter(target, own_embeddings=True).eval()
     prompt = prompts(5, 1)[0] + list(range(3, 23))  # > 20 tokens

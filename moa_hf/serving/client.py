@@ -869,9 +869,9 @@ class MoAClient:
                 raise ServingError(502, f"context gap: have {cache.context_length}, got from {result.context_start}")
             if result.context.shape[0] > skip:
                 context = result.context[skip:][None].to(self.drafter.device)  # [1, T, d]
-                positions = torch.arange(cache.context_length, cache.context_length + context.shape[1])  # [T]
-                valid = (positions >= result.context_valid_from).to(self.drafter.device)  # [T]
-                self.drafter.extend_context(cache, context, valid=None if bool(valid.all()) else valid)
+                start, held = cache.context_length, result.context_valid_from  # positions < held have no context
+                positions = torch.arange(start, start + context.shape[1], device=self.drafter.device)  # [T]
+                self.drafter.extend_context(cache, context, valid=None if start >= held else positions >= held)
         generated = run.verified[len(run.prompt) :]
         first_new = len(generated) - len(new)
         stop = next((i for i, t in enumerate(new) if t in self._eos), None)  # stop at the first EOS
