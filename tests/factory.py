@@ -30,12 +30,15 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from moa_hf import MoADrafterModel
 
 __all__ = [
     "FAMILIES",
+    "MORE_FAMILIES",
     "SLIDING_FAMILIES",
     "OracleDrafter",
     "make_independent",
@@ -82,9 +85,16 @@ SLIDING_FAMILIES = {
     "cohere2-sliding": (Cohere2Config, Cohere2ForCausalLM, {**_W, "layer_types": [_S, _S, _F]}),
 }
 
+# More full-attention families, for the speculative engine's exactness tests.
+MORE_FAMILIES = {
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
+    "phi3": (Phi3Config, Phi3ForCausalLM, {"sliding_window": None}),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {"head_dim": 16, "layer_types": [_F, _F, _F]}),
+}
+
 
 def make_target(family: str = "llama", seed: int = 0, **overrides):
-    config_cls, model_cls, extra = {**FAMILIES, **SLIDING_FAMILIES}[family]
+    config_cls, model_cls, extra = {**FAMILIES, **MORE_FAMILIES, **SLIDING_FAMILIES}[family]
     torch.manual_seed(seed)
     config = config_cls(**{**_COMMON, **extra, **overrides})
     config.name_or_path = f"tiny-random-{family}"

@@ -1,0 +1,348 @@
+"""The speculative engine (modeling/custom_generate/engine.py): trees, batches and exactness.
+
+The engine is checked with a test drafter that implements the drafter tree API by running a model on whole sequences
+(no cache): its proposals are the model's (optionally perturbed) top tokens, so acceptance varies while the engine's
+own cache handling, masks and acceptance are what is tested. The real drafters are tested through the engine in
+tests/test_engine_drafters.py.
+"""
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+from moa_hf.modeling.custom_generate import engine
+from moa_hf.modeling.custom_generate.engine import (
+    Costs,
+    Tree,
+    TreeSettings,
+    add_chain,
+    compact_cache,
+    cut_to_budget,
+    speculative_generate,
+    tree_attention_mask,
+)
+
+from factory import make_target
+
+FLAT_COSTS = Costs(verify={1: 1.0, 64: 1.0}, step={1: 0.01, 8: 0.01})  # verifying is free: big trees
+
+
+class ModelTreeDrafter:
+    """The drafter tree API over `model` run on whole sequences: logits = model's + noise (fixed per sequence)."""
+
+    needs_target_hidden = False
+    _attachment = None
+
+    def __init__(self, model, noise: float = 0.0, lookup: list | None = None):
+        self.model, self.noise, self.config, self.dtype = model, noise, model.config, model.dtype
+        self.lookup = lookup  # a reference sequence: lookup proposes what follows the current length (None: none)
+        self.lookup_settings = object() if lookup is not None else None
+        self.memo = {}  # sequence -> logits (rows of a batch often repeat)
+
+    def tree_unsupported_reason(self):
+        return None
+
+    @contextlib.contextmanager
+    def attached(self, target, allow_other_target=False):
+        yield self
+
+    def lookup_proposal(self, input_ids, max_new_tokens, min_new_tokens, eos):
+        n = input_ids.shape[1]
+        return None if self.lookup is None else torch.tensor(self.lookup[n : n + max_new_tokens])
+
+    def tree_start(self, batch_size):
+        return {"seqs": [[] for _ in range(batch_size)], "nodes": [[] for _ in range(batch_size)]}
+
+    def _logits(self, seqs):
+        out = []
+        for seq in seqs:
+            if tuple(seq) in self.memo:
+                out.append(self.memo[tuple(seq)])
+                continue
+            logits = self.model(torch.tensor([seq])).logits[0, -1].float()  # [V]
+            if self.noise:
+                g = torch.Generator().manual_seed(hash(tuple(seq)) % 2**31)
+                logits = logits + self.noise * torch.randn(logits.shape, generator=g)
+            self.memo[tuple(seq)] = logits
+            out.append(logits)
+        return torch.stack(out)
+
+    def tree_catch_up(self, state, tokens, positions, valid, prev_slots, target_cache, prev_hidden=None):
+        for b in range(tokens.shape[0]):
+            state["seqs"][b] += tokens[b][valid[b]].tolist()
+            state["nodes"][b] = []
+        return self._logits(state["seqs"])  # [B, V]
+
+    def tree_step(self, state, tokens, positions, parents):
+        out = []
+        for b in range(tokens.shape[0]):
+            seqs = []
+            for j in range(tokens.shape[1]):
+                p = int(parents[b, j])
+                path = (state["nodes"][b][p] if p >= 0 else []) + [int(tokens[b, j])]
+                state["nodes"][b].append(path)
+                seqs.append(state["seqs"][b] + path)
+            out.append(self._logits(seqs))
+        return torch.stack(out)  # [B, k, V]
+
+    def tree_end(self, state):
+        state["nodes"] = [[] for _ in state["nodes"]]
+
+    def tree_select_rows(self, state, rows):
+        for key in state:
+            state[key] = [state[key][i] for i in rows.tolist()]
+
+
+def _peaked(family="llama", scale=8.0, **overrides):
+    """A tiny target whose next-token distributions are peaked (a random one's are nearly uniform)."""
+    target = make_target(family, **overrides)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(scale)
+    return target
+
+
+SHAPES = [
+    {},  # automatic
+    {"tree_top_k": 1, "lookup": False},  # a chain
+    {"tree_depth": 4, "tree_top_k": 3, "tree_budget": 12},
+    {"tree_depth": 2, "tree_top_k": 8, "tree_budget": 64},
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("noise", [0.0, 2.0])
+def test_greedy_batch1_equals_generate(noise, shape):
+    target = _peaked()
+    drafter = ModelTreeDrafter(target, noise)
+    torch.manual_seed(0)
+    for length, new in ((1, 7), (12, 30)):
+        ids = torch.randint(3, 128, (1, length))
+        ref = target.generate(ids, max_new_tokens=new, do_sample=False)
+        out = speculative_generate(
+            target, drafter, ids, max_new_tokens=new, do_sample=False, return_dict_in_generate=True,
+            costs=FLAT_COSTS, **shape,
+        )  # fmt: skip
+        assert torch.equal(out.sequences, ref)
+        stats = out.speculation_stats[0]
+        assert stats.generated_tokens == new
+        if noise == 0.0 and shape.get("tree_budget", 1) > 0 and new > 7:
+            assert stats.mean_accepted_length > 1.5  # an oracle's drafts get accepted
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "mistral-sliding",
+                                    "qwen2-sliding", "gemma3-sliding", "phi3-sliding"])  # fmt: skip
+def test_greedy_families_batch1_and_batch3(family):
+    """Token-identical to `target.generate` at batch 1, and each row of a left-padded batch of 3 to its own batch-1
+    run (prompts longer than the sliding windows of the *-sliding targets)."""
+    target = _peaked(family)
+    drafter = ModelTreeDrafter(target, noise=1.0)
+    torch.manual_seed(1)
+    prompts = [torch.randint(3, 128, (n,)) for n in (5, 17, 11)]
+    refs = [target.generate(p[None], max_new_tokens=20, do_sample=False)[0, p.shape[0] :] for p in prompts]
+    out = speculative_generate(
+        target, drafter, prompts[1][None], max_new_tokens=20, do_sample=False, costs=FLAT_COSTS, tree_top_k=2
+    )
+    assert torch.equal(out[0, prompts[1].shape[0] :], refs[1])
+    ids, mask = _left_pad(prompts)
+    out = speculative_generate(
+        target, drafter, ids, attention_mask=mask, max_new_tokens=20, do_sample=False, costs=FLAT_COSTS, tree_top_k=2
+    )
+    for b, ref in enumerate(refs):
+        assert out[b, ids.shape[1] :].tolist() == ref.tolist(), f"row {b}"
+
+
+def _left_pad(prompts, pad=0):
+    n = max(p.shape[0] for p in prompts)
+    ids = torch.full((len(prompts), n), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), n, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, n - p.shape[0] :] = p
+        mask[b, n - p.shape[0] :] = 1
+    return ids, mask
+
+
+def test_processors_and_stopping_like_generate():
+    """Logits processors that read the sequence (repetition penalty, min_new_tokens) and EOS in the middle of an
+    accepted path give generate's tokens; finished rows are padded with the pad token."""
+    target = _peaked()
+    drafter = ModelTreeDrafter(target, noise=0.0)
+    torch.manual_seed(3)
+    prompts = [torch.randint(3, 128, (n,)) for n in (6, 9)]
+    ref = [target.generate(p[None], max_new_tokens=24, do_sample=False)[0, p.shape[0] :] for p in prompts]
+    eos = int(ref[0][5])  # a token greedy decoding emits mid-way
+    kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=0, repetition_penalty=1.3)
+    for extra in ({}, {"min_new_tokens": 8}):
+        ids, mask = _left_pad(prompts)
+        out = speculative_generate(
+            target, drafter, ids, attention_mask=mask, costs=FLAT_COSTS, tree_top_k=2, **kwargs, **extra
+        )
+        for b, p in enumerate(prompts):
+            alone = target.generate(p[None], **kwargs, **extra)[0, p.shape[0] :]
+            got = out[b, ids.shape[1] :]
+            assert got[: alone.shape[0]].tolist() == alone.tolist()
+            assert (got[alone.shape[0] :] == 0).all()  # padded after the row's end
+
+
+def test_streamer_and_return_dict():
+    target = _peaked()
+    drafter = ModelTreeDrafter(target, noise=0.0)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    seen = []
+
+    class Collect:
+        def put(self, value):
+            seen.append(value.flatten().tolist())
+
+        def end(self):
+            seen.append("end")
+
+    out = speculative_generate(
+        target, drafter, ids, max_new_tokens=12, do_sample=False, streamer=Collect(), costs=FLAT_COSTS,
+        return_dict_in_generate=True, tree_depth=3, tree_top_k=2, tree_budget=6,
+    )  # fmt: skip
+    assert seen[0] == [5, 6, 7, 8] and seen[-1] == "end"
+    assert sum(seen[1:-1], []) == out.sequences[0, 4:].tolist()
+    stats = out.speculation_stats[0]
+    assert stats.accepted_lengths[0] == 1 and stats.generated_tokens == 12
+    assert stats.target_calls == len(stats.tree_sizes) + 1 and stats.mean_accepted_length > 1.5
+    assert stats.as_dict()["drafted_tokens"] == sum(stats.tree_sizes) > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sampling: the emitted tokens follow the target's distribution
+# ---------------------------------------------------------------------------------------------------------------------
+def _joint_counts(target, drafter, prompt, rows=400, calls=5, **kwargs):
+    counts = {}
+    ids = prompt[None].expand(rows, -1)
+    for call in range(calls):
+        torch.manual_seed(100 + call)
+        out = speculative_generate(target, drafter, ids, do_sample=True, max_new_tokens=3, **kwargs)
+        for t1, t2 in out[:, prompt.shape[0] : prompt.shape[0] + 2].tolist():
+            counts[(t1, t2)] = counts.get((t1, t2), 0) + 1
+    return counts
+
+
+def _exact_joint(target, prompt, top_k, temperature):
+    def probs(ids):
+        logits = target(ids[None]).logits[0, -1].detach().float() / temperature
+        kth = logits.topk(top_k).values[-1]
+        return logits.masked_fill(logits < kth, -float("inf")).softmax(-1)
+
+    p1 = probs(prompt)
+    joint = {}
+    for t1 in p1.nonzero()[:, 0].tolist():
+        p2 = probs(torch.cat([prompt, torch.tensor([t1])]))
+        for t2 in p2.nonzero()[:, 0].tolist():
+            joint[(t1, t2)] = float(p1[t1] * p2[t2])
+    return joint
+
+
+def _chi_square(counts, joint):
+    n = sum(counts.values())
+    assert set(counts) <= set(joint), "a token outside the target's support was emitted"
+    stat, small_obs, small_exp = 0.0, 0, 0.0
+    for key, p in joint.items():
+        if n * p < 5:  # pool rare cells
+            small_obs, small_exp = small_obs + counts.get(key, 0), small_exp + n * p
+            continue
+        stat += (counts.get(key, 0) - n * p) ** 2 / (n * p)
+    if small_exp > 0:
+        stat += (small_obs - small_exp) ** 2 / small_exp
+    return stat
+
+
+def _broken_accept(tokens, parents, real, scores_at, do_sample, generator=None):
+    """The sibling rule without removing a rejected child's mass: NOT exact."""
+    kids = [i for i, (p, r) in enumerate(zip(parents, real)) if r and p == -1]
+    p = scores_at(-1, []).float().softmax(-1)
+    for c in kids:
+        if float(torch.rand(())) < float(p[tokens[c]]):
+            return [c], int(torch.multinomial(scores_at(c, [c]).float().softmax(-1), 1))
+    return [], int(torch.multinomial(p, 1))
+
+
+def test_sampling_matches_the_target_distribution(monkeypatch):
+    """Chi-square of the first two sampled tokens (16 joint outcomes under top_k=4) against the target's exact
+    distribution; the same test rejects a deliberately wrong acceptance rule."""
+    target = _peaked(scale=3.0)
+    drafter = ModelTreeDrafter(target, noise=0.3)
+    prompt = torch.tensor([5, 17, 33, 9])
+    kwargs = dict(top_k=4, temperature=0.8, costs=FLAT_COSTS, tree_depth=2, tree_top_k=2, tree_budget=6)
+    joint = _exact_joint(target, prompt, top_k=4, temperature=0.8)
+    critical = 45.3  # chi-square, 20 degrees of freedom, p = 0.0002 (at most 16 cells + a pooled one here)
+    stat = _chi_square(_joint_counts(target, drafter, prompt, **kwargs), joint)
+    assert stat < critical, f"chi-square {stat:.1f}"
+    monkeypatch.setattr(engine, "accept_path", _broken_accept)
+    broken = _chi_square(_joint_counts(target, drafter, prompt, **kwargs), joint)
+    assert broken > critical, f"a wrong acceptance rule went unnoticed (chi-square {broken:.1f})"
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_lookup_branch_joins_the_tree(right):
+    """Prompt lookup's continuation is verified in the same forward as the network's tree: right or wrong, the output
+    is generate's; a right one raises acceptance above the network's alone."""
+    target = _peaked()
+    ids = torch.tensor([[9, 8, 7, 6, 5]])
+    ref = target.generate(ids, max_new_tokens=30, do_sample=False)
+    continuation = ref[0].tolist() if right else [3] * 40
+    lengths = {}
+    for name, lookup in (("network", None), ("hybrid", continuation)):
+        drafter = ModelTreeDrafter(target, noise=3.0, lookup=lookup)
+        out = speculative_generate(
+            target, drafter, ids, max_new_tokens=30, do_sample=False, return_dict_in_generate=True,
+            costs=FLAT_COSTS, tree_depth=2, tree_top_k=2, tree_budget=4,
+        )  # fmt: skip
+        assert torch.equal(out.sequences, ref)
+        lengths[name] = out.speculation_stats[0].mean_accepted_length
+        if lookup is not None:
+            assert out.speculation_stats[0].lookup_tokens > 0
+    if right:
+        assert lengths["hybrid"] > lengths["network"] + 1
+
+
+def test_tree_pieces():
+    """add_chain merges a chain into existing nodes; a budget cut keeps a tree (every kept node's parent kept)."""
+    tree = Tree(
+        tokens=torch.tensor([[10, 11, 12, 13]]),
+        parents=torch.tensor([[-1, -1, 0, 0]]),
+        depth=torch.tensor([[1, 1, 2, 2]]),
+        score=torch.tensor([[-0.1, -2.0, -0.5, -3.0]]),
+        real=torch.ones(1, 4, dtype=torch.bool),
+        lookup=torch.zeros(1, 4, dtype=torch.bool),
+    )
+    merged = add_chain(tree, [torch.tensor([10, 13, 20])], log_prob=math.log(0.5))
+    assert merged.tokens[0].tolist() == [10, 11, 12, 13, 20]
+    assert merged.parents[0].tolist() == [-1, -1, 0, 0, 3]
+    assert merged.lookup[0].tolist() == [False] * 4 + [True]
+    assert merged.score[0, 3] == pytest.approx(2 * math.log(0.5))  # raised from -3.0
+    for budget in range(6):
+        cut = cut_to_budget(merged, budget, 64, FLAT_COSTS, 0.0)
+        parents = cut.parents[0].tolist()
+        assert len(parents) == budget and all(p < i for i, p in enumerate(parents))
+    # a mask: the root sees the cache's valid slots within the window and itself
+    mask = tree_attention_mask(
+        torch.tensor([[False, True, True]]), torch.tensor([[0, 0, 1]]), torch.tensor([[2, 3]]),
+        torch.tensor([[[True, False], [True, True]]]), window=2,
+    )  # fmt: skip
+    assert mask[0, 0].tolist() == [[False, False, True, True, False], [False, False, False, True, True]]
+
+
+def test_compact_cache_moves_the_accepted_path():
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    states = torch.arange(2 * 1 * 6 * 1, dtype=torch.float).view(2, 1, 6, 1)  # [B, H, S, D]: slot ids
+    cache.update(states, states.clone(), 0)
+    compact_cache(cache, 2, torch.tensor([[0, 2, 3], [0, 1, 0]]))
+    assert cache.layers[0].keys[:, 0, :, 0].tolist() == [[0, 1, 2, 4, 5], [6, 7, 8, 9, 8]]
+
+
+def test_bad_settings_say_what_to_do():
+    with pytest.raises(ValueError, match="tree_depth"):
+        TreeSettings(depth=0)
+    target = _peaked()
+    with pytest.raises(ValueError, match="attn_implementation"):
+        target.config._attn_implementation = "flex_attention"
+        speculative_generate(target, ModelTreeDrafter(target), torch.tensor([[3, 4]]), max_new_tokens=3)
