@@ -43,7 +43,8 @@ __all__ = [
 ]
 
 TEMPLATE_NAME = "drafter_card.md"
-REQUIRED_TAGS = ("speculative-decoding", "mixture-of-attentions", "drafter", "moa-hf")
+# "custom_generate": the repo carries transformers' custom_generate/ folder (`target.generate(custom_generate=...)`)
+REQUIRED_TAGS = ("speculative-decoding", "mixture-of-attentions", "drafter", "moa-hf", "custom_generate")
 METHOD = "moa"  # the benchmark method whose numbers describe this drafter
 # License identifiers the Hub accepts in card metadata (https://huggingface.co/docs/hub/repositories-licenses).
 HUB_LICENSES = frozenset(

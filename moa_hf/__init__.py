@@ -18,6 +18,8 @@ from .modeling import (
     target_signature,
     unsupported_target_reason,
 )
+from .modeling.custom_generate.engine import EngineStats, TreeSettings
+from .modeling.custom_generate.engine import speculative_generate as generate
 
 __version__ = "0.1.0"
 
@@ -27,14 +29,17 @@ __version__ = "0.1.0"
 __all__ = [
     "EagleDrafterConfig",
     "EagleDrafterModel",
+    "EngineStats",
     "LookupSettings",
     "MoADrafterCache",
     "MoADrafterConfig",
     "MoADrafterModel",
     "MoADrafterOutput",
     "SpeculationStats",
+    "TreeSettings",
     "attached",
     "build_drafter",
+    "generate",
     "load_drafter",
     "load_target",
     "parse_dtype",

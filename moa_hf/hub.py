@@ -3,7 +3,10 @@
 A repo folder holds everything `AutoModel.from_pretrained(repo_id, trust_remote_code=True)` needs without `moa_hf`:
 `config.json` (with `auto_map`), the remote code (`REMOTE_CODE_FILES`: `configuration_moa.py`, `modeling_moa.py` and
 the sibling files they import), `model.safetensors`, `generation_config.json` and the model card `README.md` (plus
-the benchmark / training-info JSON the card quotes).
+the benchmark / training-info JSON the card quotes). Its `custom_generate/` folder (`generate.py` and `engine.py` from
+`modeling/custom_generate/`) lets `target.generate(**inputs, custom_generate=REPO, trust_remote_code=True)` decode
+with the drafter: `generate.py` records where to load it from (`DRAFTER_REPO`: the Hub repo id; `DRAFTER_FOLDER`:
+also the folder's absolute path when it is not pushed, loaded while it exists).
 
 The card quotes the benchmark and training info given explicitly, else the `benchmark.json` / `training_info.json`
 that `moa bench` / `moa train` left in the drafter's folder (for `default`: the shipped default drafter's folder).
@@ -17,6 +20,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from importlib import resources
@@ -29,6 +33,7 @@ from .modeling import MoADrafterConfig, MoADrafterModel
 
 __all__ = [
     "AUTO_MAP",
+    "CUSTOM_GENERATE_FILES",
     "REMOTE_CODE_FILES",
     "build_repo_folder",
     "card_inputs",
@@ -49,7 +54,18 @@ TRAINING_INFO_FILE = "training_info.json"
 # bench.json, a repo folder built by `moa publish` holds moa_benchmark.json
 FOLDER_BENCHMARK_FILES = ("benchmark.json", "bench.json", BENCHMARK_FILE)
 FOLDER_TRAINING_INFO_FILES = (TRAINING_INFO_FILE,)
-REQUIRED_FILES = ("config.json", *REMOTE_CODE_FILES, "model.safetensors", "generation_config.json", "README.md")
+# transformers' `custom_generate` folder, copied from modeling/custom_generate/ (generate.py's DRAFTER_* filled in)
+CUSTOM_GENERATE_DIR = "custom_generate"
+CUSTOM_GENERATE_FILES = tuple(f"{CUSTOM_GENERATE_DIR}/{name}" for name in ("generate.py", "engine.py"))
+_RECORDED_LINE = re.compile(r"^(DRAFTER_REPO|DRAFTER_FOLDER): str \| None = None\b.*$", re.MULTILINE)
+REQUIRED_FILES = (
+    "config.json",
+    *REMOTE_CODE_FILES,
+    *CUSTOM_GENERATE_FILES,
+    "model.safetensors",
+    "generation_config.json",
+    "README.md",
+)
 _EMBEDDING_MODULES = ("embed_tokens", "lm_head")
 
 logger = logging.getLogger(__name__)
@@ -122,7 +138,24 @@ def _with_embeddings(drafter: MoADrafterModel, own_embeddings: bool) -> MoADraft
 # Building the repo folder
 # ---------------------------------------------------------------------------------------------------------------------
 def _package_file(name: str) -> bytes:
-    return (resources.files("moa_hf.modeling") / name).read_bytes()
+    """A file of modeling/ (`name` may be a path below it, e.g. `custom_generate/engine.py`)."""
+    return resources.files("moa_hf.modeling").joinpath(*name.split("/")).read_bytes()
+
+
+def _write_custom_generate(folder: Path, repo_id: str, drafter_folder: Path | None) -> None:
+    """Copy `custom_generate/` into the repo folder; its generate.py records `repo_id` (DRAFTER_REPO) and the absolute
+    `drafter_folder` (DRAFTER_FOLDER; None: not recorded)."""
+    recorded = {"DRAFTER_REPO": repo_id, "DRAFTER_FOLDER": None if drafter_folder is None else str(drafter_folder)}
+    (folder / CUSTOM_GENERATE_DIR).mkdir(exist_ok=True)
+    for name in CUSTOM_GENERATE_FILES:
+        data = _package_file(name)
+        if name.endswith("/generate.py"):
+            fill = lambda m: f"{m[1]}: str | None = {recorded[m[1]]!r}  # recorded by `moa publish`"
+            text, count = _RECORDED_LINE.subn(fill, data.decode("utf-8"))
+            if count != len(recorded):
+                raise RuntimeError(f"modeling/{name} lacks the `{' / '.join(recorded)}: str | None = None` lines.")
+            data = text.encode("utf-8")
+        (folder / name).write_bytes(data)
 
 
 def _complete_remote_code(folder: Path) -> None:
@@ -169,13 +202,16 @@ def build_repo_folder(
     base_model: str | None = None,
     license: str = "apache-2.0",
     overwrite: bool = False,
+    record_folder: bool = True,
 ) -> Path:
     """Write the complete Hub repo folder of a drafter to `out_dir` and return it.
 
     `benchmark` / `training_info` (path or dict) default to the JSON files in the drafter's folder (see `card_inputs`).
     `own_embeddings=False` publishes the drafter without embedding/LM-head copies (they are borrowed from the target
     on `attach`); True keeps the drafter's own copies (it must have them). `base_model` defaults to the target the
-    drafter records (`config.target_name_or_path`).
+    drafter records (`config.target_name_or_path`). The repo's `custom_generate/generate.py` loads the drafter from
+    `repo_id` when the caller passes no `drafter=`, or from the absolute path of `out_dir` while it exists when
+    `record_folder` (`publish(push=True)` passes False: no local path in a public repo).
     """
     from moa_hf.hub_cards import load_benchmark, load_training_info, render_card
 
@@ -194,6 +230,7 @@ def build_repo_folder(
     try:
         drafter.save_pretrained(tmp)
         _complete_remote_code(tmp)
+        _write_custom_generate(tmp, repo_id, out_dir.resolve() if record_folder else None)
         card.save(tmp / "README.md")
         if bench is not None:
             (tmp / BENCHMARK_FILE).write_text(json.dumps(bench, indent=2) + "\n", encoding="utf-8")
@@ -210,7 +247,7 @@ def build_repo_folder(
 
 
 def check_repo_folder(folder: str | os.PathLike) -> list[str]:
-    """Check that a repo folder is complete (files, `auto_map`, card metadata); returns its file names."""
+    """Check that a repo folder is complete (files, `auto_map`, card metadata); returns the names in it."""
     from moa_hf.hub_cards import validate_card_metadata
 
     folder = Path(folder)
@@ -327,6 +364,7 @@ def publish(
         base_model=base_model,
         license=license,
         overwrite=overwrite,
+        record_folder=not push,  # an unpushed folder's generate.py loads the folder itself while it exists
     )
     if not push:
         return folder
