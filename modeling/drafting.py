@@ -4,12 +4,14 @@ A drafter is attached to its target with forward hooks (`TargetTap`: the target'
 transformers' assisted generation calls the drafter's `generate` once per drafting cycle (`DrafterMixin.generate`):
 prompt lookup first where the drafter has it (`lookup.py`), else the drafting loop over the drafter's own
 `next_logits`. Per-call statistics (`SpeculationStats`) and the rollback convention of the drafter caches
-(`RollbackCache`) live here as well.
+(`RollbackCache`) live here as well, and what the drafters share for the tree drafting of the engine in
+custom_generate/ (`TreeState`: per-row valid slots, the tree's ancestor mask, row selection; `DrafterMixin.tree_*`).
 
 This file ships inside every Hub repo as remote code: it imports only torch, transformers and its sibling files.
 """
 
 import contextlib
+import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -25,9 +27,11 @@ from .lookup import LookupSettings, pop_legacy_lookup_keys
 __all__ = [
     "DrafterMixin",
     "DraftingSession",
+    "LayerKV",
     "RollbackCache",
     "SpeculationStats",
     "TargetTap",
+    "TreeState",
     "decoder_of",
     "one_hot_scores",
     "register_hooks",
@@ -145,6 +149,107 @@ class DraftingSession:
     lookup_cycles: int = 0
     lookup_tokens: int = 0
     context_reads: list = field(default_factory=list)  # (start, end) target positions read, per cycle
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tree drafting (the engine of custom_generate/engine.py): the state every drafter shares
+# ---------------------------------------------------------------------------------------------------------------------
+class LayerKV:
+    """Keys/values of one drafter attention layer, [B, Hkv, S, hd] (what `MoADecoderLayer` appends to)."""
+
+    def __init__(self):
+        self.keys = self.values = None
+
+    def append_self(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is not None:
+            k, v = torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
+        self.keys, self.values = k, v
+        return k, v
+
+    def crop(self, length: int) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[rows], self.values[rows]
+
+
+@dataclass
+class TreeState:
+    """A drafter's state during the engine's tree drafting (`DrafterMixin.tree_start` to the end of the call), B rows.
+
+    The self-attention caches (`layers`, one `LayerKV` per drafter layer) hold per row S = V + K slots: V verified
+    slots, appended by each `tree_catch_up` (its [B, n] right-aligned tokens, so a row's left padding leaves slots
+    that `valid` [B, V] marks False and no query ever sees), then the K tree nodes fed by `tree_step` this cycle,
+    which `end_tree` drops. `ancestors` [B, K, K]: node j is node i or one of its ancestors (what node i sees).
+    Subclasses add the drafter's own per-row tensors (first dimension B), which `select_rows` keeps as well.
+    """
+
+    layers: list[LayerKV]
+    valid: torch.Tensor  # [B, V] bool
+    ancestors: torch.Tensor  # [B, K, K] bool
+
+    @staticmethod
+    def empty_fields(batch_size: int, num_layers: int, device) -> dict:
+        """The fields of a state without any slot (the base class's), for a subclass's constructor."""
+        return {
+            "layers": [LayerKV() for _ in range(num_layers)],
+            "valid": torch.zeros(batch_size, 0, dtype=torch.bool, device=device),  # [B, 0]
+            "ancestors": torch.zeros(batch_size, 0, 0, dtype=torch.bool, device=device),  # [B, 0, 0]
+        }
+
+    @property
+    def num_verified(self) -> int:
+        return self.valid.shape[1]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.ancestors.shape[1]
+
+    def add_verified(self, new_valid: torch.Tensor) -> torch.Tensor:
+        """Record n newly verified slots (`new_valid` bool [B, n]); returns the bool self-attention mask
+        [B, 1, n, V+n] of their queries: the row's valid verified slots, the valid new ones up to itself, and
+        itself (a padding query too: no all-masked row)."""
+        B, n = new_valid.shape
+        own = torch.eye(n, dtype=torch.bool, device=new_valid.device)  # [n, n]
+        causal = torch.ones(n, n, dtype=torch.bool, device=new_valid.device).tril()  # [n, n]
+        new = (causal & new_valid[:, None, :]) | own  # [B, n, n]
+        mask = torch.cat([self.valid[:, None, :].expand(B, n, -1), new], dim=-1)  # [B, n, V+n]
+        self.valid = torch.cat([self.valid, new_valid], dim=1)  # [B, V+n]
+        return mask[:, None]  # [B, 1, n, V+n]
+
+    def add_nodes(self, parents: torch.Tensor) -> torch.Tensor:
+        """Record k tree nodes whose `parents` [B, k] index earlier nodes of this cycle (-1: the root, which is the
+        last verified slot, or a filler); returns the bool self-attention mask [B, 1, k, V+K+k] of their queries:
+        the row's valid verified slots, their ancestors and themselves."""
+        B, k = parents.shape
+        K = self.num_nodes
+        rows = torch.zeros(B, k, K, dtype=torch.bool, device=parents.device)  # [B, k, K]
+        if K:
+            index = parents.clamp(min=0)[:, :, None].expand(B, k, K)  # [B, k, K]
+            rows = self.ancestors.gather(1, index) & (parents >= 0)[:, :, None]  # the parent's ancestors-or-self
+        own = torch.eye(k, dtype=torch.bool, device=parents.device).expand(B, k, k)  # [B, k, k]
+        rows = torch.cat([rows, own], dim=-1)  # [B, k, K+k]
+        previous = torch.cat([self.ancestors, self.ancestors.new_zeros(B, K, k)], dim=-1)  # [B, K, K+k]
+        self.ancestors = torch.cat([previous, rows], dim=1)  # [B, K+k, K+k]
+        return torch.cat([self.valid[:, None, :].expand(B, k, -1), rows], dim=-1)[:, None]  # [B, 1, k, V+K+k]
+
+    def end_tree(self) -> None:
+        """Drop this cycle's tree nodes (their keys/values): only verified slots remain."""
+        for layer in self.layers:
+            layer.crop(self.num_verified)
+        self.ancestors = self.ancestors[:, :0, :0]  # [B, 0, 0]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep batch rows `rows` (LongTensor [B']) in this order, in every field."""
+        rows = rows.to(self.valid.device)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                setattr(self, f.name, value[rows])
+        for layer in self.layers:
+            layer.select_rows(rows)
 
 
 def decoder_of(target: nn.Module) -> nn.Module:
@@ -502,6 +607,30 @@ class DrafterMixin:
                 if probs[0, token[0, 0]] < threshold:
                     break
         return ids, scores
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Tree drafting: what the engine (custom_generate/engine.py) calls; each drafter implements `tree_start`,
+    # `tree_catch_up` and `tree_step` on a `TreeState` of its own
+    # -----------------------------------------------------------------------------------------------------------------
+    needs_target_hidden = False  # True: `tree_catch_up` reads the target's final hidden states (`prev_hidden`)
+
+    def tree_unsupported_reason(self) -> str | None:
+        """Why this drafter cannot draft trees (a sentence), or None when it can."""
+        return None
+
+    def _check_tree(self) -> None:
+        reason = self.tree_unsupported_reason()
+        if reason is not None:
+            raise ValueError(reason)
+        self._require("embedding")
+
+    def tree_end(self, state: TreeState) -> None:
+        """Forget this cycle's tree nodes: the next `tree_catch_up` feeds the accepted ones again as verified."""
+        state.end_tree()
+
+    def tree_select_rows(self, state: TreeState, rows: torch.Tensor) -> None:
+        """Keep batch rows `rows` (LongTensor [B']) of `state`, in this order."""
+        state.select_rows(rows)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Prompt lookup: drafts that cost no forward pass

@@ -4,7 +4,8 @@ The drafter predicts the target's post-norm final hidden state ("feature") f_i, 
   input at position i: concat(f_{i-1}, embed(x_i)) -> fc: Linear(2d, d) -> causal decoder layer(s) -> h_i ~ f_i,
   logits for x_{i+1} = target LM head(h_i). Position 0 has no previous feature: zeros.
 At inference f_{i-1} is the target's true feature for verified positions and the drafter's own prediction h_{i-1}
-for drafted ones (chain drafting, as `target.generate(..., assistant_model=drafter)` verifies a chain).
+for drafted ones (chain drafting, as `target.generate(..., assistant_model=drafter)` verifies a chain; in a draft
+tree, `tree_step`, a node's parent's prediction).
 
 This file ships inside every Hub repo as remote code next to configuration_eagle.py, configuration_moa.py,
 modeling_moa.py (whose building blocks it reuses), drafting.py and lookup.py: it imports only torch, transformers and
@@ -19,32 +20,24 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 
 from .configuration_eagle import EagleDrafterConfig, eagle_unsupported_target_reason
-from .drafting import DrafterMixin, DraftingSession, RollbackCache, TargetTap, decoder_of, register_hooks
+from .drafting import (
+    DrafterMixin,
+    DraftingSession,
+    LayerKV,
+    RollbackCache,
+    TargetTap,
+    TreeState,
+    decoder_of,
+    register_hooks,
+)
 from .modeling_moa import MoADecoderLayer, MoADrafterOutput, MoAPreTrainedModel, MoARotaryEmbedding
 
-__all__ = ["EagleDrafterCache", "EagleDrafterModel", "EaglePreTrainedModel"]
+__all__ = ["EagleDrafterCache", "EagleDrafterModel", "EaglePreTrainedModel", "EagleTreeState"]
 
 
 # -------------------------------------------------------------------------------------------------------------------
-# Cache and hooks
+# Caches and hooks
 # ---------------------------------------------------------------------------------------------------------------------
-class _LayerKV:
-    """Keys/values of one drafter layer, [B, Hkv, T, hd] (what `MoADecoderLayer` appends to)."""
-
-    def __init__(self):
-        self.keys = self.values = None
-
-    def append_self(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys is not None:
-            k, v = torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
-        self.keys, self.values = k, v
-        return k, v
-
-    def crop(self, length: int) -> None:
-        if self.keys is not None:
-            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
-
-
 class EagleDrafterCache(RollbackCache):
     """Everything the EAGLE drafter keeps between drafting calls; all of it rolls back to any length with `crop`.
 
@@ -55,7 +48,7 @@ class EagleDrafterCache(RollbackCache):
     """
 
     def __init__(self, num_layers: int = 1):
-        self.layers = [_LayerKV() for _ in range(num_layers)]
+        self.layers = [LayerKV() for _ in range(num_layers)]
         self.tokens: torch.Tensor | None = None  # [B, T]
         self.features: torch.Tensor | None = None  # [B, F, d]
         self.true_length = 0
@@ -81,6 +74,20 @@ class EagleDrafterCache(RollbackCache):
         if self.features is not None:
             self.features = self.features[:, :length]
         self.true_length = min(self.true_length, length)
+
+
+@dataclass
+class EagleTreeState(TreeState):
+    """The EAGLE drafter's tree drafting state: `TreeState` (its layers' caches) and the predicted features, the
+    inputs of the next nodes: `root_features` [B, d] of each row's last verified token (the root), `node_features`
+    [B, K, d] of this cycle's tree nodes."""
+
+    root_features: torch.Tensor
+    node_features: torch.Tensor
+
+    def end_tree(self) -> None:
+        super().end_tree()
+        self.node_features = self.node_features[:, :0]  # [B, 0, d]
 
 
 class _FeatureTap:
@@ -354,6 +361,65 @@ class EagleDrafterModel(DrafterMixin, EaglePreTrainedModel, GenerationMixin):
             return self.head(last[:, -1])  # [1, V] float32
 
         return next_logits, max_new_tokens
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Tree drafting (the engine in custom_generate/engine.py; see `DrafterMixin` and `TreeState`)
+    # -----------------------------------------------------------------------------------------------------------------
+    needs_target_hidden = True
+
+    def tree_start(self, batch_size: int) -> EagleTreeState:
+        """A fresh tree drafting state for `batch_size` rows (no verified token yet)."""
+        self._check_tree()
+        d = self.config.hidden_size
+        return EagleTreeState(
+            **TreeState.empty_fields(batch_size, self.config.num_hidden_layers, self.device),
+            root_features=torch.zeros(batch_size, d, dtype=self.dtype, device=self.device),  # [B, d]
+            node_features=torch.zeros(batch_size, 0, d, dtype=self.dtype, device=self.device),  # [B, 0, d]
+        )
+
+    @torch.no_grad()
+    def tree_catch_up(
+        self,
+        state: EagleTreeState,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        prev_slots: torch.Tensor,
+        target_cache,
+        prev_hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Feed newly verified `tokens` [B, n] (right-aligned; `valid` [B, n] False on left padding; `positions`
+        [B, n] real positions) with the target's true features `prev_hidden` [B, n, d] of the tokens before them
+        (zeros where `prev_slots` [B, n] is -1; `target_cache` is not read). Returns float32 logits [B, V] of the
+        token after each row's last one (the tree root's children)."""
+        if prev_hidden is None:
+            raise ValueError(
+                "tree_catch_up of an EAGLE drafter (`needs_target_hidden`) needs `prev_hidden`: the target's final "
+                "hidden states (`outputs.hidden_states[-1]`) of the token before each of `tokens`, [B, n, d]."
+            )
+        state.end_tree()
+        previous = torch.where((prev_slots >= 0)[..., None], prev_hidden.to(self.dtype), 0.0)  # [B, n, d]: f_{i-1}
+        x = self.fc(torch.cat([previous, self.embed(tokens)], dim=-1))  # [B, n, d]
+        h = self._layers(x, positions, state.add_verified(valid), state)  # [B, n, d]
+        state.root_features = h[:, -1]  # [B, d]
+        return self.head(h[:, -1])  # [B, V]
+
+    @torch.no_grad()
+    def tree_step(
+        self, state: EagleTreeState, tokens: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor
+    ) -> torch.Tensor:
+        """Feed one depth of tree nodes: `tokens`, `positions`, `parents` [B, k] (`TreeState.add_nodes`), each with
+        its parent's predicted feature (the root's for parent -1); a node sees the row's verified tokens, its
+        ancestors and itself. Returns float32 logits [B, k, V] of each node's next token."""
+        B, k = parents.shape
+        previous = state.root_features[:, None].expand(B, k, -1)  # [B, k, d]
+        if state.num_nodes:
+            index = parents.clamp(min=0)[..., None].expand(B, k, previous.shape[-1])  # [B, k, d]
+            previous = torch.where((parents >= 0)[..., None], state.node_features.gather(1, index), previous)
+        x = self.fc(torch.cat([previous, self.embed(tokens)], dim=-1))  # [B, k, d]
+        h = self._layers(x, positions, state.add_nodes(parents), state)  # [B, k, d]
+        state.node_features = torch.cat([state.node_features, h], dim=1)  # [B, K+k, d]
+        return self.head(h)  # [B, k, V]
 
     def _start_session(self) -> None:
         if self._attachment is not None:

@@ -9,7 +9,9 @@ Per drafting cycle (the target has verified tokens 0..n-1 and cached keys/values
      -> [TLI: the target's last N layers with the target's own cache] -> the target's LM head.
 
 The drafting runtime shared with the EAGLE drafter (target hooks, the `generate` that assisted generation calls, the
-drafting loop, statistics) is in drafting.py, prompt lookup in lookup.py.
+drafting loop, statistics, the tree drafting state) is in drafting.py, prompt lookup in lookup.py. The tree drafting
+API (`tree_start`, `tree_catch_up`, `tree_step`, ...; for the engine of custom_generate/) drafts the same tokens as
+the chain, node by node, for left-padded batches.
 
 This file ships inside every Hub repo as remote code: it imports only torch, transformers and its sibling files.
 """
@@ -28,15 +30,25 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import rotate_half
 
 from .configuration_moa import MoADrafterConfig, tli_unsupported_reason, unsupported_target_reason
-from .drafting import DrafterMixin, DraftingSession, RollbackCache, TargetTap, decoder_of, register_hooks
+from .drafting import (
+    DrafterMixin,
+    DraftingSession,
+    RollbackCache,
+    TargetTap,
+    TreeState,
+    decoder_of,
+    register_hooks,
+)
 
 __all__ = [
     "MoADrafterModel",
     "MoAPreTrainedModel",
     "MoADrafterCache",
     "MoADrafterOutput",
+    "MoATreeState",
     "cycle_starts_from_restarts",
     "gather_target_kv",
+    "gather_target_kv_at",
     "held_at_reads",
     "held_capacities",
     "oldest_held_position",
@@ -232,12 +244,34 @@ def gather_target_kv(target_cache, start: int, end: int) -> torch.Tensor:
                 f"Target position {start} is no longer in the cache: layer {i} (sliding window) holds positions "
                 f">= {first} only. Read from `oldest_held_position(cache)` on."
             )
-        kv = torch.cat(
-            [layer.keys[:, :, start - first : end - first], layer.values[:, :, start - first : end - first]], dim=-1
-        )  # [B, Hkv, T, 2*hd]
+        kv = _joined_kv(layer.keys[:, :, start - first : end - first], layer.values[:, :, start - first : end - first])
         device = device or kv.device  # a target split over devices: gather on the first layer's
-        per_layer.append(kv.transpose(1, 2).flatten(2).to(device))  # [B, T, Hkv*2*hd]
+        per_layer.append(kv.to(device))  # [B, T, Hkv*2*hd]
     return torch.stack(per_layer, dim=2)  # [B, T, L, 2*Hkv*hd]
+
+
+def gather_target_kv_at(target_cache, slots: torch.Tensor) -> torch.Tensor:
+    """`gather_target_kv` by slot: the target's cached key and value of every layer at slots `slots` [B, n] of each
+    row (full-attention layers: slot = index into `layer.keys[b, :, slot]`), [B, n, L, 2*Hkv*hd]. Slots < 0 read
+    slot 0 (garbage for the caller to mask out)."""
+    per_layer, device, slots = [], None, slots.clamp(min=0)
+    for i, layer in enumerate(target_cache.layers):
+        if getattr(layer, "is_sliding", False):
+            raise ValueError(
+                f"Layer {i} of the target's cache is a sliding-window layer, whose slots are not positions: tree "
+                "drafting reads full-attention caches only (build the target's cache as `DynamicCache()`)."
+            )
+        B, H, _, hd = layer.keys.shape
+        index = slots.to(layer.keys.device)[:, None, :, None].expand(B, H, -1, hd)  # [B, Hkv, n, hd]
+        kv = _joined_kv(layer.keys.gather(2, index), layer.values.gather(2, index))  # [B, n, Hkv*2*hd]
+        device = device or kv.device  # a target split over devices: gather on the first layer's
+        per_layer.append(kv.to(device))
+    return torch.stack(per_layer, dim=2)  # [B, n, L, 2*Hkv*hd]
+
+
+def _joined_kv(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Keys and values [B, Hkv, T, hd] -> [B, T, Hkv*2*hd], key and value joined per KV head."""
+    return torch.cat([keys, values], dim=-1).transpose(1, 2).flatten(2)  # [B, Hkv, T, 2*hd] -> [B, T, Hkv*2*hd]
 
 
 def split_target_kv(
@@ -330,6 +364,23 @@ class MoADrafterCache(RollbackCache):
         if self.tli_length > length:
             self.tli.crop(length - self.tli_length)
         self.tli_verified = min(self.tli_verified, length)
+
+
+@dataclass
+class MoATreeState(TreeState):
+    """The MoA drafter's tree drafting state: `TreeState` (its SA cache, one layer) and the CA memory of the verified
+    tokens: CA keys/values [B, Hkv, M, hd] of the target states read at each verified token's `prev_slots`, and
+    `ca_valid` [B, M] (False for padding and tokens without a previous target state: never attended)."""
+
+    ca_keys: torch.Tensor
+    ca_values: torch.Tensor
+    ca_valid: torch.Tensor
+
+    def append_context(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
+        """Append CA keys/values [B, Hkv, n, hd] with their validity [B, n]."""
+        self.ca_keys = torch.cat([self.ca_keys, k], dim=2)  # [B, Hkv, M+n, hd]
+        self.ca_values = torch.cat([self.ca_values, v], dim=2)
+        self.ca_valid = torch.cat([self.ca_valid, valid], dim=1)  # [B, M+n]
 
 
 @dataclass
@@ -565,17 +616,23 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         2.74-2.80 for a tiny target with window 8 < prompt 24 (1500 training steps, 3 runs, 96 held-out prompts).
         """
         lo = min(max(start, oldest_held_position(target_cache)), end)  # positions [lo, end) are held by every layer
-        out = []
-        for s in range(lo, end, CONTEXT_CHUNK):
-            kv = gather_target_kv(target_cache, s, min(end, s + CONTEXT_CHUNK))  # [B, n, L, W]
-            n = kv.shape[1]
-            size = min(CONTEXT_CHUNK, 1 << (n - 1).bit_length())  # n rounded up to a power of two
-            if n < size:
-                kv = torch.cat([kv, kv.new_zeros(kv.shape[0], size - n, *kv.shape[2:])], dim=1)  # [B, size, L, W]
-            out.append(self.compute_context(kv)[:, :n])  # [B, n, d]
+        out = self._context_chunks(lambda s, e: gather_target_kv(target_cache, lo + s, lo + e), end - lo)
         keys = target_cache.layers[0].keys
         dropped = keys.new_zeros(keys.shape[0], lo - start, self.config.hidden_size, dtype=self.dtype)  # no context
         return torch.cat([dropped, *out], dim=1)  # [B, end-start, d]
+
+    def _context_chunks(self, gather: Callable[[int, int], torch.Tensor], n: int) -> list[torch.Tensor]:
+        """Context vectors of n tokens in chunks [B, <= CONTEXT_CHUNK, d], from `gather(s, e)`: their target
+        keys/values [B, e-s, L, W] of tokens s..e-1 (each chunk zero-padded to a power of two, see `read_context`)."""
+        out = []
+        for s in range(0, n, CONTEXT_CHUNK):
+            kv = gather(s, min(n, s + CONTEXT_CHUNK))  # [B, m, L, W]
+            m = kv.shape[1]
+            size = min(CONTEXT_CHUNK, 1 << (m - 1).bit_length())  # m rounded up to a power of two
+            if m < size:
+                kv = torch.cat([kv, kv.new_zeros(kv.shape[0], size - m, *kv.shape[2:])], dim=1)  # [B, size, L, W]
+            out.append(self.compute_context(kv)[:, :m])  # [B, m, d]
+        return out
 
     def _tli(self, h, positions, tli_cache, mask=None):
         """Run the target's last N layers (with `tli_cache` holding their keys/values) and final norm on h."""
@@ -757,6 +814,75 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
             return self._decode(pending if token is None else token, cache)  # [1, V]
 
         return next_logits, max_new_tokens
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Tree drafting (the engine in custom_generate/engine.py; see `DrafterMixin` and `TreeState`)
+    # -----------------------------------------------------------------------------------------------------------------
+    def tree_unsupported_reason(self) -> str | None:
+        if self.config.target_layer_inference > 0:
+            return (
+                f"Tree drafting needs target_layer_inference=0 (this drafter has {self.config.target_layer_inference}"
+                ": it runs the target's last layers on every drafted token, a chain). Pass it as `assistant_model` "
+                "to `target.generate` instead, or use a drafter with target_layer_inference=0."
+            )
+        return None
+
+    def tree_start(self, batch_size: int) -> MoATreeState:
+        """A fresh tree drafting state for `batch_size` rows (no verified token yet)."""
+        self._check_tree()
+        c = self.config
+        empty = torch.zeros(batch_size, c.num_key_value_heads, 0, c.head_dim, dtype=self.dtype, device=self.device)
+        return MoATreeState(
+            **TreeState.empty_fields(batch_size, 1, self.device),
+            ca_keys=empty,  # [B, Hkv, 0, hd]
+            ca_values=empty,
+            ca_valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device),  # [B, 0]
+        )
+
+    @torch.no_grad()
+    def tree_catch_up(
+        self,
+        state: MoATreeState,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        prev_slots: torch.Tensor,
+        target_cache,
+        prev_hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Feed newly verified `tokens` [B, n] (right-aligned; `valid` [B, n] False on left padding; `positions`
+        [B, n] real positions). CA memory: the context (LSA) of the target's keys/values at `prev_slots` [B, n]
+        (the token at position-1; -1: none) of `target_cache`, with RoPE at position-1. Returns float32 logits
+        [B, V] of the token after each row's last one (the tree root's children)."""
+        state.end_tree()
+        context = torch.cat(
+            self._context_chunks(lambda s, e: gather_target_kv_at(target_cache, prev_slots[:, s:e]), tokens.shape[1]),
+            dim=1,
+        )  # [B, n, d]
+        cos, sin = self.rotary_emb(positions - 1, context.dtype)  # [B, n, hd]: the context is position-1's
+        k, v = self.cross_attention.context_keys_values(context, cos, sin)  # [B, Hkv, n, hd]
+        state.append_context(k, v, valid & (prev_slots >= 0))
+        h = self.embed(tokens)  # [B, n, d]
+        cos, sin = self.rotary_emb(positions, h.dtype)  # [B, n, hd]
+        h = self.self_attention(h, cos, sin, mask=state.add_verified(valid), cache=state.layers[0])[:, -1:]
+        return self._tree_logits(state, h, cos[:, -1:], sin[:, -1:])[:, -1]  # [B, V]
+
+    @torch.no_grad()
+    def tree_step(
+        self, state: MoATreeState, tokens: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor
+    ) -> torch.Tensor:
+        """Feed one depth of tree nodes: `tokens`, `positions`, `parents` [B, k] (`TreeState.add_nodes`). Each node
+        sees in SA the row's verified tokens, its ancestors and itself; in CA the verified context. Returns float32
+        logits [B, k, V] of each node's next token."""
+        h = self.embed(tokens)  # [B, k, d]
+        cos, sin = self.rotary_emb(positions, h.dtype)  # [B, k, hd]
+        h = self.self_attention(h, cos, sin, mask=state.add_nodes(parents), cache=state.layers[0])
+        return self._tree_logits(state, h, cos, sin)  # [B, k, V]
+
+    def _tree_logits(self, state: MoATreeState, h, cos, sin) -> torch.Tensor:
+        """CA over the verified context of each row and the head: h [B, T, d] -> float32 logits [B, T, V]."""
+        mask = state.ca_valid[:, None, None, :]  # [B, 1, 1, M]
+        return self.head(self.cross_attention(h, cos, sin, state.ca_keys, state.ca_values, mask=mask))
 
 
 MoADrafterConfig.register_for_auto_class()
