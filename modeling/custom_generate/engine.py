@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 __all__ = [
@@ -656,7 +656,9 @@ class _Run:
         speculate = self.plain_left == 0
         root_logits = self.catch_up() if speculate else None
         if self.costs is None:
+            t_measure = time.perf_counter()
             self.costs = _costs_for(self)
+            t0 += time.perf_counter() - t_measure  # the cycle's own time excludes the measurement
         if self.sec_per_token is None:
             self.sec_per_token = self.costs.verify_cost(1) / len(self.rows)
         if speculate:
@@ -885,6 +887,14 @@ def speculative_generate(
         raise ValueError("Pass the drafter as `drafter`, not `assistant_model`, to the speculative engine.")
     kwargs.pop("assistant_model", None)
     settings = TreeSettings(depth=tree_depth, top_k=tree_top_k, budget=tree_budget, lookup=lookup)
+    # transformers hands a `custom_generate` callable no tokenizer, so stop strings become a stopping criterion here
+    tokenizer, stop_strings = kwargs.pop("tokenizer", None), kwargs.pop("stop_strings", None)
+    if stop_strings is not None:
+        if tokenizer is None:
+            raise ValueError("`stop_strings` needs the tokenizer: pass `tokenizer=` as with `generate`.")
+        criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+        criteria.append(StopStringCriteria(tokenizer, stop_strings))
+        kwargs["stopping_criteria"] = criteria
     attachment = getattr(drafter, "_attachment", None)
     if attachment is not None and attachment.target is target:
         context = contextlib.nullcontext()
