@@ -6,6 +6,13 @@ and overall: acceptance length (new tokens / target forward calls), tokens/s, sp
 theoretical speedup bound of Leviathan et al. (2023) from the measured acceptance, draft length and drafter cost.
 `--check` re-runs every speculative method with the target in float32 and compares its token ids with plain greedy
 decoding. Numbers are measured, never assumed.
+
+Methods: `vanilla` (the target alone), `moa` / `moa_nolookup` (the MoA drafter through transformers' assisted
+generation, with its prompt lookup as configured / off), `moa_tree` / `moa_tree_nolookup` / `moa_chain` (the same
+drafter through the tree engine `speculative_generate`: its chosen tree settings with prompt lookup as configured,
+lookup off, and a chain: top-k 1 without lookup), `eagle`, `independent` (a small causal LM) and `pld` (prompt lookup
+decoding). `--batch-sizes 1,4,8` adds a batch section: left-padded batches of prompts of different lengths, batched
+`target.generate` against the engine, counting only the real new tokens of each row (up to its EOS).
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
+import itertools
 import json
 import os
 import platform
@@ -31,25 +40,47 @@ __all__ = [
     "BenchError",
     "BenchMethod",
     "CallCounter",
+    "ENGINE_METHODS",
     "acceptance_length",
     "build_methods",
     "check_lossless",
     "count_forward_calls",
     "default_questions_path",
+    "engine_method",
+    "engine_record",
     "format_markdown",
     "format_value",
     "generate_once",
     "hardware_info",
     "load_questions",
     "plot_benchmark",
+    "real_new_tokens",
     "register",
+    "run_batches",
     "run_benchmark",
     "solve_alpha",
     "speedup_bound",
     "summarize",
 ]
 
-ALL_METHODS = ("vanilla", "moa", "moa_nolookup", "eagle", "independent", "pld")
+ALL_METHODS = (
+    "vanilla",
+    "moa",
+    "moa_nolookup",
+    "moa_tree",
+    "moa_tree_nolookup",
+    "moa_chain",
+    "eagle",
+    "independent",
+    "pld",
+)
+# The engine's methods (`speculative_generate` with the MoA drafter) and the tree settings each passes to it; what is
+# not given (None) the engine chooses from its measured costs, and lookup=None follows the drafter's config.
+ENGINE_METHODS = {
+    "moa_tree": {},
+    "moa_tree_nolookup": {"lookup": False},
+    "moa_chain": {"tree_top_k": 1, "lookup": False},
+}
 # Spec-Bench groups the 80 MT-bench questions (ids 81-160) into one category.
 MT_BENCH_CATEGORIES = frozenset(
     {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -167,16 +198,19 @@ class BenchMethod:
     """One decoding method.
 
     `context(target)` prepares it around one `generate` call and cleans up on leaving (e.g. attaches a drafter);
-    `generate_kwargs` are added to `target.generate`; `read_stats(handle)`, given what the context yielded and called
-    inside it right after `generate`, returns the drafter's own `drafted_tokens` and `draft_time_s` (None: no drafter
-    cost, as for `vanilla` and `pld`). `info` is recorded in the JSON.
+    `generate_kwargs` are added to the call; `generate(target, **kwargs)` makes it (None: `target.generate(**kwargs)`)
+    and returns the output ids [1, P + new] or an output with `.sequences`; `read_stats(handle, output)`, given what
+    the context yielded and that output and called inside the context right after the call, returns the drafter's own
+    `drafted_tokens` and `draft_time_s`, and may add record fields (the engine's tree statistics) or replace counted
+    ones (`verified_draft_tokens`) (None: no drafter cost, as for `vanilla` and `pld`). `info` is recorded in the JSON.
     """
 
     name: str
     context: Callable[[Any], contextlib.AbstractContextManager] = _nothing
     generate_kwargs: dict = field(default_factory=dict)
-    read_stats: Callable[[Any], dict] | None = None
+    read_stats: Callable[[Any, Any], dict] | None = None
     info: dict = field(default_factory=dict)
+    generate: Callable[..., Any] | None = None
 
 
 def vanilla_method() -> BenchMethod:
@@ -197,7 +231,7 @@ def drafter_method(name: str, drafter, allow_other_target: bool = False, info: d
     def context(target):
         return drafter.attached(target, allow_other_target=True) if allow_other_target else drafter.attached(target)
 
-    def read_stats(handle) -> dict:
+    def read_stats(handle, output) -> dict:
         stats = drafter.speculation_stats
         return {"drafted_tokens": int(stats.drafted_tokens), "draft_time_s": float(stats.draft_time_s)}
 
@@ -217,7 +251,7 @@ def independent_method(assistant, info: dict | None = None) -> BenchMethod:
     def context(target):
         return count_forward_calls(assistant)
 
-    def read_stats(counter: CallCounter) -> dict:
+    def read_stats(counter: CallCounter, output) -> dict:
         return {"drafted_tokens": counter.calls, "draft_time_s": counter.seconds}
 
     gc = assistant.generation_config
@@ -227,6 +261,61 @@ def independent_method(assistant, info: dict | None = None) -> BenchMethod:
         "assistant_confidence_threshold": getattr(gc, "assistant_confidence_threshold", None),
     }
     return BenchMethod("independent", context, {"assistant_model": assistant}, read_stats, info)
+
+
+def engine_record(stats) -> dict:
+    """The record fields of one row's `EngineStats` (the engine's `out.speculation_stats[b]`): its target calls (the
+    prefill included; the engine's one-time cost measurement is not a call of the generation), drafted tokens, draft
+    and verify time, the tree nodes the target verified (`verified_draft_tokens`, summed over cycles), cycles, mean
+    tree size and the drafted nodes that came from prompt lookup only."""
+    sizes = [int(n) for n in stats.tree_sizes]
+    return {
+        "target_calls": int(stats.target_calls),
+        "drafted_tokens": int(stats.drafted_tokens),
+        "draft_time_s": float(stats.draft_time_s),
+        "verify_time_s": float(stats.verify_time_s),
+        "verified_draft_tokens": sum(sizes),
+        "cycles": len(sizes),
+        "mean_tree_size": _ratio(sum(sizes), len(sizes)),
+        "lookup_tokens": int(stats.lookup_tokens),
+        "engine_mean_accepted_length": stats.mean_accepted_length,
+    }
+
+
+def _costs_dict(output) -> dict | None:
+    """The engine output's `costs` (seconds of a target forward over n tokens, `verify`, and of a drafter tree step
+    over w nodes per row, `step`), or None where it measured none (a fixed tree shape)."""
+    costs = getattr(output, "costs", None)
+    return None if costs is None else costs.as_dict()
+
+
+def engine_method(
+    name: str, drafter, settings: dict | None = None, allow_other_target: bool = False, info: dict | None = None
+) -> BenchMethod:
+    """`drafter` through the tree engine, `speculative_generate(target, drafter, **settings)` (settings: `tree_depth`,
+    `tree_top_k`, `tree_budget`, `lookup`; what is left out the engine chooses). The drafter is attached around the
+    call, outside the timing, as for the assisted-generation methods; the engine uses that attachment."""
+    from .modeling.custom_generate.engine import speculative_generate
+
+    settings = dict(settings or {})
+
+    def context(target):
+        return drafter.attached(target, allow_other_target=allow_other_target)
+
+    def generate(target, **kwargs):
+        return speculative_generate(target, drafter, return_dict_in_generate=True, **settings, **kwargs)
+
+    def read_stats(handle, output) -> dict:
+        info["costs"] = _costs_dict(output)  # what the engine chose the tree shapes from (measured once per process)
+        return engine_record(output.speculation_stats[0])
+
+    info = {
+        **(info or {}),
+        "engine": True,
+        "settings": {key: settings.get(key) for key in ("tree_depth", "tree_top_k", "tree_budget", "lookup")},
+        "lookup_num_tokens": getattr(drafter.config, "lookup_num_tokens", None),
+    }
+    return BenchMethod(name, context, {}, read_stats, info, generate)
 
 
 def resolve_method_names(methods: str | None, paths: dict[str, str | None]) -> list[str]:
@@ -242,12 +331,14 @@ def resolve_method_names(methods: str | None, paths: dict[str, str | None]) -> l
                 f"Method '{name}' needs a drafter: {_BUILD_HINT[name]}, or leave it out with "
                 f"--methods {','.join(n for n in names if n != name)}."
             )
-    for name in ("moa", "eagle", "independent"):
-        path = paths.get(name)
-        if name in names and path and path != "default" and not (Path(path) / "config.json").is_file():
+    users = {"moa": ("moa", "moa_nolookup", *ENGINE_METHODS), "eagle": ("eagle",), "independent": ("independent",)}
+    for kind, methods_of_kind in users.items():
+        path = paths.get(kind)
+        used = [n for n in names if n in methods_of_kind]
+        if used and path and path != "default" and not (Path(path) / "config.json").is_file():
             raise BenchError(
-                f"--{name} {path} is not a saved model folder (no config.json there); {_BUILD_HINT[name]}, or "
-                f"leave it out with --methods."
+                f"--{kind} {path} is not a saved model folder (no config.json there); {_BUILD_HINT[kind]}, or "
+                f"leave {','.join(used)} out with --methods."
             )
     return names
 
@@ -262,6 +353,33 @@ def _load_drafter(kind: str, path: str, target):
         raise BenchError(f"Cannot load the {kind} drafter from {path}: {err} ({_BUILD_HINT[kind]}).") from err
 
 
+def _checked_drafter(name: str, kind: str, path: str | None, target, allow_other_target: bool, engine: bool = False):
+    """(drafter, its folder) for `name` (a method, or the batch section): the `kind` drafter at `path` (or `default`),
+    checked against the target, and with `engine` against the tree engine's drafter API."""
+    from . import default_drafter_path
+
+    if not path:
+        raise BenchError(f"'{name}' needs a drafter: {_BUILD_HINT[kind]}.")
+    drafter = _load_drafter(kind, path, target)
+    path = str(default_drafter_path()) if path == "default" else path
+    if hasattr(drafter, "check_target"):
+        try:
+            drafter.check_target(target, allow_other_target=allow_other_target)
+        except ValueError as err:
+            raise BenchError(
+                f"The {name} drafter at {path} cannot serve this target: {err} Pass --{kind} PATH with a "
+                "drafter for this target (or --allow-other-target if only the recorded name differs)."
+            ) from err
+    if engine:
+        reason = drafter.tree_unsupported_reason() if hasattr(drafter, "tree_unsupported_reason") else "no tree API"
+        if reason:
+            raise BenchError(
+                f"{name} runs the drafter at {path} through the tree engine, which cannot draft trees with it "
+                f"({reason}); leave {name} out or pass --{kind} with another drafter."
+            )
+    return drafter, path
+
+
 def build_methods(
     names: list[str],
     target,
@@ -272,9 +390,8 @@ def build_methods(
     pld_tokens: int = 10,
     allow_other_target: bool = False,
 ) -> list[BenchMethod]:
-    """The methods `names` for `target`, their drafters loaded from the given folders in the target's dtype."""
-    from . import default_drafter_path
-
+    """The methods `names` for `target`, their drafters loaded from the given folders in the target's dtype (one
+    drafter per method: `moa_nolookup` changes its drafter's config)."""
     methods = []
     for name in names:
         if name == "vanilla":
@@ -282,22 +399,15 @@ def build_methods(
         elif name == "pld":
             methods.append(pld_method(pld_tokens))
         elif name in ("moa", "moa_nolookup", "eagle"):
-            path = eagle if name == "eagle" else moa
-            if not path:
-                raise BenchError(f"Method '{name}' needs a drafter: {_BUILD_HINT[name]}.")
-            drafter = _load_drafter("eagle" if name == "eagle" else "moa", path, target)
-            path = str(default_drafter_path()) if path == "default" else path
+            kind = "eagle" if name == "eagle" else "moa"
+            drafter, path = _checked_drafter(name, kind, eagle if name == "eagle" else moa, target, allow_other_target)
             if name == "moa_nolookup":  # the same drafter with its prompt lookup off: what the network alone gives
                 drafter.config.lookup_num_tokens = 0
-            if hasattr(drafter, "check_target"):
-                try:
-                    drafter.check_target(target, allow_other_target=allow_other_target)
-                except ValueError as err:
-                    raise BenchError(
-                        f"The {name} drafter at {path} cannot serve this target: {err} Pass --{name} PATH with a "
-                        "drafter for this target (or --allow-other-target if only the recorded name differs)."
-                    ) from err
             methods.append(drafter_method(name, drafter, allow_other_target, {"drafter": str(path)}))
+        elif name in ENGINE_METHODS:  # the same MoA drafter through the tree engine
+            drafter, path = _checked_drafter(name, "moa", moa, target, allow_other_target, engine=True)
+            info = {"drafter": str(path)}
+            methods.append(engine_method(name, drafter, ENGINE_METHODS[name], allow_other_target, info))
         elif name == "independent":
             if not independent:
                 raise BenchError(f"Method 'independent' needs a drafter: {_BUILD_HINT['independent']}.")
@@ -311,13 +421,28 @@ def build_methods(
 # ---------------------------------------------------------------------------------------------------------------------
 # Running
 # ---------------------------------------------------------------------------------------------------------------------
-def _encode(tokenizer, prompt: str, device) -> dict:
+def _chat_text(tokenizer, prompt: str) -> str:
     if getattr(tokenizer, "chat_template", None) is None:
         raise BenchError("The target's tokenizer has no chat template; use an instruction-tuned target.")
-    text = tokenizer.apply_chat_template(
+    return tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
     )
-    enc = tokenizer(text, return_tensors="pt", add_special_tokens=False)  # the template holds the special tokens
+
+
+def _encode(tokenizer, prompt: str, device) -> dict:
+    enc = tokenizer(_chat_text(tokenizer, prompt), return_tensors="pt", add_special_tokens=False)  # template: specials
+    return {"input_ids": enc["input_ids"].to(device), "attention_mask": enc["attention_mask"].to(device)}
+
+
+def _encode_batch(tokenizer, prompts: list[str], device) -> dict:
+    """`input_ids` and `attention_mask` [B, P] of the chat-formatted prompts, left-padded to the longest."""
+    if tokenizer.pad_token_id is None:
+        raise BenchError(
+            "The target's tokenizer has no pad token, which the batch section needs to left-pad its prompts; save the "
+            "tokenizer with one (e.g. tokenizer.pad_token = tokenizer.eos_token) or leave out --batch-sizes."
+        )
+    texts = [_chat_text(tokenizer, p) for p in prompts]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     return {"input_ids": enc["input_ids"].to(device), "attention_mask": enc["attention_mask"].to(device)}
 
 
@@ -343,13 +468,15 @@ def generate_once(target, method: BenchMethod, inputs: dict, max_new_tokens: int
 
     `inputs`: `input_ids` [1, P] and `attention_mask` [1, P]. Returns (record, output ids [1, P + new]); the record
     holds `new_tokens`, `time_s`, `target_calls` (the prefill included), `verified_draft_tokens`, `drafted_tokens`
-    and `draft_time_s` (0 without a drafter), ... (see `acceptance_length` for what they give).
+    and `draft_time_s` (0 without a drafter), ... (see `acceptance_length` for what they give), plus what the
+    method's `read_stats` adds (the engine's methods: `verify_time_s`, `cycles`, `mean_tree_size`, ...).
     """
     prompt_len = inputs["input_ids"].shape[1]
+    generate = target.generate if method.generate is None else functools.partial(method.generate, target)
     with method.context(target) as handle, count_forward_calls(target) as counter:
         _sync(target.device)
         t0 = time.perf_counter()
-        out = target.generate(
+        out = generate(
             **inputs,
             do_sample=False,
             max_new_tokens=max_new_tokens,
@@ -358,22 +485,23 @@ def generate_once(target, method: BenchMethod, inputs: dict, max_new_tokens: int
         )
         _sync(target.device)
         elapsed = time.perf_counter() - t0
-        drafter = method.read_stats(handle) if method.read_stats is not None else {}
-    new_tokens = out.shape[1] - prompt_len
+        drafter = method.read_stats(handle, out) if method.read_stats is not None else {}
+    ids = getattr(out, "sequences", out)  # [1, P + new]
     # each target call after the first re-feeds the last verified token, then the drafted tokens it verifies
     verified = counter.fed_tokens - prompt_len - max(0, counter.calls - 1)
     record = {
         "method": method.name,
         "prompt_tokens": prompt_len,
-        "new_tokens": int(new_tokens),
+        "new_tokens": int(ids.shape[1] - prompt_len),
         "time_s": elapsed,
         "target_calls": counter.calls,
         "target_time_s": counter.seconds,
         "verified_draft_tokens": int(max(0, verified)),
-        "drafted_tokens": int(drafter.get("drafted_tokens", 0)),
-        "draft_time_s": float(drafter.get("draft_time_s", 0.0)),
+        "drafted_tokens": 0,
+        "draft_time_s": 0.0,
+        **drafter,
     }
-    return record, out
+    return record, ids
 
 
 def _check_methods(methods: list[BenchMethod]) -> None:
@@ -479,6 +607,163 @@ def check_lossless(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Batches
+# ---------------------------------------------------------------------------------------------------------------------
+def _eos_ids(target) -> list[int]:
+    """The ids `generate` stops a row at: the generation config's EOS ids (none: it stops only at the length)."""
+    eos = target.generation_config.eos_token_id
+    return [] if eos is None else [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def real_new_tokens(sequences: torch.Tensor, prompt_width: int, eos_ids: list[int]) -> list[int]:
+    """Per row of `sequences` [B, P + N], its real new tokens: up to and including its first EOS (all N without one).
+    What a row that finished before the others holds after its EOS is padding, not tokens."""
+    new = sequences[:, prompt_width:]  # [B, N]
+    if not eos_ids:
+        return [new.shape[1]] * new.shape[0]
+    is_eos = torch.isin(new, torch.tensor(eos_ids, device=new.device)).int()  # [B, N]
+    after_eos = (is_eos.cumsum(-1) - is_eos) > 0  # [B, N]: strictly after the row's first EOS
+    return (~after_eos).sum(-1).tolist()
+
+
+def _batches(questions: list[dict], size: int) -> list[list[str]]:
+    """The questions' prompts in groups of `size`, in order; the last group wraps around to the first questions."""
+    n = len(questions)
+    return [[questions[(start + j) % n]["prompt"] for j in range(size)] for start in range(0, n, size)]
+
+
+def _batch_totals(engine: bool) -> dict:
+    totals = {"new_tokens": 0, "time_s": 0.0}
+    if engine:
+        totals.update(target_calls=0, batch_calls=0, drafted_tokens=0, tree_nodes=0, cycles=0)
+        totals.update(draft_time_s=0.0, verify_time_s=0.0)
+    return totals
+
+
+def _add_engine_stats(totals: dict, stats: list) -> None:
+    """Add one batch's `EngineStats` (one per row) to `totals`: per-row calls, drafted and verified nodes summed over
+    rows; the batch's target forwards and times are those of its longest-running row (its rows share them)."""
+    for row in stats:
+        totals["target_calls"] += int(row.target_calls)
+        totals["drafted_tokens"] += int(row.drafted_tokens)
+        totals["tree_nodes"] += sum(int(n) for n in row.tree_sizes)
+        totals["cycles"] += len(row.tree_sizes)
+    totals["batch_calls"] += max(int(row.target_calls) for row in stats)
+    totals["draft_time_s"] += max(float(row.draft_time_s) for row in stats)
+    totals["verify_time_s"] += max(float(row.verify_time_s) for row in stats)
+
+
+def _batch_row(size: int, batches: int, prompt_widths: list[int], totals: dict, identical: int) -> dict:
+    vanilla, engine = totals["vanilla"], totals["engine"]
+    for entry in (vanilla, engine):
+        entry["tokens_per_s"] = _ratio(entry["new_tokens"], entry["time_s"])
+    engine["acceptance_length"] = acceptance_length(engine["new_tokens"], engine["target_calls"])
+    engine["mean_tree_size"] = _ratio(engine.pop("tree_nodes"), engine["cycles"])
+    speedup = None
+    if engine["tokens_per_s"] is not None and vanilla["tokens_per_s"]:
+        speedup = engine["tokens_per_s"] / vanilla["tokens_per_s"]
+    return {
+        "batch_size": size,
+        "batches": batches,
+        "rows": batches * size,
+        "prompt_tokens": {"min": min(prompt_widths), "max": max(prompt_widths)},
+        "vanilla": vanilla,
+        "engine": engine,
+        "speedup": speedup,
+        "identical_rows": identical,
+    }
+
+
+@torch.no_grad()
+def run_batches(
+    target,
+    tokenizer,
+    questions: list[dict],
+    drafter,
+    batch_sizes: list[int],
+    *,
+    max_new_tokens: int = 128,
+    warmup: int = 1,
+    repeats: int = 1,
+    settings: dict | None = None,
+    allow_other_target: bool = False,
+    progress: bool = True,
+) -> list[dict]:
+    """Batched greedy decoding, the target alone against the engine, one row per batch size.
+
+    For each size the questions' prompts (of different lengths) go in left-padded batches of that size (the last one
+    wraps around to the first questions); on each batch `target.generate` and the engine
+    (`speculative_generate(target, drafter, **batch, **settings)`; settings: the tree settings `tree_depth`,
+    `tree_top_k`, `tree_budget`, `lookup`, by default none: the engine chooses) run back to back, in an order that
+    alternates per batch and repeat. Only real new tokens count (`real_new_tokens`: up to each row's EOS). A row:
+    `batch_size`, `batches`, `rows`, `prompt_tokens` {min, max} (real prompt lengths), `vanilla` and `engine`
+    {new_tokens, time_s, tokens_per_s} (the engine also `acceptance_length` = its real new tokens / the target calls
+    of its rows, pooled, `target_calls` (summed over rows), `batch_calls` (the target forwards of the batches),
+    `drafted_tokens`, `mean_tree_size` (drafted nodes verified per row and cycle), `cycles`, `draft_time_s`,
+    `verify_time_s`, `settings`, `costs`: the measured costs it chose each cycle's tree shape from), `speedup` and
+    `identical_rows` (rows whose tokens are the same for both: all of them in float32, up to rounding ties). The
+    warm-up runs absorb the engine's one-time cost measurement per batch size.
+    """
+    from .modeling.custom_generate.engine import speculative_generate
+
+    if not questions:
+        raise BenchError("No questions to run.")
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise BenchError(f"--batch-sizes must be positive integers, e.g. 1,4,8 (got {batch_sizes}).")
+    kwargs = {"do_sample": False, "max_new_tokens": max_new_tokens, "pad_token_id": _pad_id(target)}
+    settings = dict(settings or {})
+    eos = _eos_ids(target)
+
+    def run(name: str, batch: dict):
+        """(output ids [B, P + N], the engine's output or None, seconds); the drafter attached outside the timing, as
+        in the per-question methods."""
+        attach = drafter.attached(target, allow_other_target=allow_other_target) if name == "engine" else None
+        with attach or contextlib.nullcontext():
+            _sync(target.device)
+            t0 = time.perf_counter()
+            if name == "engine":
+                out = speculative_generate(
+                    target, drafter, **batch, return_dict_in_generate=True, **settings, **kwargs
+                )
+                ids = out.sequences
+            else:
+                ids, out = target.generate(**batch, **kwargs), None
+            _sync(target.device)
+            return ids, out, time.perf_counter() - t0
+
+    rows = []
+    groups = {size: _batches(questions, size) for size in batch_sizes}
+    bar = _progress(sum(len(g) for g in groups.values()) * repeats * 2, "moa bench --batch-sizes", progress)
+    with bar:
+        for size, prompts in groups.items():
+            encoded = [_encode_batch(tokenizer, p, target.device) for p in prompts]
+            for _ in range(warmup):
+                for name in ("vanilla", "engine"):
+                    run(name, encoded[0])
+            totals = {"vanilla": _batch_totals(False), "engine": _batch_totals(True)}
+            identical, costs = 0, None
+            for step, (rep, batch) in enumerate(itertools.product(range(repeats), encoded)):
+                width = batch["input_ids"].shape[1]
+                answers = {}
+                for name in ("vanilla", "engine") if step % 2 == 0 else ("engine", "vanilla"):
+                    ids, out, seconds = run(name, batch)
+                    counts = real_new_tokens(ids, width, eos)
+                    totals[name]["new_tokens"] += sum(counts)
+                    totals[name]["time_s"] += seconds
+                    answers[name] = [ids[b, width : width + n].tolist() for b, n in enumerate(counts)]
+                    if out is not None:
+                        _add_engine_stats(totals["engine"], out.speculation_stats)
+                        costs = _costs_dict(out)
+                    bar.update(1)
+                if rep == 0:
+                    identical += sum(a == b for a, b in zip(answers["vanilla"], answers["engine"]))
+            totals["engine"].update(settings=settings, costs=costs)
+            widths = [int(n) for batch in encoded for n in batch["attention_mask"].sum(-1)]
+            rows.append(_batch_row(size, len(prompts), widths, totals, identical))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Metrics
 # ---------------------------------------------------------------------------------------------------------------------
 def _expected_length(alpha: float, gamma: float) -> float:
@@ -538,6 +823,7 @@ def _group_metrics(rows: list[dict], vanilla_rows: list[dict]) -> dict:
     per_draft_s = _ratio(draft_s, drafted) or 0.0
     cost = per_draft_s / step_s if step_s else 0.0
     alpha = solve_alpha(acceptance, gamma) if acceptance is not None else None
+    engine = [r for r in rows if "cycles" in r]  # the engine's methods: tree statistics
     return {
         "acceptance_length": acceptance,
         "tokens_per_s": tps,
@@ -552,6 +838,8 @@ def _group_metrics(rows: list[dict], vanilla_rows: list[dict]) -> dict:
         "drafted_tokens": drafted,
         "verified_draft_tokens": verified,
         "draft_time_s": draft_s,
+        "verify_time_s": sum(r.get("verify_time_s", 0.0) for r in rows),
+        "mean_tree_size": _ratio(sum(r["verified_draft_tokens"] for r in engine), sum(r["cycles"] for r in engine)),
         "matches_vanilla": sum(bool(r.get("matches_vanilla")) for r in rows),
         "generations": len(rows),
     }
@@ -600,8 +888,63 @@ def format_value(value, digits: int = 2, suffix: str = "") -> str:
     return "–" if value is None else f"{value:.{digits}f}{suffix}"
 
 
+def _settings_cell(settings: dict | None) -> str:
+    """`depth 4, top-k 1, lookup off`: the tree settings given; `auto` for those the engine chooses."""
+    if not settings:
+        return "–"
+    names = (("tree_depth", "depth"), ("tree_top_k", "top-k"), ("tree_budget", "budget"))
+    cells = [f"{label} {settings[key] if settings.get(key) is not None else 'auto'}" for key, label in names]
+    lookup = settings.get("lookup")
+    cells.append("lookup " + ("as configured" if lookup is None else "on" if lookup else "off"))
+    return ", ".join(cells)
+
+
+def _engine_lines(methods: dict) -> list[str]:
+    """The tree engine's methods: mean tree size, drafted tokens, draft and verify time, settings."""
+    engine = {name: m for name, m in methods.items() if (m.get("info") or {}).get("engine")}
+    if not engine:
+        return []
+    lines = [
+        "",
+        "### tree engine",
+        "",
+        "| method | acceptance length | mean tree size | drafted tokens | draft s | verify s | settings |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, m in engine.items():
+        o = m["overall"]
+        lines.append(
+            f"| {name} | {format_value(o['acceptance_length'])} | {format_value(o.get('mean_tree_size'), 1)} "
+            f"| {o['drafted_tokens']} | {format_value(o['draft_time_s'])} | {format_value(o.get('verify_time_s'))} "
+            f"| {_settings_cell(m['info'].get('settings'))} |"
+        )
+    return lines
+
+
+def _batch_lines(rows: list[dict] | None) -> list[str]:
+    """The batch section: per batch size, tokens/s of the target alone and of the engine, speedup, acceptance."""
+    if not rows:
+        return []
+    lines = [
+        "",
+        "### batches (left-padded prompts of different lengths; real new tokens only, up to each row's EOS)",
+        "",
+        "| batch | vanilla tokens/s | engine tokens/s | speedup | acceptance length | mean tree size | identical |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        v, e = row["vanilla"], row["engine"]
+        lines.append(
+            f"| {row['batch_size']} | {format_value(v['tokens_per_s'], 1)} | {format_value(e['tokens_per_s'], 1)} "
+            f"| {format_value(row['speedup'], 2, 'x')} | {format_value(e['acceptance_length'])} "
+            f"| {format_value(e['mean_tree_size'], 1)} | {row['identical_rows']}/{row['rows']} |"
+        )
+    return lines
+
+
 def format_markdown(bench: dict) -> str:
-    """Overall table per method, then one acceptance/speedup table per category."""
+    """Overall table per method, the tree engine's methods, one acceptance/speedup table per category, the batch
+    section and the losslessness check."""
     methods = bench["methods"]
     lines = [
         f"## moa bench: {bench.get('target', '')} ({bench.get('dtype', '')}, up to {bench.get('max_new_tokens')} "
@@ -623,6 +966,7 @@ def format_markdown(bench: dict) -> str:
             format_value(o["cost_ratio"], 3),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _engine_lines(methods)
     categories = list(dict.fromkeys(c for m in methods.values() for c in m["per_category"]))
     for cat in categories:
         n = max((m["per_category"].get(cat, {}).get("generations", 0) for m in methods.values()), default=0)
@@ -635,6 +979,7 @@ def format_markdown(bench: dict) -> str:
                     f"| {name} | {format_value(c['acceptance_length'])} | {format_value(c['tokens_per_s'], 1)} "
                     f"| {format_value(c['speedup'], 2, 'x')} | {format_value(c['theoretical_speedup'], 2, 'x')} |"
                 )
+    lines += _batch_lines(bench.get("batch"))
     check = bench.get("check")
     if check:
         lines += ["", "### losslessness (float32, token ids vs the target alone)", ""]
@@ -712,6 +1057,18 @@ def _main(args: argparse.Namespace) -> int:
         return 2
 
 
+def _parse_batch_sizes(text: str | None) -> list[int]:
+    if not text:
+        return []
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise BenchError(f"--batch-sizes {text!r} is not a comma list of integers (e.g. 1,4,8).") from err
+    if not sizes or min(sizes) < 1:
+        raise BenchError(f"--batch-sizes {text!r}: give positive batch sizes, e.g. 1,4,8.")
+    return list(dict.fromkeys(sizes))
+
+
 def _run(args: argparse.Namespace) -> int:
     from .loading import default_device, parse_dtype
 
@@ -719,6 +1076,7 @@ def _run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     paths = {"moa": args.moa, "eagle": args.eagle, "independent": args.independent}
     names = resolve_method_names(args.methods, paths)
+    batch_sizes = _parse_batch_sizes(args.batch_sizes)
     questions_path = Path(args.questions) if args.questions else default_questions_path()
     if not args.questions and not questions_path.is_file():
         raise BenchError(
@@ -771,6 +1129,20 @@ def _run(args: argparse.Namespace) -> int:
         "methods": result["methods"],
         "records": result["records"],
     }
+    if batch_sizes:
+        drafter, _ = _checked_drafter("--batch-sizes", "moa", args.moa, target, args.allow_other_target, engine=True)
+        bench["batch"] = run_batches(
+            target,
+            tokenizer,
+            questions,
+            drafter,
+            batch_sizes,
+            max_new_tokens=args.max_new_tokens,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            allow_other_target=args.allow_other_target,
+            progress=not args.no_progress,
+        )
     failed = []
     if args.check:
         target32, tok32 = (
@@ -805,7 +1177,7 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "bench",
-        help="Benchmark decoding methods (vanilla, moa, eagle, independent, pld) on Spec-Bench questions.",
+        help="Benchmark decoding methods (vanilla, moa, the tree engine, eagle, independent, pld) on Spec-Bench.",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -826,6 +1198,12 @@ def register(subparsers) -> None:
     p.add_argument("--allow-other-target", action="store_true", help="attach drafters recorded for another target")
     p.add_argument("--output", default=None, help="folder for bench.json, bench.md and bench.png")
     p.add_argument("--check", action="store_true", help="also check losslessness in float32 (exit 1 on a difference)")
+    p.add_argument(
+        "--batch-sizes",
+        default=None,
+        help="also a batch section, e.g. 1,4,8: left-padded batches, batched target.generate vs the tree engine "
+        "(with the --moa drafter); off by default",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_main)

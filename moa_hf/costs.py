@@ -1,5 +1,12 @@
-"""Where the time of one drafting cycle goes: the drafter's cost per drafted token relative to one target decode step,
-and the per-cycle overhead beyond the two models' forwards (transformers' assisted loop plus our glue)."""
+"""Where the time of one drafting cycle goes (`moa costs`).
+
+The chain through transformers' assisted generation: the drafter's cost per drafted token relative to one target
+decode step, and the per-cycle overhead beyond the two models' forwards (transformers' assisted loop plus our glue).
+The tree engine (`engine_costs`): the target's cost of one forward over n = 1, 2, 4, ..., 64 tokens (a tree of n - 1
+drafted nodes and its root) relative to one decode step, and the drafter's cost of one tree depth over w nodes, as the
+engine itself measures them (`speculative_generate`'s `measure_costs`, reported as the output's `costs`) to choose its
+tree shapes; then where an engine cycle's time goes.
+"""
 
 import time
 
@@ -8,7 +15,7 @@ from transformers import DynamicCache
 
 from .modeling import MoADrafterCache
 
-__all__ = ["measure_costs"]
+__all__ = ["engine_costs", "measure_costs"]
 
 
 def _best_ms(fn, repeats: int) -> float:
@@ -68,4 +75,54 @@ def measure_costs(target, drafter, input_ids: torch.Tensor, repeats: int = 20, g
     result["overhead_per_cycle_ms"] = 1000 * (wall - stats.draft_time_s - stats.verify_time_s) / cycles
     result["draft_time_per_cycle_ms"] = 1000 * stats.draft_time_s / cycles
     result["verify_time_per_cycle_ms"] = 1000 * stats.verify_time_s / cycles
+    if drafter.tree_unsupported_reason() is None:
+        result["engine"] = engine_costs(target, drafter, input_ids, gen_tokens)
     return result
+
+
+@torch.no_grad()
+def engine_costs(target, drafter, input_ids: torch.Tensor, gen_tokens: int = 64) -> dict:
+    """The tree engine's measured costs on `input_ids` (one prompt, batch 1) and one greedy engine generation.
+
+    `target_verify_ms[n]`: one target forward over n new tokens; `target_verify_over_decode_step[n]`: the same over the
+    forward of one token (a decode step); `drafter_depth_ms[w]` and `drafter_depth_over_decode_step[w]`: one drafter
+    tree step (one depth) over w nodes. They are the engine's own measurement (`measure_costs` in
+    `moa_hf.modeling.custom_generate.engine`, taken on the engine's first cycle in a process and kept for its later
+    calls), read from the output's `costs`. Then, from a second generation (the first one measured and warmed up):
+    cycles, mean accepted length and tree size, and per cycle the draft and verify time and the rest
+    (`overhead_per_cycle_ms`: the loop around the two models' forwards).
+    """
+    from .modeling.custom_generate.engine import speculative_generate
+
+    def generate():
+        return speculative_generate(
+            target,
+            drafter,
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=gen_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+        )
+
+    generate()  # the engine measures its costs on its first cycle
+    t0 = time.perf_counter()
+    out = generate()
+    wall = time.perf_counter() - t0
+    stats, costs = out.speculation_stats[0], out.costs
+    if costs is None:
+        raise RuntimeError("The engine reported no measured costs; it measures them on its first cycle.")
+    step = costs.verify[min(costs.verify)]  # a forward over one token: a decode step
+    cycles = max(1, len(stats.tree_sizes))
+    return {
+        "target_verify_ms": {n: 1000 * s for n, s in sorted(costs.verify.items())},
+        "target_verify_over_decode_step": {n: s / step for n, s in sorted(costs.verify.items())},
+        "drafter_depth_ms": {w: 1000 * s for w, s in sorted(costs.step.items())},
+        "drafter_depth_over_decode_step": {w: s / step for w, s in sorted(costs.step.items())},
+        "cycles": len(stats.tree_sizes),
+        "mean_accepted_length": stats.mean_accepted_length,
+        "mean_tree_size": sum(stats.tree_sizes) / cycles,
+        "draft_time_per_cycle_ms": 1000 * stats.draft_time_s / cycles,
+        "verify_time_per_cycle_ms": 1000 * stats.verify_time_s / cycles,
+        "overhead_per_cycle_ms": 1000 * (wall - stats.draft_time_s - stats.verify_time_s) / cycles,
+    }

