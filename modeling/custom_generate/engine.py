@@ -245,18 +245,23 @@ def _ancestors(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     return anc
 
 
-def build_tree(drafter, state, root_logits, root_pos, settings: TreeSettings, costs: Costs, sec_per_token: float):
+def build_tree(
+    drafter, state, root_logits, root_pos, settings: TreeSettings, costs: Costs, sec_per_token: float, gamma=1.0
+):
     """EAGLE-2's dynamic tree. Per depth the drafter runs once over the frontier (the most probable nodes of the
     newest depth by path probability); each frontier node proposes its top-k children; every proposal is a candidate.
     Returns every candidate as a `Tree` (parents first; `cut_to_budget` picks the ones to verify).
 
     Open settings are chosen from the costs: the frontier keeps the nodes whose path probability pays for verifying
-    them, and the next depth is drafted only while the frontier's path probabilities can pay for a drafter step."""
+    them, and the next depth is drafted only while the frontier's path probabilities can pay for a drafter step.
+    `gamma` calibrates the drafter's probabilities to what the target accepts: a node's score is gamma times its
+    path log-probability (gamma < 1: the drafter is underconfident)."""
     B, device = root_logits.shape[0], root_logits.device
     k = settings.top_k or settings.max_top_k
     max_depth = settings.depth or settings.max_depth
     node_cost = max(costs.verify_cost(2) - costs.verify_cost(1), 1e-9)  # one more verified node for the batch
     score, tokens = root_logits.float().log_softmax(-1).topk(k, dim=-1)  # [B, k] children of the root
+    score = gamma * score
     parts = {"tokens": [tokens], "parents": [torch.full_like(tokens, -1)], "depth": [torch.ones_like(tokens)]}
     parts["score"] = [score]
     fed_number = [torch.full_like(tokens, -1)]  # per candidate: its number among the nodes fed to the drafter
@@ -284,7 +289,7 @@ def build_tree(drafter, state, root_logits, root_pos, settings: TreeSettings, co
         parts["tokens"].append(child_tokens.reshape(B, w * k))  # [B, w*k]
         parts["parents"].append(front_ids[..., None].expand(B, w, k).reshape(B, w * k))
         parts["depth"].append(torch.full((B, w * k), d + 1, dtype=torch.long, device=device))
-        parts["score"].append((child_score + front_score[..., None]).reshape(B, w * k))
+        parts["score"].append((gamma * child_score + front_score[..., None]).reshape(B, w * k))
         fed_number.append(torch.full((B, w * k), -1, dtype=torch.long, device=device))
     tree = {name: torch.cat(values, dim=1) for name, values in parts.items()}
     real = torch.ones_like(tree["tokens"], dtype=torch.bool)
@@ -484,7 +489,9 @@ class _Run:
         self.roots = torch.zeros(B, dtype=torch.long, device=device)
         self.root_pos = torch.zeros(B, dtype=torch.long, device=device)
         self.costs: Costs | None = None
-        self.sec_per_token = None
+        self.sec_per_token = None  # seconds per token of plain decoding (measured, then tracked): a token's worth
+        self.spec_sec_per_token, self.probe_cycles = None, 0  # the same while speculating, over this probe's cycles
+        self.gamma, self.predicted, self.realised = 1.0, 1.0, 1.0  # calibration of the drafter's probabilities
         self.backoff, self.plain_left = 8, 0  # plain cycles after speculation stopped paying (automatic shape only)
         self.lookup = settings.lookup
         if self.lookup is None:
@@ -625,7 +632,14 @@ class _Run:
             cap = remaining - 1
             settings = replace(settings, depth=settings.depth and min(settings.depth, cap), max_depth=cap)
         tree = build_tree(
-            self.drafter, self.draft_state, root_logits, self.root_pos, settings, self.costs, self.sec_per_token
+            self.drafter,
+            self.draft_state,
+            root_logits,
+            self.root_pos,
+            settings,
+            self.costs,
+            self.sec_per_token,
+            self.gamma,
         )
         if self.lookup and settings.budget != 0:
             chains = [self.lookup_chain(i, remaining) for i in range(len(self.rows))]
@@ -698,6 +712,7 @@ class _Run:
             s.verify_time_s += verify_s
             tokens_now += len(new_tokens[i])
         self.learn_lookup(tree, paths)
+        self.calibrate(tree, paths)
         self.emit(new_tokens, self.root_pos + 1, slots_from=start)
         self.adapt(time.perf_counter() - t0, tokens_now, speculate)
 
@@ -746,17 +761,33 @@ class _Run:
             self.lookup_hit += accepted
         self.lookup_log_prob = math.log(min(0.95, max(0.05, self.lookup_hit / self.lookup_seen)))
 
-    def adapt(self, seconds: float, tokens: int, speculated: bool) -> None:
-        """Track seconds per token; with an automatic shape, decode plainly for a while when speculating stops
-        paying (then try again, waiting twice as long after each failure)."""
-        rate = seconds / max(1, tokens)
-        self.sec_per_token = 0.7 * self.sec_per_token + 0.3 * rate if speculated else self.sec_per_token
-        if not self.settings.automatic or not speculated or not self.rows:
+    def calibrate(self, tree: Tree, paths: list) -> None:
+        """Fit `gamma` (node score = gamma x path log-probability) so that the expected accepted drafts, the sum of
+        the verified nodes' probabilities, tracks the accepted drafts (running averages; small steps)."""
+        if tree.size == 0:
             return
-        plain = self.costs.verify_cost(1) / len(self.rows)
-        if self.sec_per_token > 1.05 * plain:
+        expected = float(torch.where(tree.real, tree.score.exp(), 0.0).sum())
+        self.predicted = 0.8 * self.predicted + 0.2 * expected
+        self.realised = 0.8 * self.realised + 0.2 * sum(len(p) for p in paths)
+        ratio = max(self.predicted, 1e-3) / max(self.realised, 1e-3)
+        self.gamma = min(2.0, max(0.2, self.gamma * ratio**0.1))
+
+    def adapt(self, seconds: float, tokens: int, speculated: bool) -> None:
+        """Track seconds per token of speculative and of plain cycles. With an automatic shape, when speculating
+        has been slower than plain decoding over 4 cycles or more, decode plainly for a while (8 cycles, twice as
+        long after each further failure, at most 64), then try again."""
+        rate = seconds / max(1, tokens)
+        if not speculated:
+            self.sec_per_token = 0.8 * self.sec_per_token + 0.2 * rate
+            return
+        previous = self.spec_sec_per_token
+        self.spec_sec_per_token = rate if previous is None else 0.8 * previous + 0.2 * rate
+        self.probe_cycles += 1
+        if not self.settings.automatic or not self.rows or self.probe_cycles < 4:
+            return
+        if self.spec_sec_per_token > 1.05 * self.sec_per_token:
             self.plain_left, self.backoff = self.backoff, min(2 * self.backoff, 64)
-            self.sec_per_token = plain
+            self.spec_sec_per_token, self.probe_cycles = None, 0
         else:
             self.backoff = 8
 
