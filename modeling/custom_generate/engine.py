@@ -39,6 +39,7 @@ __all__ = [
     "add_chain",
     "build_tree",
     "compact_cache",
+    "cut_to_budget",
     "measure_costs",
     "speculative_generate",
     "tree_attention_mask",
