@@ -12,6 +12,13 @@ without a benchmark the card says that no measurement is available.
 The benchmark (`moa bench`'s JSON) needs "hardware" and "methods" with "moa"; every other method in it ("vanilla",
 "eagle", "independent", "pld", ...) is compared with it, and its settings ("target", "dtype", "max_new_tokens",
 "questions_per_category", "date") are quoted. Older files without the newer keys still render.
+
+Sorted and multi-target drafters (`num_blocks` K > 1, `extra_targets`): the card lists every target the drafter serves
+(name, model, weight fingerprint, per-target parts) with its acceptance length and speedup, and the per-exit numbers
+(fixed exits and adaptive depth: acceptance, tokens/s, tokens drafted per exit), from one `moa bench` JSON per target
+(`target_benchmarks`: {target name: JSON}; the primary target's is `benchmark`) or, where none was measured, the
+per-target held-out acceptance in `training_info["targets"]` ({name: {"acceptance_length_heldout": x,
+"acceptance_length_exit1": y, ..., "acceptance_length_adaptive": z}}).
 """
 
 from __future__ import annotations
@@ -30,13 +37,14 @@ from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from ..modeling import MoADrafterConfig, MoADrafterModel
+from ..modeling import PRIMARY_TARGET, MoADrafterConfig, MoADrafterModel
 
 __all__ = [
     "HUB_LICENSES",
     "REQUIRED_TAGS",
     "TEMPLATE_NAME",
     "load_benchmark",
+    "load_target_benchmarks",
     "load_training_info",
     "render_card",
     "validate_card_metadata",
@@ -72,6 +80,10 @@ _METHOD_LABELS = {
 MAX_CURVE_ROWS = 20  # longer learning curves are thinned in the card (the JSON keeps every point)
 _CURVE_KEYS = ("step", "tokens", "wall_time_s", "acceptance_length")
 _YAML_BLOCK = re.compile(r"\A\s*---\s*\n(.*?)\n---\s*\n", re.DOTALL)
+# a sorted drafter's methods in `moa bench`: fixed exits and adaptive depth, through assisted generation or the engine
+_EXIT_METHOD = re.compile(r"^moa(_tree)?_(exit\d+|adaptive)$")
+_HEADLINE_METHODS = ("moa_adaptive", METHOD, "moa_tree_adaptive", "moa_tree")  # a target's numbers: the first found
+_TRAINING_EXIT_KEY = re.compile(r"^acceptance_length_(exit\d+|adaptive)$")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -116,6 +128,24 @@ def load_benchmark(benchmark: str | os.PathLike | dict | None) -> dict | None:
             "Pass the JSON file that `moa bench` wrote for this drafter."
         )
     return bench
+
+
+def load_target_benchmarks(target_benchmarks: dict | None) -> dict[str, dict]:
+    """{target name: benchmark} from {target name: path or dict} (`moa bench` JSONs measured with the drafter's other
+    targets); each must hold "methods" with at least one of the drafter's methods (`moa`, `moa_adaptive`,
+    `moa_exit<k>`, `moa_tree...`)."""
+    loaded = {}
+    for name, source in (target_benchmarks or {}).items():
+        bench = _load_json(source, f"benchmark of target {name!r}")
+        methods = bench.get("methods") if bench else None
+        if not isinstance(methods, dict) or not any(m == METHOD or m.startswith("moa_") for m in methods):
+            raise ValueError(
+                f"The benchmark of target {name!r} has no MoA drafter method in 'methods' (found "
+                f"{sorted(methods) if isinstance(methods, dict) else None}); pass the JSON that `moa bench --target "
+                "SPEC --moa DRAFTER` wrote."
+            )
+        loaded[str(name)] = bench
+    return loaded
 
 
 def load_training_info(training_info: str | os.PathLike | dict | None) -> dict | None:
@@ -183,6 +213,28 @@ def _fmt_duration(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
+def _target_list(config: MoADrafterConfig) -> list[dict]:
+    """The targets the drafter serves, the primary one first: name, model (name or path), fingerprint, LoRA rank."""
+    targets = [
+        {
+            "name": PRIMARY_TARGET,
+            "name_or_path": config.target_name_or_path,
+            "fingerprint": getattr(config, "target_fingerprint", None),
+            "lora_rank": 0,
+        }
+    ]
+    for name, entry in (getattr(config, "extra_targets", None) or {}).items():
+        targets.append(
+            {
+                "name": name,
+                "name_or_path": entry.get("target_name_or_path"),
+                "fingerprint": entry.get("target_fingerprint"),
+                "lora_rank": int(entry.get("lora_rank") or 0),
+            }
+        )
+    return targets
+
+
 def _architecture(drafter_or_config: MoADrafterModel | MoADrafterConfig) -> tuple[MoADrafterConfig, dict]:
     if isinstance(drafter_or_config, torch.nn.Module):
         config, model = drafter_or_config.config, drafter_or_config
@@ -231,6 +283,9 @@ def _architecture(drafter_or_config: MoADrafterModel | MoADrafterConfig) -> tupl
         "num_assistant_tokens": getattr(gen, "num_assistant_tokens", None),
         "confidence_threshold": getattr(gen, "assistant_confidence_threshold", None),
         "lookup": model.lookup_settings,  # `LookupSettings` from the config's `lookup_*` fields, None when off
+        "num_blocks": int(getattr(config, "num_blocks", 1) or 1),
+        "exit_thresholds": getattr(config, "exit_thresholds", None),
+        "targets": _target_list(config),
     }
     return config, arch
 
@@ -277,8 +332,8 @@ def _training_rows(info: dict | None) -> list[tuple[str, str]]:
     rows = []
     for key in keys:
         value = info[key]
-        if key in ("language", "learning_curve", "previous_runs") or value in (None, "", []):
-            continue  # the language is card metadata; the learning curve has its own table; runs are in the totals
+        if key in ("language", "learning_curve", "previous_runs", "targets") or value in (None, "", []):
+            continue  # metadata; the learning curve and the targets have their own tables; runs are in the totals
         label = _TRAINING_LABELS.get(key, key.replace("_", " ").capitalize())
         rows.append((label, _fmt_training(key, value).replace("|", "\\|")))
     return rows
@@ -478,6 +533,119 @@ def _bench_values(bench: dict | None, base_model: str) -> dict | None:
     }
 
 
+def _headline(bench: dict | None) -> tuple[str, dict] | None:
+    """(method, overall metrics) describing the drafter in a benchmark: its adaptive depth when measured, else `moa`,
+    else the engine's; None without any."""
+    methods = (bench or {}).get("methods") or {}
+    for name in _HEADLINE_METHODS:
+        overall = (methods.get(name) or {}).get("overall")
+        if isinstance(overall, dict):
+            return name, overall
+    return None
+
+
+def _prompts_text(bench: dict) -> str:
+    if bench.get("prompts"):
+        return "natural held-out prompts (" + ", ".join(f"`{p}`" for p in bench["prompts"]) + ")"
+    return "Spec-Bench" if bench.get("questions") or bench.get("questions_per_category") else "its benchmark"
+
+
+def _parts_text(target: dict) -> str:
+    if target["name"] == PRIMARY_TARGET:
+        return "the shared network (primary target)"
+    lora = f" and rank-{target['lora_rank']} LoRA deltas on the blocks" if target["lora_rank"] else ""
+    return f"its own LSA input projection{lora}"
+
+
+def _check_measured_target(target: dict, bench: dict) -> None:
+    recorded, measured = target["fingerprint"], bench.get("target_fingerprint")
+    if recorded and measured and recorded != measured:
+        raise ValueError(
+            f"The benchmark given for target {target['name']!r} was measured with a model of fingerprint {measured}, "
+            f"but the drafter records {recorded} for {target['name']!r}. Pass the `moa bench` JSON of that target."
+        )
+
+
+def _exit_rows(name: str, bench: dict | None) -> list[dict]:
+    """A benchmark's fixed-exit and adaptive methods of the sorted drafter, for target `name`."""
+    from moa_hf.bench import format_exit_setting
+
+    rows = []
+    for method, m in ((bench or {}).get("methods") or {}).items():
+        overall = m.get("overall") if isinstance(m, dict) else None
+        if _EXIT_METHOD.match(method) and isinstance(overall, dict):
+            counts = overall.get("exit_counts") or []
+            rows.append(
+                {
+                    "target": name,
+                    "method": method,
+                    "setting": format_exit_setting(m.get("info") or {}),
+                    **{k: _fmt(k, overall.get(k)) for k in ("acceptance_length", "tokens_per_s", "speedup")},
+                    "exit_counts": " / ".join(str(c) for c in counts) or "–",
+                }
+            )
+    return rows
+
+
+def _targets_values(arch: dict, bench: dict | None, target_benches: dict, info: dict | None) -> dict | None:
+    """The targets and exits section of a sorted or multi-target drafter (None for a one-block, one-target one)."""
+    from moa_hf.bench import format_exit_setting
+
+    targets = arch["targets"]
+    names = [t["name"] for t in targets]
+    if unknown := sorted(set(target_benches) - set(names)):
+        raise ValueError(f"Benchmarks were given for targets {unknown} that the drafter does not serve ({names}).")
+    if arch["num_blocks"] < 2 and len(targets) < 2:
+        return None
+    benches = {**({PRIMARY_TARGET: bench} if bench else {}), **target_benches}
+    trained = (info or {}).get("targets") or {}
+    rows, exit_rows, training_exit_rows = [], [], []
+    for target in targets:
+        measured = benches.get(target["name"])
+        if measured:
+            _check_measured_target(target, measured)
+        head = _headline(measured)
+        held = trained.get(target["name"]) if isinstance(trained.get(target["name"]), dict) else {}
+        if head:
+            numbers = (
+                _fmt("acceptance_length", head[1].get("acceptance_length")),
+                _fmt("speedup", head[1].get("speedup")),
+            )
+            source = f"`{head[0]}` on {_prompts_text(measured)}"
+        else:
+            numbers = (_fmt("acceptance_length", held.get("acceptance_length_heldout")), "–")
+            source = "held-out prompts at the end of training" if numbers[0] != "–" else "not measured"
+        rows.append(
+            {
+                "name": target["name"],
+                "model": target["name_or_path"] or "–",
+                "fingerprint": target["fingerprint"] or "–",
+                "parts": _parts_text(target),
+                "acceptance_length": numbers[0],
+                "speedup": numbers[1],
+                "source": source,
+            }
+        )
+        exit_rows += _exit_rows(target["name"], measured)
+        for key, value in held.items():
+            if (match := _TRAINING_EXIT_KEY.match(key)) and _is_number(value):
+                training_exit_rows.append(
+                    {"target": target["name"], "exit": match[1], "acceptance_length": f"{value:.2f}"}
+                )
+    thresholds = arch["exit_thresholds"]
+    num_blocks = arch["num_blocks"]
+    return {
+        "num_blocks": num_blocks,
+        "several": len(targets) > 1,
+        "thresholds": None if thresholds is None else format_exit_setting({"exit_thresholds": thresholds}),
+        "thresholds_list": None if thresholds is None else [float(t) for t in thresholds],
+        "rows": rows,
+        "exit_rows": exit_rows,
+        "exit_header": " / ".join(str(k) for k in range(1, num_blocks + 1)),
+        "training_exit_rows": training_exit_rows,
+    }
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Rendering and validation
 # ---------------------------------------------------------------------------------------------------------------------
@@ -489,10 +657,13 @@ def render_card(
     repo_id: str,
     base_model: str | None = None,
     license: str = "apache-2.0",
+    target_benchmarks: dict | None = None,
 ) -> ModelCard:
     """The README.md of a drafter repo, as a `huggingface_hub.ModelCard` (validated with `validate_card_metadata`).
 
-    `base_model` defaults to the drafter's `config.target_name_or_path`; it must be a Hub repo id.
+    `base_model` defaults to the drafter's `config.target_name_or_path`; it must be a Hub repo id. `benchmark` is the
+    primary target's measurement; `target_benchmarks` ({target name: path or dict}) those of a multi-target drafter's
+    other targets.
     """
     _check_repo_id(repo_id, "repo_id", "Use ORG/NAME, e.g. 'my-org/smollm2-moa-drafter'.")
     config, arch = _architecture(drafter_or_config)
@@ -507,6 +678,7 @@ def render_card(
     )
     bench = load_benchmark(benchmark)
     info = load_training_info(training_info)
+    targets = _targets_values(arch, bench, load_target_benchmarks(target_benchmarks), info)
     card_data = ModelCardData(
         base_model=base_model,
         library_name="transformers",  # no pipeline_tag: the drafter is not a stand-alone text-generation model
@@ -525,6 +697,7 @@ def render_card(
             training_rows=_training_rows(info),
             curve=_curve_rows(info),
             bench=_bench_values(bench, base_model),
+            targets=targets,
         )
     validate_card_metadata(card)
     return card

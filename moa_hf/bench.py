@@ -13,6 +13,15 @@ drafter through the tree engine `speculative_generate`: its chosen tree settings
 lookup off, and a chain: top-k 1 without lookup), `eagle`, `independent` (a small causal LM) and `pld` (prompt lookup
 decoding). `--batch-sizes 1,4,8` adds a batch section: left-padded batches of prompts of different lengths, batched
 `target.generate` against the engine, counting only the real new tokens of each row (up to its EOS).
+
+Sorted drafters (`num_blocks` K > 1, exits after blocks 1..K): `moa_exit1` .. `moa_exitK` draft at one fixed exit
+(`fixed_exit_thresholds`) and `moa_adaptive` with the drafter's tuned `exit_thresholds` (`moa tune --write`), through
+assisted generation; `moa_tree_exit1` .. `moa_tree_exitK` and `moa_tree_adaptive` the same through the tree engine
+(prompt lookup as the drafter's config says, for all of them). `moa_exits` / `moa_tree_exits` name all of them at
+once. Every method of a MoA drafter reports its tokens drafted per exit (`exit_counts`; prompt-lookup tokens are not
+drafted by an exit). `--prompts SOURCE ...` replaces the Spec-Bench questions by natural held-out prompts
+(`moa_hf.prompts.load_prompts`: `default:validation`, `default:documents`, `pydoc:heldout`, files, datasets), one
+category per source.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import json
 import os
 import platform
 import random
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +46,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "ADAPTIVE_METHODS",
     "ALL_METHODS",
     "BenchError",
     "BenchMethod",
@@ -48,12 +59,16 @@ __all__ = [
     "default_questions_path",
     "engine_method",
     "engine_record",
+    "exit_method_names",
+    "exit_methods_of",
+    "format_exit_setting",
     "format_markdown",
     "format_value",
     "generate_once",
     "hardware_info",
     "load_questions",
     "plot_benchmark",
+    "prompt_questions",
     "real_new_tokens",
     "register",
     "run_batches",
@@ -81,6 +96,11 @@ ENGINE_METHODS = {
     "moa_tree_nolookup": {"lookup": False},
     "moa_chain": {"tree_top_k": 1, "lookup": False},
 }
+# Sorted drafters: the drafter's tuned `exit_thresholds` through assisted generation / the tree engine; fixed exits
+# are `moa_exit<k>` / `moa_tree_exit<k>` (1 <= k <= num_blocks); the shorthands name every exit and the adaptive one.
+ADAPTIVE_METHODS = {"moa_adaptive": "moa", "moa_tree_adaptive": "moa_tree"}
+EXIT_SHORTHANDS = {"moa_exits": "moa", "moa_tree_exits": "moa_tree"}
+_EXIT_METHOD = re.compile(r"^(moa|moa_tree)_exit(\d+)$")
 # Spec-Bench groups the 80 MT-bench questions (ids 81-160) into one category.
 MT_BENCH_CATEGORIES = frozenset(
     {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -147,6 +167,25 @@ def load_questions(path: str | os.PathLike, per_category: int = 2, seed: int = 0
             pool = sorted(rng.sample(pool, per_category), key=lambda q: str(q["question_id"]))
         selected += pool
     return selected
+
+
+def prompt_questions(sources: list[str], num_prompts: int | None = None, seed: int = 0) -> list[dict]:
+    """Natural held-out prompts as benchmark questions, `num_prompts` from each source (`moa_hf.prompts.load_prompts`:
+    `default:validation`, `pydoc:heldout`, a file, ...): dicts {question_id ("SOURCE#i"), category (the source),
+    prompt}, in the order given."""
+    from .prompts import load_prompts
+
+    questions = []
+    for source in sources:
+        try:
+            prompts = load_prompts(source, num_prompts=num_prompts, seed=seed)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise BenchError(
+                f"--prompts {source}: {err} Pass a prompt source of `moa_hf.prompts.load_prompts` (e.g. "
+                "default:validation, pydoc:heldout or a .jsonl file)."
+            ) from err
+        questions += [{"question_id": f"{source}#{i}", "category": source, "prompt": p} for i, p in enumerate(prompts)]
+    return questions
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -233,7 +272,9 @@ def drafter_method(name: str, drafter, allow_other_target: bool = False, info: d
 
     def read_stats(handle, output) -> dict:
         stats = drafter.speculation_stats
-        return {"drafted_tokens": int(stats.drafted_tokens), "draft_time_s": float(stats.draft_time_s)}
+        _record_active_target(info, drafter)
+        record = {"drafted_tokens": int(stats.drafted_tokens), "draft_time_s": float(stats.draft_time_s)}
+        return {**record, **_exit_counts(stats)}
 
     gc = drafter.generation_config
     info = {
@@ -241,8 +282,33 @@ def drafter_method(name: str, drafter, allow_other_target: bool = False, info: d
         "num_assistant_tokens": getattr(gc, "num_assistant_tokens", None),
         "assistant_confidence_threshold": getattr(gc, "assistant_confidence_threshold", None),
         "lookup_num_tokens": getattr(drafter.config, "lookup_num_tokens", None),  # MoA: its own lookup (0: off)
+        **_exit_info(drafter),
     }
     return BenchMethod(name, context, {"assistant_model": drafter}, read_stats, info)
+
+
+def _exit_info(drafter) -> dict:
+    """A sorted drafter's depth and exit thresholds as read now (empty for drafters without exits)."""
+    config = drafter.config
+    if not hasattr(config, "num_blocks"):
+        return {}
+    thresholds = getattr(config, "exit_thresholds", None)
+    return {"num_blocks": int(config.num_blocks), "exit_thresholds": None if thresholds is None else list(thresholds)}
+
+
+def _exit_counts(stats) -> dict:
+    """`{"exit_counts": [tokens drafted at exit 1, ..., exit K]}` of a drafter's or the engine's statistics (prompt
+    lookup tokens are drafted by no exit), or {} where they have none."""
+    counts = getattr(stats, "exit_counts", None)
+    return {} if counts is None else {"exit_counts": [int(c) for c in counts]}
+
+
+def _record_active_target(info: dict, drafter) -> None:
+    """Record which of the drafter's targets (its per-target parts) served the run: `attach` selects it by the
+    target's fingerprint."""
+    name = getattr(drafter, "active_target", None)
+    if name is not None:
+        info["drafter_target"] = name
 
 
 def independent_method(assistant, info: dict | None = None) -> BenchMethod:
@@ -267,9 +333,10 @@ def engine_record(stats) -> dict:
     """The record fields of one row's `EngineStats` (the engine's `out.speculation_stats[b]`): its target calls (the
     prefill included; the engine's one-time cost measurement is not a call of the generation), drafted tokens, draft
     and verify time, the tree nodes the target verified (`verified_draft_tokens`, summed over cycles), cycles, mean
-    tree size and the drafted nodes that came from prompt lookup only."""
+    tree size, the drafted nodes that came from prompt lookup only and (sorted drafters) the nodes drafted per exit."""
     sizes = [int(n) for n in stats.tree_sizes]
     return {
+        **_exit_counts(stats),
         "target_calls": int(stats.target_calls),
         "drafted_tokens": int(stats.drafted_tokens),
         "draft_time_s": float(stats.draft_time_s),
@@ -307,6 +374,7 @@ def engine_method(
 
     def read_stats(handle, output) -> dict:
         info["costs"] = _costs_dict(output)  # what the engine chose the tree shapes from (measured once per process)
+        _record_active_target(info, drafter)
         return engine_record(output.speculation_stats[0])
 
     info = {
@@ -314,16 +382,90 @@ def engine_method(
         "engine": True,
         "settings": {key: settings.get(key) for key in ("tree_depth", "tree_top_k", "tree_budget", "lookup")},
         "lookup_num_tokens": getattr(drafter.config, "lookup_num_tokens", None),
+        **_exit_info(drafter),
     }
     return BenchMethod(name, context, {}, read_stats, info, generate)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Sorted drafters: fixed exits and adaptive depth
+# ---------------------------------------------------------------------------------------------------------------------
+def exit_method_names(base: str, num_blocks: int, adaptive: bool = True) -> list[str]:
+    """`base`_exit1 .. `base`_exitK and (with `adaptive`) `base`_adaptive; `base` is "moa" (assisted generation) or
+    "moa_tree" (the tree engine)."""
+    return [f"{base}_exit{k}" for k in range(1, num_blocks + 1)] + ([f"{base}_adaptive"] if adaptive else [])
+
+
+def exit_methods_of(name: str) -> tuple[str, int | None] | None:
+    """(base, exit) of a sorted drafter's method: base "moa" or "moa_tree", exit k (1-based; None: adaptive depth with
+    the drafter's tuned thresholds); None for any other method."""
+    if name in ADAPTIVE_METHODS:
+        return ADAPTIVE_METHODS[name], None
+    match = _EXIT_METHOD.match(name)
+    return (match[1], int(match[2])) if match else None
+
+
+def _sorted_config(path: str | None) -> tuple[int, list[float] | None]:
+    """(num_blocks, exit_thresholds) that the MoA drafter folder's config.json records; (1, None) without one."""
+    from . import default_drafter_path
+
+    folder = Path(default_drafter_path()) if path == "default" else Path(path) if path else None
+    if folder is None or not (folder / "config.json").is_file():
+        return 1, None
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    return int(config.get("num_blocks") or 1), config.get("exit_thresholds")
+
+
+def _set_exit(name: str, drafter, exit: int | None) -> None:
+    """Make `drafter` draft as method `name` does: always at `exit` (its config's `exit_thresholds` set with
+    `fixed_exit_thresholds`; read at every drafting step) or, for None, adaptively with the thresholds it has."""
+    from .modeling import fixed_exit_thresholds
+
+    num_blocks = int(getattr(drafter.config, "num_blocks", 1) or 1)
+    if exit is None:
+        if num_blocks < 2 or getattr(drafter.config, "exit_thresholds", None) is None:
+            raise BenchError(
+                f"'{name}' drafts with the drafter's tuned exit thresholds, but it has "
+                f"{'a single block (num_blocks 1)' if num_blocks < 2 else 'none (exit_thresholds is null)'}. Tune "
+                "them with `moa tune --drafter PATH --write` on a drafter with num_blocks > 1, or leave "
+                f"{name} out of --methods."
+            )
+        return
+    if not 1 <= exit <= num_blocks:
+        raise BenchError(
+            f"'{name}': the drafter has {num_blocks} exit(s) (num_blocks {num_blocks}); use exits 1 to {num_blocks}."
+        )
+    drafter.config.exit_thresholds = fixed_exit_thresholds(exit, num_blocks) if num_blocks > 1 else None
+
+
+def _requested_names(methods: str | None, moa_path: str | None) -> list[str]:
+    """`--methods` with the shorthands expanded; by default every method, with a sorted drafter also its exits through
+    assisted generation and, once tuned, its adaptive depth through both paths."""
+    num_blocks, thresholds = _sorted_config(moa_path)
+    tuned = num_blocks > 1 and thresholds is not None
+    if not methods:
+        extra = exit_method_names("moa", num_blocks, tuned) + (["moa_tree_adaptive"] if tuned else [])
+        return list(ALL_METHODS) + (extra if num_blocks > 1 else [])
+    names = []
+    for name in (n.strip() for n in methods.split(",") if n.strip()):
+        base = EXIT_SHORTHANDS.get(name)
+        names += exit_method_names(base, num_blocks, tuned) if base else [name]
+    return names
+
+
 def resolve_method_names(methods: str | None, paths: dict[str, str | None]) -> list[str]:
-    """The method names of `--methods` (default all), `vanilla` first; errors for unknown names or missing drafters."""
-    names = [n.strip() for n in (methods or ",".join(ALL_METHODS)).split(",") if n.strip()]
-    unknown = [n for n in names if n not in ALL_METHODS]
+    """The method names of `--methods` (default all), `vanilla` first; errors for unknown names or missing drafters.
+
+    `moa_exits` / `moa_tree_exits` stand for `moa_exit1` .. `moa_exitK` (`moa_tree_...`) and, when the drafter has
+    tuned exit thresholds, `moa_adaptive` (`moa_tree_adaptive`); K is the --moa drafter's `num_blocks`.
+    """
+    names = _requested_names(methods, paths.get("moa"))
+    unknown = [n for n in names if n not in ALL_METHODS and exit_methods_of(n) is None]
     if unknown:
-        raise BenchError(f"Unknown method(s) {unknown} in --methods; choose from {','.join(ALL_METHODS)}.")
+        raise BenchError(
+            f"Unknown method(s) {unknown} in --methods; choose from {','.join(ALL_METHODS)}, or for a sorted drafter "
+            f"moa_exit<k>, moa_tree_exit<k>, {', '.join(ADAPTIVE_METHODS)}, {', '.join(EXIT_SHORTHANDS)}."
+        )
     names = ["vanilla"] + [n for n in dict.fromkeys(names) if n != "vanilla"]  # the speedup baseline is always run
     for name in ("eagle", "independent"):
         if name in names and not paths.get(name):
@@ -334,7 +476,7 @@ def resolve_method_names(methods: str | None, paths: dict[str, str | None]) -> l
     users = {"moa": ("moa", "moa_nolookup", *ENGINE_METHODS), "eagle": ("eagle",), "independent": ("independent",)}
     for kind, methods_of_kind in users.items():
         path = paths.get(kind)
-        used = [n for n in names if n in methods_of_kind]
+        used = [n for n in names if n in methods_of_kind or (kind == "moa" and exit_methods_of(n) is not None)]
         if used and path and path != "default" and not (Path(path) / "config.json").is_file():
             raise BenchError(
                 f"--{kind} {path} is not a saved model folder (no config.json there); {_BUILD_HINT[kind]}, or "
@@ -391,7 +533,7 @@ def build_methods(
     allow_other_target: bool = False,
 ) -> list[BenchMethod]:
     """The methods `names` for `target`, their drafters loaded from the given folders in the target's dtype (one
-    drafter per method: `moa_nolookup` changes its drafter's config)."""
+    drafter per method: `moa_nolookup` and the exit methods change their drafter's config)."""
     methods = []
     for name in names:
         if name == "vanilla":
@@ -408,6 +550,15 @@ def build_methods(
             drafter, path = _checked_drafter(name, "moa", moa, target, allow_other_target, engine=True)
             info = {"drafter": str(path)}
             methods.append(engine_method(name, drafter, ENGINE_METHODS[name], allow_other_target, info))
+        elif (parsed := exit_methods_of(name)) is not None:  # a sorted drafter at one exit, or adaptive
+            base, exit = parsed
+            drafter, path = _checked_drafter(name, "moa", moa, target, allow_other_target, engine=base == "moa_tree")
+            _set_exit(name, drafter, exit)
+            info = {"drafter": str(path), "exit": "adaptive" if exit is None else exit}
+            if base == "moa_tree":  # the engine as `moa_tree` runs it: its chosen tree settings, lookup as configured
+                methods.append(engine_method(name, drafter, ENGINE_METHODS["moa_tree"], allow_other_target, info))
+            else:
+                methods.append(drafter_method(name, drafter, allow_other_target, info))
         elif name == "independent":
             if not independent:
                 raise BenchError(f"Method 'independent' needs a drafter: {_BUILD_HINT['independent']}.")
@@ -824,6 +975,7 @@ def _group_metrics(rows: list[dict], vanilla_rows: list[dict]) -> dict:
     cost = per_draft_s / step_s if step_s else 0.0
     alpha = solve_alpha(acceptance, gamma) if acceptance is not None else None
     engine = [r for r in rows if "cycles" in r]  # the engine's methods: tree statistics
+    exits = [r["exit_counts"] for r in rows if r.get("exit_counts") is not None]  # MoA drafters: tokens per exit
     return {
         "acceptance_length": acceptance,
         "tokens_per_s": tps,
@@ -842,6 +994,7 @@ def _group_metrics(rows: list[dict], vanilla_rows: list[dict]) -> dict:
         "mean_tree_size": _ratio(sum(r["verified_draft_tokens"] for r in engine), sum(r["cycles"] for r in engine)),
         "matches_vanilla": sum(bool(r.get("matches_vanilla")) for r in rows),
         "generations": len(rows),
+        "exit_counts": [sum(column) for column in zip(*exits)] if exits else None,
     }
 
 
@@ -921,6 +1074,49 @@ def _engine_lines(methods: dict) -> list[str]:
     return lines
 
 
+def format_exit_setting(info: dict) -> str:
+    """`fixed exit 2`, or the adaptive thresholds a method (or a tuning row) drafted with: `0.80, never` (a threshold
+    above 1: no token leaves there)."""
+    if isinstance(info.get("exit"), int):
+        return f"fixed exit {info['exit']}"
+    thresholds = info.get("exit_thresholds")
+    if thresholds is None:
+        return "last exit"
+    return ", ".join("never" if t > 1 else format_value(t) for t in thresholds)
+
+
+def _exit_lines(methods: dict) -> list[str]:
+    """Sorted drafters: tokens drafted at each exit per method (network tokens only), and their mean exit."""
+    rows = {n: m for n, m in methods.items() if len(m["overall"].get("exit_counts") or ()) > 1}
+    if not rows:
+        return []
+    num_exits = max(len(m["overall"]["exit_counts"]) for m in rows.values())
+    exits = list(range(1, num_exits + 1))
+    lines = [
+        "",
+        "### exits (tokens drafted by the network at each exit; prompt-lookup tokens are drafted by none)",
+        "",
+        "| method | exit thresholds | acceptance length | tokens/s | speedup | "
+        + " | ".join(f"exit {k}" for k in exits)
+        + " | mean exit |",
+        "|---|---|---:|---:|---:|" + "---:|" * num_exits + "---:|",
+    ]
+    for name, m in rows.items():
+        o, counts = m["overall"], m["overall"]["exit_counts"]
+        mean_exit = _ratio(sum(k * c for k, c in zip(exits, counts)), sum(counts))
+        cells = [
+            name,
+            format_exit_setting(m.get("info") or {}),
+            format_value(o["acceptance_length"]),
+            format_value(o["tokens_per_s"], 1),
+            format_value(o["speedup"], 2, "x"),
+            *(str(c) for c in counts),
+            format_value(mean_exit),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def _batch_lines(rows: list[dict] | None) -> list[str]:
     """The batch section: per batch size, tokens/s of the target alone and of the engine, speedup, acceptance."""
     if not rows:
@@ -967,6 +1163,7 @@ def format_markdown(bench: dict) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines += _engine_lines(methods)
+    lines += _exit_lines(methods)
     categories = list(dict.fromkeys(c for m in methods.values() for c in m["per_category"]))
     for cat in categories:
         n = max((m["per_category"].get(cat, {}).get("generations", 0) for m in methods.values()), default=0)
@@ -1077,12 +1274,19 @@ def _run(args: argparse.Namespace) -> int:
     paths = {"moa": args.moa, "eagle": args.eagle, "independent": args.independent}
     names = resolve_method_names(args.methods, paths)
     batch_sizes = _parse_batch_sizes(args.batch_sizes)
-    questions_path = Path(args.questions) if args.questions else default_questions_path()
-    if not args.questions and not questions_path.is_file():
-        raise BenchError(
-            f"No Spec-Bench questions at the default {questions_path}; pass --questions PATH (a question.jsonl)."
-        )
-    questions = load_questions(questions_path, args.questions_per_category, args.seed)
+    questions_path = None
+    if args.prompts:  # natural held-out prompts instead of Spec-Bench
+        if args.questions:
+            raise BenchError("Give --questions (Spec-Bench) or --prompts (natural held-out prompts), not both.")
+        questions = prompt_questions(args.prompts, args.num_prompts, args.seed)
+    else:
+        questions_path = Path(args.questions) if args.questions else default_questions_path()
+        if not args.questions and not questions_path.is_file():
+            raise BenchError(
+                f"No Spec-Bench questions at the default {questions_path}; pass --questions PATH (a question.jsonl) "
+                "or --prompts SOURCE (natural held-out prompts)."
+            )
+        questions = load_questions(questions_path, args.questions_per_category, args.seed)
     if args.output:
         try:
             import matplotlib  # noqa: F401
@@ -1113,15 +1317,21 @@ def _run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         progress=not args.no_progress,
     )
+    from .modeling import target_fingerprint
+
     bench = {
         "hardware": hardware_info(target.device),
         "target": str(getattr(target.config, "name_or_path", "") or args.target),
+        "target_spec": args.target,
+        "target_fingerprint": target_fingerprint(target),  # which of a drafter's targets this run measured
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "transformers": __import__("transformers").__version__,
-        "questions": str(questions_path),
-        "questions_per_category": args.questions_per_category,
+        "questions": None if questions_path is None else str(questions_path),
+        "questions_per_category": None if questions_path is None else args.questions_per_category,
+        "prompts": args.prompts,
+        "num_prompts": args.num_prompts if args.prompts else None,
         "question_ids": [q["question_id"] for q in questions],
         "warmup": args.warmup,
         "repeats": args.repeats,
@@ -1182,7 +1392,20 @@ def register(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default: ../shared/data/spec_bench)")
-    p.add_argument("--target", default="default", help="a local model folder, or `default` (SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--prompts",
+        nargs="+",
+        default=None,
+        metavar="SOURCE",
+        help="natural held-out prompts instead of Spec-Bench, one category per source: default:validation, "
+        "default:documents, pydoc:heldout (the `default:pydoc` target's held-out API names), a .jsonl/.txt file ...",
+    )
+    p.add_argument("--num-prompts", type=int, default=8, help="with --prompts: prompts taken from each source")
+    p.add_argument(
+        "--target",
+        default="default",
+        help="a local model folder, `default` (SmolLM2-135M-Instruct) or `default:NAME` (a shipped fine-tune of it)",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -1190,7 +1413,13 @@ def register(subparsers) -> None:
     p.add_argument("--questions-per-category", type=int, default=2, help="sampled with --seed; 0 = all")
     p.add_argument("--warmup", type=int, default=1, help="unrecorded generations per method before measuring")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--methods", default=None, help=f"comma list (default all: {','.join(ALL_METHODS)})")
+    p.add_argument(
+        "--methods",
+        default=None,
+        help=f"comma list (default all: {','.join(ALL_METHODS)}; a sorted --moa drafter adds moa_exit1..K and, once "
+        "tuned, moa_adaptive and moa_tree_adaptive); sorted drafters also: moa_tree_exit<k>, and the shorthands "
+        "moa_exits / moa_tree_exits (every exit and the adaptive depth)",
+    )
     p.add_argument("--moa", default="default", help="MoA drafter folder, or `default` (the shipped drafter)")
     p.add_argument("--eagle", default=None, help="EAGLE drafter folder (`moa train --kind eagle`)")
     p.add_argument("--independent", default=None, help="independent causal-LM drafter folder (`--kind independent`)")

@@ -6,6 +6,10 @@ The tree engine (`engine_costs`): the target's cost of one forward over n = 1, 2
 drafted nodes and its root) relative to one decode step, and the drafter's cost of one tree depth over w nodes, as the
 engine itself measures them (`speculative_generate`'s `measure_costs`, reported as the output's `costs`) to choose its
 tree shapes; then where an engine cycle's time goes.
+
+A sorted drafter (`num_blocks` K > 1) drafts at K exits: `exit_costs` times one drafted token at each fixed exit (the
+chain's `draft_step`, batch 1, the minimum of the repeats: the least disturbed timing) and reports each over a target
+decode step and over the full depth (the issue's target: exit 1 at most 0.6 x the full depth).
 """
 
 import time
@@ -15,23 +19,54 @@ from transformers import DynamicCache
 
 from .modeling import MoADrafterCache
 
-__all__ = ["engine_costs", "measure_costs"]
+__all__ = ["engine_costs", "exit_costs", "measure_costs"]
 
 
-def _best_ms(fn, repeats: int) -> float:
+def _times_ms(fn, repeats: int) -> list[float]:
+    """Sorted wall times of `repeats` calls of `fn` in ms, after one warm-up call."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return 1000 * times[len(times) // 2]  # median
+        times.append(1000 * (time.perf_counter() - t0))
+    return sorted(times)
+
+
+def _best_ms(fn, repeats: int) -> float:
+    times = _times_ms(fn, repeats)
+    return times[len(times) // 2]  # median
+
+
+def exit_costs(drafter, draft_token, step_ms: float, repeats: int = 20) -> list[dict]:
+    """One row per exit k of `drafter` (1 for a drafter of one block): `drafter_token_ms`, the minimum over `repeats`
+    of `draft_token()` (one drafted token, its cache cropped back) with the drafter always leaving at exit k
+    (`fixed_exit_thresholds`), `over_target_step` (over `step_ms`, a target decode step) and `over_full_depth` (over
+    the last exit's). The first call at each exit is a warm-up (a deeper block first catches up on the context)."""
+    from .modeling import fixed_exit_thresholds
+
+    num_blocks = int(getattr(drafter.config, "num_blocks", 1) or 1)
+    own = getattr(drafter.config, "exit_thresholds", None)
+    rows = []
+    try:
+        for k in range(1, num_blocks + 1):
+            if num_blocks > 1:
+                drafter.config.exit_thresholds = fixed_exit_thresholds(k, num_blocks)  # read at every drafting step
+            rows.append({"exit": k, "drafter_token_ms": _times_ms(draft_token, repeats)[0]})
+    finally:
+        if num_blocks > 1:
+            drafter.config.exit_thresholds = own
+    full = rows[-1]["drafter_token_ms"]
+    for row in rows:
+        row["over_target_step"] = row["drafter_token_ms"] / step_ms
+        row["over_full_depth"] = row["drafter_token_ms"] / full
+    return rows
 
 
 @torch.no_grad()
 def measure_costs(target, drafter, input_ids: torch.Tensor, repeats: int = 20, gen_tokens: int = 64) -> dict:
-    """Median timings on `input_ids` (one prompt) with the drafter attached to the target."""
+    """Median timings on `input_ids` (one prompt) with the drafter attached to the target; `exits`: the drafting cost
+    per token at each exit (`exit_costs`, minimum timings) and `exit1_over_full_depth`."""
     cache = DynamicCache(config=target.config)
     target(input_ids[:, :-1], past_key_values=cache, use_cache=True)
     n = input_ids.shape[1]
@@ -63,6 +98,8 @@ def measure_costs(target, drafter, input_ids: torch.Tensor, repeats: int = 20, g
         "lsa_3_verified_tokens_ms": _best_ms(lsa_3_tokens, repeats),
     }
     result["drafter_token_over_target_step"] = result["drafter_token_ms"] / result["target_decode_step_ms"]
+    result["exits"] = exit_costs(drafter, draft_token, result["target_decode_step_ms"], repeats)
+    result["exit1_over_full_depth"] = result["exits"][0]["over_full_depth"]
     result["lsa_per_token_over_target_step"] = result["lsa_3_verified_tokens_ms"] / 3 / result["target_decode_step_ms"]
     # per-cycle overhead: wall time of assisted generate minus the time inside the two models' forwards
     t0 = time.perf_counter()

@@ -9,7 +9,10 @@ with the drafter: `generate.py` records where to load it from (`DRAFTER_REPO`: t
 also the folder's absolute path when it is not pushed, loaded while it exists).
 
 The card quotes the benchmark and training info given explicitly, else the `benchmark.json` / `training_info.json`
-that `moa bench` / `moa train` left in the drafter's folder (for `default`: the shipped default drafter's folder).
+that `moa bench` / `moa train` left in the drafter's folder (for `default`: the shipped default drafter's folder). A
+drafter serving several targets (`extra_targets`) has one benchmark per other target too: given as {name: JSON}
+(`--target-benchmark NAME=JSON`), else its folder's `benchmark.NAME.json`; the repo keeps them as
+`moa_benchmark.NAME.json`.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pathlib import Path
 from transformers import GenerationConfig
 
 from .loading import load_drafter  # re-exported: `moa_hf.hub.load_drafter` is the one loader
-from .modeling import MoADrafterConfig, MoADrafterModel
+from .modeling import PRIMARY_TARGET, MoADrafterConfig, MoADrafterModel
 
 __all__ = [
     "AUTO_MAP",
@@ -43,6 +46,7 @@ __all__ = [
     "publish",
     "push_folder",
     "register",
+    "target_benchmark_inputs",
 ]
 
 # every file of modeling/ that modeling_moa.py imports, itself included (save_pretrained copies them too)
@@ -107,6 +111,31 @@ def card_inputs(
         benchmark if benchmark is not None else found(FOLDER_BENCHMARK_FILES),
         training_info if training_info is not None else found(FOLDER_TRAINING_INFO_FILES),
     )
+
+
+def target_benchmark_inputs(
+    drafter_path_or_model: str | os.PathLike | MoADrafterModel,
+    target_names: list[str],
+    given: dict | None = None,
+) -> dict:
+    """{target name: benchmark (path or dict)} the card quotes for a drafter's other targets (`target_names`): those
+    `given`, else the drafter folder's `benchmark.NAME.json` (else `bench.NAME.json`) where it exists."""
+    given = dict(given or {})
+    folder = drafter_folder(drafter_path_or_model)
+    for name in target_names:
+        if name in given or folder is None:
+            continue
+        path = next(
+            (
+                folder / f"{stem}.{name}.json"
+                for stem in ("benchmark", "bench")
+                if (folder / f"{stem}.{name}.json").is_file()
+            ),
+            None,
+        )
+        if path is not None:
+            given[name] = path
+    return given
 
 
 def _with_embeddings(drafter: MoADrafterModel, own_embeddings: bool) -> MoADrafterModel:
@@ -203,6 +232,7 @@ def build_repo_folder(
     license: str = "apache-2.0",
     overwrite: bool = False,
     record_folder: bool = True,
+    target_benchmarks: dict | None = None,
 ) -> Path:
     """Write the complete Hub repo folder of a drafter to `out_dir` and return it.
 
@@ -211,9 +241,10 @@ def build_repo_folder(
     on `attach`); True keeps the drafter's own copies (it must have them). `base_model` defaults to the target the
     drafter records (`config.target_name_or_path`). The repo's `custom_generate/generate.py` loads the drafter from
     `repo_id` when the caller passes no `drafter=`, or from the absolute path of `out_dir` while it exists when
-    `record_folder` (`publish(push=True)` passes False: no local path in a public repo).
+    `record_folder` (`publish(push=True)` passes False: no local path in a public repo). `target_benchmarks`: {target
+    name: path or dict} of a multi-target drafter's other targets (see `target_benchmark_inputs`).
     """
-    from moa_hf.hub_cards import load_benchmark, load_training_info, render_card
+    from moa_hf.hub_cards import load_benchmark, load_target_benchmarks, load_training_info, render_card
 
     out_dir = Path(out_dir)
     is_path = isinstance(drafter_path_or_model, (str, os.PathLike)) and str(drafter_path_or_model) != "default"
@@ -223,7 +254,11 @@ def build_repo_folder(
     benchmark, training_info = card_inputs(drafter_path_or_model, benchmark, training_info)
     bench = load_benchmark(benchmark)
     info = load_training_info(training_info)
-    card = render_card(drafter, bench, info, repo_id=repo_id, base_model=base_model, license=license)  # fails early
+    others = [name for name in getattr(drafter, "target_names", ()) if name != PRIMARY_TARGET]
+    per_target = load_target_benchmarks(target_benchmark_inputs(drafter_path_or_model, others, target_benchmarks))
+    card = render_card(  # fails early
+        drafter, bench, info, repo_id=repo_id, base_model=base_model, license=license, target_benchmarks=per_target
+    )
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))  # renamed into place when complete
@@ -234,6 +269,10 @@ def build_repo_folder(
         card.save(tmp / "README.md")
         if bench is not None:
             (tmp / BENCHMARK_FILE).write_text(json.dumps(bench, indent=2) + "\n", encoding="utf-8")
+        for name, measured in per_target.items():
+            (tmp / _target_file(BENCHMARK_FILE, name)).write_text(
+                json.dumps(measured, indent=2) + "\n", encoding="utf-8"
+            )
         if info is not None:
             (tmp / TRAINING_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         check_repo_folder(tmp)
@@ -244,6 +283,12 @@ def build_repo_folder(
         if tmp.exists():
             shutil.rmtree(tmp)
     return out_dir
+
+
+def _target_file(file_name: str, target: str) -> str:
+    """`moa_benchmark.json` -> `moa_benchmark.TARGET.json`: the file of one of a drafter's other targets."""
+    stem, _, suffix = file_name.rpartition(".")
+    return f"{stem}.{target}.{suffix}"
 
 
 def check_repo_folder(folder: str | os.PathLike) -> list[str]:
@@ -352,6 +397,7 @@ def publish(
     revision: str | None = None,
     commit_message: str | None = None,
     token: str | None = None,
+    target_benchmarks: dict | None = None,
 ) -> Path | str:
     """Build the repo folder; with `push=True` also upload it. Returns the folder, or the commit URL when pushed."""
     folder = build_repo_folder(
@@ -365,6 +411,7 @@ def publish(
         license=license,
         overwrite=overwrite,
         record_folder=not push,  # an unpushed folder's generate.py loads the folder itself while it exists
+        target_benchmarks=target_benchmarks,
     )
     if not push:
         return folder
@@ -374,8 +421,22 @@ def publish(
 # ---------------------------------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------------------------------
+def _target_benchmark_args(values: list[str] | None) -> dict[str, str]:
+    """{target name: JSON path} of `--target-benchmark NAME=JSON` (given once per target)."""
+    pairs = {}
+    for text in values or ():
+        name, sep, path = text.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(
+                f"--target-benchmark {text!r}: expected NAME=JSON, e.g. pydoc=runs/bench_pydoc/bench.json."
+            )
+        pairs[name] = path
+    return pairs
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
+        target_benchmarks = _target_benchmark_args(args.target_benchmark)
         bench, info = card_inputs(args.drafter, args.benchmark, args.training_info)
         result = publish(
             args.drafter,
@@ -392,6 +453,7 @@ def _run(args: argparse.Namespace) -> int:
             revision=args.revision,
             commit_message=args.commit_message,
             token=args.token,
+            target_benchmarks=target_benchmarks,
         )
     except (RuntimeError, ValueError, FileNotFoundError, FileExistsError) as err:
         raise SystemExit(f"moa publish: error: {err}") from err
@@ -421,6 +483,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--benchmark",
         metavar="JSON",
         help="benchmark JSON from `moa bench` (speed numbers of the card; default: DRAFTER/benchmark.json if present)",
+    )
+    p.add_argument(
+        "--target-benchmark",
+        action="append",
+        metavar="NAME=JSON",
+        help="a multi-target drafter: the `moa bench` JSON measured with its target NAME (once per other target; "
+        "default: DRAFTER/benchmark.NAME.json if present)",
     )
     p.add_argument(
         "--training-info",

@@ -111,20 +111,21 @@ def load_target(
 ):
     """(model in eval mode on `device`, tokenizer) of a target.
 
-    `spec`: "default" (SmolLM2-135M-Instruct from the GGUF package, offline; see `moa_hf.default_target`), a local
-    folder (config.json, weights and tokenizer), or a Hub id (refused when `local_files_only`). `dtype`: see
-    `parse_dtype` ("auto": bf16 on a GPU, fp32 on a CPU). `device`: default cuda when available. `tokenizer`: another
-    tokenizer folder. Without a tokenizer in the folder: an error, or None with a warning when not
-    `require_tokenizer` (a server whose clients send token ids).
+    `spec`: "default" (SmolLM2-135M-Instruct from the GGUF package, offline; see `moa_hf.default_target`),
+    "default:NAME" (its shipped fine-tune NAME, one of `moa_hf.DEFAULT_TARGET_VARIANTS`), a local folder
+    (config.json, weights and tokenizer), or a Hub id (refused when `local_files_only`). `dtype`: see `parse_dtype`
+    ("auto": bf16 on a GPU, fp32 on a CPU). `device`: default cuda when available. `tokenizer`: another tokenizer
+    folder. Without a tokenizer in the folder: an error, or None with a warning when not `require_tokenizer` (a
+    server whose clients send token ids).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = torch.device(device) if device is not None else default_device()
     torch_dtype = parse_dtype(dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    if str(spec) == "default":
-        from .default_target import load_default_target
+    from .default_target import is_default_target_spec, load_default_target, parse_default_target_spec
 
-        model, tok = load_default_target(dtype=torch_dtype)
+    if is_default_target_spec(spec):
+        model, tok = load_default_target(dtype=torch_dtype, variant=parse_default_target_spec(str(spec)))
     else:
         source, local = _source(spec, "The target", local_files_only)
         try:

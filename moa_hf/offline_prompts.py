@@ -16,15 +16,32 @@ Everything is deterministic for a given seed and Python version.
 from __future__ import annotations
 
 import ast
+import hashlib
+import importlib
 import importlib.util
+import inspect
 import itertools
 import pkgutil
 import random
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["SPLITS", "WrittenBrief", "default_prompts", "stdlib_entries", "written_briefs"]
+__all__ = [
+    "PYDOC_MODULES",
+    "PYDOC_SPLITS",
+    "SPLITS",
+    "PydocEntry",
+    "WrittenBrief",
+    "default_prompts",
+    "pydoc_entries",
+    "pydoc_prompts",
+    "pydoc_question",
+    "pydoc_split",
+    "stdlib_entries",
+    "written_briefs",
+]
 
 SPLITS = ("train", "validation", "documents")
 
@@ -807,6 +824,162 @@ def written_briefs(num_prompts: int, seed: int = 0) -> list[WrittenBrief]:
         seen.add(key)
         out.append(item)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Python API explanations: the material of the `pydoc` fine-tune of the default target (`--prompts pydoc`)
+# ---------------------------------------------------------------------------------------------------------------------
+# A fixed list of standard-library modules, imported to read their public API with `inspect` (signatures and
+# docstrings of C functions too). The API names are split by a hash of the name into three disjoint parts: the
+# fine-tune's material, the drafter's training prompts and held-out evaluation prompts.
+PYDOC_MODULES = (
+    "abc", "argparse", "array", "ast", "base64", "binascii", "bisect", "calendar", "cmath", "codecs", "collections",
+    "colorsys", "concurrent.futures", "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime",
+    "decimal", "difflib", "dis", "email.message", "enum", "filecmp", "fnmatch", "fractions", "functools", "getopt",
+    "gettext", "glob", "graphlib", "gzip", "hashlib", "heapq", "hmac", "html", "html.parser", "http.client",
+    "http.cookies", "imaplib", "inspect", "io", "ipaddress", "itertools", "json", "keyword", "linecache", "locale",
+    "logging", "lzma", "mimetypes", "numbers", "operator", "os", "os.path", "pathlib", "pickle", "platform",
+    "plistlib", "pprint", "queue", "quopri", "random", "re", "reprlib", "sched", "secrets", "selectors", "shelve",
+    "shlex", "shutil", "signal", "smtplib", "socket", "sqlite3", "stat", "statistics", "string", "struct",
+    "subprocess", "tarfile", "tempfile", "textwrap", "threading", "time", "timeit", "tokenize", "traceback", "types",
+    "typing", "unicodedata", "urllib.parse", "urllib.request", "uuid", "warnings", "wave", "weakref",
+    "xml.etree.ElementTree", "zipfile", "zlib", "zoneinfo",
+)  # fmt: skip
+PYDOC_SPLITS = ("train", "finetune", "heldout")
+PYDOC_SPLIT_BUCKETS = {"heldout": range(0, 3), "train": range(3, 9), "finetune": range(9, 20)}  # of 20 hash buckets
+_PYDOC_MIN_DOC = 24
+_PYDOC_MAX_DOC = 480  # characters of docstring kept (leading paragraphs): answers of about 60-150 tokens
+_PYDOC_MAX_SIGNATURE = 110
+_SIGNATURE_LINE = re.compile(r"^[\w.]+\(.*\)( -> .+)?$")
+_PYDOC_TEMPLATES = (
+    "Explain `{name}` in Python.",
+    "What does `{name}` do?",
+    "How do I use the Python {kind} `{name}`?",
+    "Describe `{name}` from the `{module}` module.",
+    "I found `{name}` in some code. What is it for?",
+)
+
+
+@dataclass(frozen=True)
+class PydocEntry:
+    """One documented public API of the standard library: `name` is the dotted name users write (`json.dumps`)."""
+
+    name: str
+    module: str
+    kind: str  # "function", "class" or "method"
+    signature: str  # "(obj, *, skipkeys=False, ...)" or "" when inspect cannot tell
+    doc: str  # leading paragraphs of the docstring, at most about _PYDOC_MAX_DOC characters
+
+
+def _own_doc(obj) -> str | None:
+    """The object's own docstring, cleaned (not one inherited from a base class, unlike `inspect.getdoc`)."""
+    doc = obj.__dict__.get("__doc__") if isinstance(obj, type) else getattr(obj, "__doc__", None)
+    return inspect.cleandoc(doc) if isinstance(doc, str) else None
+
+
+def _signature(obj) -> str:
+    """The call signature without `self`, shortened to about _PYDOC_MAX_SIGNATURE characters ("" when unknown)."""
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return ""
+    params = list(signature.parameters.values())
+    if params and params[0].name == "self":
+        signature = signature.replace(parameters=params[1:])
+    text = str(signature)
+    return text if len(text) <= _PYDOC_MAX_SIGNATURE else text[: _PYDOC_MAX_SIGNATURE - 5].rsplit(",", 1)[0] + ", ...)"
+
+
+def _trim_doc(doc: str) -> str:
+    """Leading paragraphs of `doc` (about _PYDOC_MAX_DOC characters), a paragraph cut short ending at a sentence."""
+    text = _first_paragraphs(doc, _PYDOC_MAX_DOC)
+    if len(text) >= _PYDOC_MAX_DOC and ". " in text:  # one long paragraph cut mid-sentence
+        text = text[: text.rindex(". ") + 1]
+    return text
+
+
+def _pydoc_entry(name: str, module: str, kind: str, obj) -> PydocEntry | None:
+    doc = _own_doc(obj)
+    signature = _signature(obj)
+    first, _, rest = (doc or "").partition("\n\n")
+    if _SIGNATURE_LINE.match(first):  # C functions' docs may start with their signature ("tzset()", "f(x) -> y")
+        doc, signature = rest.strip(), signature or first[first.index("(") :]
+    doc = _trim_doc(doc) if doc else ""
+    if len(doc) < _PYDOC_MIN_DOC or " at 0x" in doc:
+        return None
+    return PydocEntry(name, module, kind, signature, doc)
+
+
+def _is_public_member(module, attr: str, obj) -> bool:
+    if attr.startswith("_") or not (inspect.isclass(obj) or inspect.isroutine(obj)):
+        return False
+    if getattr(obj, "__name__", attr) != attr or getattr(obj, "__module__", None) == "builtins":
+        return False  # an alias (typing.Text is str) or a re-exported builtin
+    exported = getattr(module, "__all__", None)
+    if exported is not None:
+        return attr in exported
+    home = getattr(obj, "__module__", None) or ""
+    return home.lstrip("_") in (module.__name__.lstrip("_"), module.__name__.split(".")[0])
+
+
+def _module_entries(module_name: str) -> list[PydocEntry]:
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:  # a platform or a build without it
+        return []
+    entries = []
+    for attr, obj in sorted(vars(module).items()):
+        if not _is_public_member(module, attr, obj):
+            continue
+        kind = "class" if inspect.isclass(obj) else "function"
+        entry = _pydoc_entry(f"{module_name}.{attr}", module_name, kind, obj)
+        entries.extend([entry] if entry else [])
+        if kind == "class":
+            for method, member in sorted(vars(obj).items()):
+                if not method.startswith("_") and inspect.isroutine(member):
+                    entry = _pydoc_entry(f"{module_name}.{attr}.{method}", module_name, "method", member)
+                    entries.extend([entry] if entry else [])
+    return entries
+
+
+def pydoc_entries(split: str | None = None) -> list[PydocEntry]:
+    """The documented public functions, classes and methods of `PYDOC_MODULES` (sorted by name, deduplicated), all
+    of them or those of one part of `PYDOC_SPLITS` (a deterministic hash of the name decides the part)."""
+    if split is not None and split not in PYDOC_SPLITS:
+        raise ValueError(f"Unknown pydoc split {split!r}; use one of {PYDOC_SPLITS}.")
+    found: dict[str, PydocEntry] = {}
+    for module_name in PYDOC_MODULES:
+        for entry in _module_entries(module_name):
+            found.setdefault(entry.name, entry)
+    entries = [found[name] for name in sorted(found)]
+    return entries if split is None else [entry for entry in entries if pydoc_split(entry.name) == split]
+
+
+def pydoc_split(name: str) -> str:
+    """The part ("train", "finetune" or "heldout") an API name belongs to: a hash of the name, the same everywhere."""
+    bucket = int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big") % 20
+    return next(split for split, buckets in PYDOC_SPLIT_BUCKETS.items() if bucket in buckets)
+
+
+def pydoc_question(entry: PydocEntry, variant: int = 0) -> str:
+    """A user's question about `entry`: template number `variant` (modulo their count) after a per-name offset."""
+    offset = int.from_bytes(hashlib.sha256(entry.name.encode("utf-8")).digest()[8:12], "big")
+    template = _PYDOC_TEMPLATES[(offset + variant) % len(_PYDOC_TEMPLATES)]
+    return template.format(name=entry.name, kind=entry.kind, module=entry.module)
+
+
+def pydoc_prompts(num_prompts: int | None = None, split: str = "train", seed: int = 0) -> list[str]:
+    """Up to `num_prompts` questions about the APIs of one split (default: every API once), deterministic for a seed.
+
+    Every API is asked about once, in an order shuffled by `seed`, before any is asked about again with another
+    template; fewer prompts than asked come back when every template of every API is used.
+    """
+    entries = pydoc_entries(split)
+    random.Random(f"moa-pydoc-{split}-{seed}").shuffle(entries)
+    n = len(entries) if num_prompts is None else int(num_prompts)
+    rounds = min(len(_PYDOC_TEMPLATES), -(-n // max(1, len(entries))))
+    prompts = [pydoc_question(entry, variant) for variant in range(rounds) for entry in entries]
+    return prompts[:n]
 
 
 def _preview(n: int = 10) -> None:  # pragma: no cover - manual inspection helper

@@ -13,6 +13,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 __all__ = [
+    "PYDOC",
     "SPEC_BENCH_KEYS",
     "WRITTEN",
     "SpecBenchPromptsError",
@@ -24,6 +25,7 @@ __all__ = [
 SPEC_BENCH_KEYS = frozenset({"question_id", "category", "turns"})
 _SPEC_BENCH_NAMES = ("spec_bench", "spec-bench", "specbench")
 WRITTEN = "default:written"  # the prompt source whose material the target writes first (`written_prompts`)
+PYDOC = "pydoc"  # questions about Python stdlib APIs (`pydoc`, `pydoc:heldout`): the `default:pydoc` target's material
 
 
 class SpecBenchPromptsError(ValueError):
@@ -118,6 +120,9 @@ def load_prompts(
       - ``default`` (or ``default:train`` / ``default:validation``): the offline prompt generator
         (`moa_hf.offline_prompts`); `seed` picks the sample (``default:written`` needs the target: see
         `written_prompts`);
+      - ``pydoc`` (= ``pydoc:train``), ``pydoc:heldout`` or ``pydoc:finetune``: questions about Python standard-library
+        APIs, the material of the ``default:pydoc`` target, from three disjoint parts of the API names (drafter
+        training, held-out evaluation, and the fine-tune's own material: `moa_hf.offline_prompts.pydoc_prompts`);
       - a ``.jsonl``/``.json`` file: one object per line, the prompt in `column`, else ``prompt``, else ``turns[0]``;
       - another file: plain text, one prompt per non-empty line;
       - a folder written by `datasets`' ``save_to_disk``, or a dataset name for ``datasets.load_dataset``
@@ -136,6 +141,10 @@ def load_prompts(
 
         which = text.split(":", 1)[1] if ":" in text else split
         return default_prompts(num_prompts, split=which, seed=seed)
+    if text == PYDOC or text.startswith(f"{PYDOC}:"):
+        from .offline_prompts import pydoc_prompts
+
+        return pydoc_prompts(num_prompts, split=text.partition(":")[2] or "train", seed=seed)
     path = Path(text).expanduser()
     if path.is_file():
         check_not_spec_bench(path.resolve())

@@ -8,6 +8,13 @@ put back afterwards, untouched. Every `generate` is greedy and batch 1. The plai
 same prompts, interleaved with the settings so that all share the machine's noise, as the speedup baseline.
 Each `generate` runs on the benchmark's runner (`moa_hf.bench.generate_once`: the same timing, target-call counting
 and acceptance length as `moa bench`).
+
+A sorted MoA drafter (`num_blocks` K > 1) also has per-exit confidence thresholds (`exit_thresholds`, K - 1 values in
+its config.json: a drafted token leaves at the first exit whose top probability reaches that exit's threshold).
+`tune_exit_thresholds` measures every fixed exit, then searches the thresholds one exit at a time (coordinate search
+over a small grid, from the fastest fixed exit); `--write` stores the fastest in config.json, where the lookup settings
+live too. Several targets (`--target` given more than once, each with its own prompts) are measured in the same run
+and pooled, so one set of settings serves a drafter's several targets.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import itertools
 import json
 import time
@@ -29,6 +37,7 @@ from .bench import (
     BenchMethod,
     acceptance_length,
     drafter_method,
+    format_exit_setting,
     format_value,
     generate_once,
     hardware_info,
@@ -39,11 +48,15 @@ from .modeling import LookupSettings, MoADrafterConfig
 from .modeling.lookup import pop_legacy_lookup_keys
 
 __all__ = [
+    "EXIT_GRID",
+    "NEVER",
     "SETTING_KEYS",
     "TuneError",
+    "format_exit_tuning_markdown",
     "format_tuning_markdown",
     "register",
     "run_tune",
+    "tune_exit_thresholds",
     "tune_speculation",
     "write_best_setting",
 ]
@@ -58,6 +71,8 @@ SETTING_KEYS = (
 )
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 TUNING_FILE = "tuning.json"
+EXIT_GRID = (0.4, 0.6, 0.8, 0.9)  # per-exit thresholds tried, besides 0 (always leave there) and NEVER
+NEVER = 2.0  # an exit threshold above 1: no token leaves at that exit
 
 
 class TuneError(ValueError):
@@ -69,26 +84,39 @@ class TuneError(ValueError):
 # ---------------------------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _speculation_config(drafter, setting: dict | None) -> Iterator[None]:
-    """Give `drafter` a copy of its generation config with `setting` for the block, and its config's lookup fields
-    (MoA); the original generation config and lookup fields are put back."""
+    """Give `drafter` a copy of its generation config with the speculation keys of `setting` for the block, and its
+    config's lookup fields (MoA; when `setting` has them) and exit thresholds (sorted MoA; when it has them); the
+    original generation config and config fields are put back."""
     if setting is None:
         yield
         return
     original = drafter.generation_config
     gc = copy.deepcopy(original)
     for key in SETTING_KEYS[:3]:
-        setattr(gc, key, setting[key])
-    lookup = _lookup_values(setting) if getattr(drafter, "supports_prompt_lookup", False) else {}
-    own_lookup = {key: getattr(drafter.config, key) for key in lookup}
+        if key in setting:
+            setattr(gc, key, setting[key])
+    fields = _config_values(drafter, setting)
+    own_fields = {key: getattr(drafter.config, key) for key in fields}
     drafter.generation_config = gc  # a "heuristic" schedule writes its final draft length back into this copy
     try:
-        for key, value in lookup.items():
+        for key, value in fields.items():
             setattr(drafter.config, key, value)
         yield
     finally:
         drafter.generation_config = original
-        for key, value in own_lookup.items():
+        for key, value in own_fields.items():
             setattr(drafter.config, key, value)
+
+
+def _config_values(drafter, setting: dict) -> dict:
+    """The drafter config fields that `setting` sets: prompt lookup (MoA drafters, when `setting` has
+    `lookup_num_tokens`) and `exit_thresholds` (when it has them)."""
+    values = {}
+    if "lookup_num_tokens" in setting and getattr(drafter, "supports_prompt_lookup", False):
+        values.update(_lookup_values(setting))
+    if "exit_thresholds" in setting:
+        values["exit_thresholds"] = setting["exit_thresholds"]
+    return values
 
 
 def _check_lookup(drafter, setting: dict) -> None:
@@ -183,7 +211,8 @@ def _summary(records: list[dict], drafts: bool) -> dict:
     tokens = sum(r["new_tokens"] for r in records)
     calls = sum(r["target_calls"] for r in records)
     seconds = sum(r["time_s"] for r in records)
-    return {
+    exits = [r["exit_counts"] for r in records if r.get("exit_counts") is not None]  # MoA drafters: tokens per exit
+    summary = {
         "new_tokens": tokens,
         "target_calls": calls,
         "wall_time_s": round(seconds, 4),
@@ -191,6 +220,72 @@ def _summary(records: list[dict], drafts: bool) -> dict:
         "acceptance_length": acceptance_length(tokens, calls),
         "drafted_tokens": sum(r["drafted_tokens"] for r in records) if drafts else None,
     }
+    if drafts and exits:
+        summary["exit_counts"] = [sum(column) for column in zip(*exits)]
+    return summary
+
+
+def _jobs(target, prompt_ids) -> list[tuple]:
+    """(target, prompt ids) pairs: `prompt_ids` are one target's prompts, or already such pairs (several targets)."""
+    jobs = [(p[0], list(p[1])) if isinstance(p, tuple) else (target, list(p)) for p in prompt_ids]
+    if not jobs or any(len(ids) == 0 for _, ids in jobs):
+        raise TuneError("Give at least one prompt, each with at least one token.")
+    return jobs
+
+
+def _measure(
+    drafter,
+    jobs: list[tuple],
+    settings: list[dict],
+    *,
+    max_new_tokens: int,
+    repeats: int,
+    progress: bool,
+    warmup: bool,
+    allow_other_target: bool,
+    desc: str = "moa tune",
+) -> tuple[dict, list[dict]]:
+    """Greedy batch-1 generations of every (target, prompt) job with the target alone and with `drafter` under each
+    setting, interleaved: for each (repeat, job) the baseline and all settings run back to back, in an order rotated
+    from one job to the next. Returns (baseline, rows): pooled summaries; a row is its setting plus its summary,
+    ``speedup`` over the baseline and ``identical_outputs`` (jobs whose output equals the baseline's)."""
+    if max_new_tokens < 1 or repeats < 1:
+        raise TuneError(f"max_new_tokens and repeats must be >= 1 (got {max_new_tokens}, {repeats}).")
+    runs: list[dict | None] = [None, *settings]  # None: the target alone (the baseline)
+    methods = [_setting_method(drafter, run, allow_other_target) for run in runs]
+    inputs = [_inputs(ids, target.device) for target, ids in jobs]
+    records: list[list[dict]] = [[] for _ in runs]
+    outputs: dict[tuple[int, int], list[int]] = {}  # (run, job) -> last greedy output
+    was_training = getattr(drafter, "training", False)
+    drafter.eval()
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=repeats * len(jobs) * len(runs), desc=desc, unit="gen", disable=not progress)
+    try:
+        if warmup:  # one-time costs (kernels, allocator) stay out of the measurements
+            for method in methods[:2]:
+                generate_once(jobs[0][0], method, inputs[0], min(max_new_tokens, 8))
+        for step, (_, j) in enumerate(itertools.product(range(repeats), range(len(jobs)))):
+            shift = step % len(runs)
+            target, prompt = jobs[j]
+            for i in [*range(shift, len(runs)), *range(shift)]:
+                record, out = generate_once(target, methods[i], inputs[j], max_new_tokens)
+                outputs[(i, j)] = out[0, len(prompt) :].tolist()
+                records[i].append(record)
+                bar.update(1)
+    finally:
+        bar.close()
+        drafter.train(was_training)
+    baseline = _summary(records[0], drafts=False)
+    base_tps = baseline["tokens_per_s"]
+    baseline["speedup"] = 1.0
+    rows = []
+    for i, setting in enumerate(settings, start=1):
+        row = {**setting, **_summary(records[i], drafts=True)}
+        row["speedup"] = row["tokens_per_s"] / base_tps if row["tokens_per_s"] and base_tps else None
+        row["identical_outputs"] = sum(outputs[(i, j)] == outputs[(0, j)] for j in range(len(jobs)))
+        rows.append(row)
+    return baseline, rows
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -215,22 +310,20 @@ def tune_speculation(
     """Time greedy speculative decoding with `drafter` for every setting of the grid, and the target alone.
 
     `drafter` is a MoA/EAGLE drafter (attached to `target` around each of its calls) or any causal LM used as
-    `assistant_model`. For each (repeat, prompt) the baseline and all settings run back to back, in an order rotated
-    from one prompt to the next. Per setting: ``tokens_per_s`` (new tokens / wall time of its `generate` calls),
-    ``speedup`` (over the baseline's tokens/s), ``acceptance_length`` (new tokens / target forward calls; 1.0 for the
-    baseline), ``drafted_tokens`` (MoA/EAGLE only) and ``identical_outputs`` (prompts whose greedy output equals the
-    baseline's: all of them, up to low-precision rounding, as speculative decoding is lossless). A "heuristic" schedule
-    starts from the setting's draft length at every prompt. `lookup_tokens` (0: off) and `lookup_min_ngrams` set the
-    MoA drafter's prompt lookup (its config's `lookup_num_tokens`, `lookup_min_ngram`), `lookup_halving` whether
-    shorter matches propose fewer tokens (`lookup_halve_per_ngram`). Returns ``{"baseline",
-    "rows", "best", ...}``, best by speedup (ties: higher acceptance length). The drafter's generation config and
+    `assistant_model`. `prompt_ids` are prompts of `target`, or (target, prompt) pairs to measure several targets
+    together (their generations pooled; `target` is then unused). For each (repeat, prompt) the baseline and all
+    settings run back to back, in an order rotated from one prompt to the next. Per setting: ``tokens_per_s`` (new
+    tokens / wall time of its `generate` calls), ``speedup`` (over the baseline's tokens/s), ``acceptance_length``
+    (new tokens / target forward calls; 1.0 for the baseline), ``drafted_tokens`` (MoA/EAGLE only) and
+    ``identical_outputs`` (prompts whose greedy output equals the baseline's: all of them, up to low-precision
+    rounding, as speculative decoding is lossless). A "heuristic" schedule starts from the setting's draft length at
+    every prompt. `lookup_tokens` (0: off) and `lookup_min_ngrams` set the MoA drafter's prompt lookup (its config's
+    `lookup_num_tokens`, `lookup_min_ngram`), `lookup_halving` whether shorter matches propose fewer tokens
+    (`lookup_halve_per_ngram`). Returns ``{"baseline", "rows", "best", ...}``, best by speedup (ties: higher
+    acceptance length). The drafter's generation config and
     lookup fields are left as they were.
     """
-    prompts = [list(p) for p in prompt_ids]
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise TuneError("Give at least one prompt, each with at least one token.")
-    if max_new_tokens < 1 or repeats < 1:
-        raise TuneError(f"max_new_tokens and repeats must be >= 1 (got {max_new_tokens}, {repeats}).")
+    jobs = _jobs(target, prompt_ids)
     settings = _grid(num_assistant_tokens, thresholds, schedules, lookup_tokens, lookup_min_ngrams, lookup_halving)
     if any(s["lookup_num_tokens"] for s in settings) and not getattr(drafter, "supports_prompt_lookup", False):
         raise TuneError(
@@ -239,45 +332,104 @@ def tune_speculation(
         )
     for setting in settings if getattr(drafter, "supports_prompt_lookup", False) else ():
         _check_lookup(drafter, setting)  # e.g. a minimum n-gram above the drafter's longest: refused before any run
-    runs: list[dict | None] = [None, *settings]  # None: the target alone (the baseline)
-    methods = [_setting_method(drafter, run, allow_other_target) for run in runs]
-    inputs = [_inputs(p, target.device) for p in prompts]
-    records: list[list[dict]] = [[] for _ in runs]
-    outputs: dict[tuple[int, int], list[int]] = {}  # (run, prompt) -> last greedy output
-    was_training = getattr(drafter, "training", False)
-    drafter.eval()
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=repeats * len(prompts) * len(runs), desc="moa tune", unit="gen", disable=not progress)
-    try:
-        if warmup:  # one-time costs (kernels, allocator) stay out of the measurements
-            for method in methods[:2]:
-                generate_once(target, method, inputs[0], min(max_new_tokens, 8))
-        for step, (_, p) in enumerate(itertools.product(range(repeats), range(len(prompts)))):
-            shift = step % len(runs)
-            for i in [*range(shift, len(runs)), *range(shift)]:
-                record, out = generate_once(target, methods[i], inputs[p], max_new_tokens)
-                outputs[(i, p)] = out[0, len(prompts[p]) :].tolist()
-                records[i].append(record)
-                bar.update(1)
-    finally:
-        bar.close()
-        drafter.train(was_training)
-    baseline = _summary(records[0], drafts=False)
-    base_tps = baseline["tokens_per_s"]
-    baseline["speedup"] = 1.0
-    rows = []
-    for i, setting in enumerate(settings, start=1):
-        row = {**setting, **_summary(records[i], drafts=True)}
-        row["speedup"] = row["tokens_per_s"] / base_tps if row["tokens_per_s"] and base_tps else None
-        row["identical_outputs"] = sum(outputs[(i, p)] == outputs[(0, p)] for p in range(len(prompts)))
-        rows.append(row)
+    baseline, rows = _measure(
+        drafter,
+        jobs,
+        settings,
+        max_new_tokens=max_new_tokens,
+        repeats=repeats,
+        progress=progress,
+        warmup=warmup,
+        allow_other_target=allow_other_target,
+    )
     best = max(rows, key=_rank)
     return {
         "baseline": baseline,
         "rows": rows,
         "best": best,
-        "num_prompts": len(prompts),
+        "num_prompts": len(jobs),
+        "max_new_tokens": max_new_tokens,
+        "repeats": repeats,
+    }
+
+
+def _exit_start(exit: int, num_blocks: int) -> list[float]:
+    """The K - 1 thresholds of fixed exit `exit` with NEVER beyond it: where the search starts from that exit."""
+    return ([NEVER] * (exit - 1) + [0.0] + [NEVER] * (num_blocks - 1 - exit))[: num_blocks - 1]
+
+
+def _exit_candidates(current: list[float], i: int, grid: Sequence[float]) -> list[list[float]]:
+    """`current` with threshold `i` (0-based) set to each value of the grid, 0 (always leave at exit i + 1), NEVER
+    and its current value (measured again among its rivals, under the same noise)."""
+    values = sorted({*map(float, grid), 0.0, NEVER, float(current[i])})
+    return [[*current[:i], v, *current[i + 1 :]] for v in values]
+
+
+def tune_exit_thresholds(
+    target: PreTrainedModel,
+    drafter,
+    prompt_ids: Sequence,
+    grid: Sequence[float] = EXIT_GRID,
+    rounds: int = 1,
+    max_new_tokens: int = 64,
+    repeats: int = 1,
+    progress: bool = True,
+    warmup: bool = True,
+    allow_other_target: bool = False,
+) -> dict:
+    """Per-exit confidence thresholds of a sorted MoA drafter (`num_blocks` K > 1) by coordinate search on tokens/s.
+
+    First every fixed exit (`fixed_exit_thresholds`); from the fastest, exit 1's threshold takes every value of `grid`
+    plus 0 and NEVER (2.0) with the others kept, the fastest stays, then exit 2's, ... exit K-1's (`rounds` passes). A
+    step is one `_measure` (its candidates and the target alone, interleaved, on the same prompts), so a whole search
+    costs (K + rounds (K - 1)(len(grid) + 3)) generations per prompt at most. `prompt_ids`: as `tune_speculation`.
+    Returns ``{"num_blocks", "grid", "steps": [{"step", "baseline", "rows"}], "best", "best_fixed", ...}``; a row has
+    ``exit_thresholds``, ``exit`` (k for a fixed exit, else None), the summary (with ``exit_counts``), ``speedup`` and
+    ``identical_outputs``; best by speedup (ties: acceptance length). The drafter's config is left as it was.
+    """
+    num_blocks = int(getattr(drafter.config, "num_blocks", 1) or 1)
+    if num_blocks < 2:
+        raise TuneError(
+            f"{type(drafter).__name__} has {num_blocks} block(s): exit thresholds need a sorted MoA drafter "
+            "(num_blocks > 1, e.g. `moa train --num-blocks 3`); tune its speculation settings instead (--tune "
+            "speculation)."
+        )
+    if not grid or any(not 0.0 <= float(t) <= 1.0 for t in grid):
+        raise TuneError(f"Exit thresholds are top probabilities in [0, 1]; got the grid {list(grid)}.")
+    if rounds < 1:
+        raise TuneError(f"rounds must be >= 1, got {rounds}.")
+    from .modeling import fixed_exit_thresholds
+
+    jobs = _jobs(target, prompt_ids)
+    run = functools.partial(
+        _measure,
+        drafter,
+        jobs,
+        max_new_tokens=max_new_tokens,
+        repeats=repeats,
+        progress=progress,
+        allow_other_target=allow_other_target,
+    )
+    fixed = [{"exit_thresholds": fixed_exit_thresholds(k, num_blocks), "exit": k} for k in range(1, num_blocks + 1)]
+    baseline, rows = run(fixed, warmup=warmup, desc="moa tune: fixed exits")
+    steps = [{"step": "fixed exits", "baseline": baseline, "rows": rows}]
+    best_fixed = max(rows, key=_rank)
+    current = _exit_start(best_fixed["exit"], num_blocks)
+    best = best_fixed
+    for round_, i in itertools.product(range(rounds), range(num_blocks - 1)):
+        settings = [{"exit_thresholds": c, "exit": None} for c in _exit_candidates(current, i, grid)]
+        baseline, rows = run(settings, warmup=False, desc=f"moa tune: exit {i + 1} threshold")
+        steps.append({"step": f"exit {i + 1} threshold (round {round_ + 1})", "baseline": baseline, "rows": rows})
+        best = max(rows, key=_rank)
+        current = list(best["exit_thresholds"])
+    return {
+        "num_blocks": num_blocks,
+        "grid": [float(t) for t in grid],
+        "rounds": rounds,
+        "steps": steps,
+        "best": best,
+        "best_fixed": best_fixed,
+        "num_prompts": len(jobs),
         "max_new_tokens": max_new_tokens,
         "repeats": repeats,
     }
@@ -333,11 +485,53 @@ def format_tuning_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def write_best_setting(path: str | Path, setting: dict, fallback: GenerationConfig | None = None) -> GenerationConfig:
-    """Set the speculation fields of the drafter folder's `generation_config.json` to `setting` (saved in place),
-    and for a MoA drafter the prompt lookup fields of its `config.json`.
+def format_exit_tuning_markdown(result: dict) -> str:
+    """A Markdown table of the exit-threshold search: every step's candidates, fastest first; the best in bold."""
+    n, best = result["num_prompts"], result["best"]
+    exits = range(1, result["num_blocks"] + 1)
+    lines = [
+        f"## moa tune: exit thresholds of a {result['num_blocks']}-block drafter, {n} prompts, up to "
+        f"{result['max_new_tokens']} new tokens, greedy, {result['repeats']} repeat(s)",
+        "",
+        "| step | exit thresholds | acceptance length | tokens/s | speedup | tokens per exit ("
+        + ", ".join(str(k) for k in exits)
+        + ") | same output |",
+        "|---|---|---:|---:|---:|---|---:|",
+    ]
+    for step in result["steps"]:
+        b = step["baseline"]
+        lines.append(
+            f"| {step['step']}: target alone | | {format_value(b['acceptance_length'])} "
+            f"| {format_value(b['tokens_per_s'], 1)} | 1.00x | | |"
+        )
+        for row in sorted(step["rows"], key=_rank, reverse=True):
+            cells = [
+                step["step"],
+                format_exit_setting(row),
+                format_value(row["acceptance_length"]),
+                format_value(row["tokens_per_s"], 1),
+                format_value(row["speedup"], 2, "x"),
+                ", ".join(map(str, row.get("exit_counts") or [])) or "–",
+                f"{row['identical_outputs']}/{n}",
+            ]
+            if row is best:
+                cells = [f"**{c}**" for c in cells]
+            lines.append("| " + " | ".join(cells) + " |")
+    fixed = result["best_fixed"]
+    lines += [
+        "",
+        f"Best: exit_thresholds={best['exit_thresholds']} ({format_value(best['speedup'], 2, 'x')}, acceptance length "
+        f"{format_value(best['acceptance_length'])}); fastest fixed exit: {fixed['exit']} "
+        f"({format_value(fixed['speedup'], 2, 'x')}, acceptance length {format_value(fixed['acceptance_length'])}).",
+    ]
+    return "\n".join(lines)
 
-    A folder without one starts from `fallback` (e.g. the loaded drafter's config).
+
+def write_best_setting(path: str | Path, setting: dict, fallback: GenerationConfig | None = None) -> GenerationConfig:
+    """Set the speculation fields of the drafter folder's `generation_config.json` to those in `setting` (saved in
+    place), and for a MoA drafter its `config.json` fields: prompt lookup and (sorted drafters) `exit_thresholds`.
+
+    A folder without a generation config starts from `fallback` (e.g. the loaded drafter's config).
     """
     try:
         gc = GenerationConfig.from_pretrained(str(path))
@@ -346,16 +540,19 @@ def write_best_setting(path: str | Path, setting: dict, fallback: GenerationConf
             raise
         gc = copy.deepcopy(fallback)
     for key in SETTING_KEYS[:3]:
-        setattr(gc, key, setting[key])
-    lookup = pop_legacy_lookup_keys(gc)  # older drafters kept prompt lookup here; it is in config.json now
+        if key in setting:
+            setattr(gc, key, setting[key])
+    fields = pop_legacy_lookup_keys(gc)  # older drafters kept prompt lookup here; it is in config.json now
     if "lookup_num_tokens" in setting:
-        lookup.update(_lookup_values(setting))
+        fields.update(_lookup_values(setting))
+    if "exit_thresholds" in setting:
+        fields["exit_thresholds"] = [float(t) for t in setting["exit_thresholds"]]
     gc._from_model_config = False  # our own settings: else transformers re-derives them from the model config
     gc.save_pretrained(str(path))
     config_file = Path(path) / "config.json"
     config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-    if lookup and config.get("model_type") == MoADrafterConfig.model_type:  # the MoA drafter's own prompt lookup
-        config_file.write_text(json.dumps({**config, **lookup}, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if fields and config.get("model_type") == MoADrafterConfig.model_type:  # the MoA drafter's own fields
+        config_file.write_text(json.dumps({**config, **fields}, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return gc
 
 
@@ -375,70 +572,113 @@ def _csv(kind: type):
     return parse
 
 
-def _load_prompts(args: argparse.Namespace) -> list[str]:
-    """The held-out prompts of `--prompts`; Spec-Bench is refused (by name, before any loading, and by its records).
+def _target_specs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(target spec, its prompt sources) per `--target`: `SPEC=SOURCE[+SOURCE...]` gives a target its own prompts (the
+    natural held-out prompts of a fine-tune, e.g. `default:pydoc=pydoc:heldout`); a plain SPEC takes `--prompts`."""
+    specs = []
+    for text in args.target:
+        spec, sep, sources = text.partition("=")
+        sources = [s for s in sources.split("+") if s] if sep else list(args.prompts)
+        if not spec or not sources:
+            raise TuneError(
+                f"--target {text!r}: expected SPEC or SPEC=SOURCE[+SOURCE...], e.g. default:pydoc=pydoc:heldout."
+            )
+        specs.append((spec, sources))
+    return specs
+
+
+def _load_prompts(sources: Sequence[str], args: argparse.Namespace) -> list[str]:
+    """The held-out prompts of `sources` (`--num-prompts` from each); Spec-Bench is refused by its records here (by
+    name already in `run_tune`, before any loading).
 
     The prompt sources (the offline `default:*` splits, files, `datasets` folders) are `moa_hf.prompts`, shared with
     `moa data`.
     """
-    from .prompts import check_not_spec_bench, load_prompts
+    from .prompts import load_prompts
 
-    for source in args.prompts:  # tuning on the evaluation set would be cheating: refused before any loading
-        check_not_spec_bench(source)
     return [
         prompt
-        for source in args.prompts
+        for source in sources
         for prompt in load_prompts(source, column=args.prompt_column, num_prompts=args.num_prompts, seed=args.seed)
     ]
 
 
+def _mode(requested: str, drafter) -> str:
+    """What to tune: `auto` is the exit thresholds for a sorted MoA drafter (num_blocks > 1), else the speculation
+    settings."""
+    if requested != "auto":
+        return requested
+    return "exits" if int(getattr(drafter.config, "num_blocks", 1) or 1) > 1 else "speculation"
+
+
 def run_tune(args: argparse.Namespace) -> int:
     from .loading import drafter_kind, load_drafter, load_target
-    from .prompts import format_prompts
+    from .prompts import check_not_spec_bench, format_prompts
 
-    prompts = _load_prompts(args)
+    specs = _target_specs(args)
+    for source in (source for _, sources in specs for source in sources):  # tuning on the evaluation set: cheating
+        check_not_spec_bench(source)  # refused before any loading
+    prompts = [_load_prompts(sources, args) for _, sources in specs]
     torch.manual_seed(args.seed)
-    target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
+    targets = [load_target(spec, dtype=args.dtype, device=args.device) for spec, _ in specs]
+    target = targets[0][0]
     try:
         drafter = load_drafter(args.drafter, target=target, kind=args.kind)
     except (OSError, ValueError) as err:
         raise TuneError(f"{err} Pass the --output folder of `moa train` as --drafter.") from err
     kind = drafter_kind(drafter)
-    prompt_ids = format_prompts(tokenizer, prompts)
-    result = tune_speculation(
-        target,
-        drafter,
-        prompt_ids,
-        num_assistant_tokens=args.num_assistant_tokens,
-        thresholds=args.thresholds,
-        schedules=args.schedules,
-        lookup_tokens=args.lookup_tokens,
-        lookup_min_ngrams=args.lookup_min_ngrams,
-        lookup_halving=[bool(h) for h in args.lookup_halve_per_ngram],
-        max_new_tokens=args.max_new_tokens,
-        repeats=args.repeats,
-        progress=not args.quiet,
-        allow_other_target=args.allow_other_target,
-    )
+    jobs = [(model, ids) for (model, tok), texts in zip(targets, prompts) for ids in format_prompts(tok, texts)]
+    mode = _mode(args.tune, drafter)
+    common = dict(max_new_tokens=args.max_new_tokens, repeats=args.repeats, progress=not args.quiet)
+    common["allow_other_target"] = args.allow_other_target
     result = {
-        "target": getattr(target.config, "name_or_path", None) or args.target,
+        "target": getattr(target.config, "name_or_path", None) or specs[0][0],
+        "targets": [
+            {"spec": spec, "name_or_path": getattr(model.config, "name_or_path", None), "prompts": sources}
+            for (spec, sources), (model, _) in zip(specs, targets)
+        ],
         "drafter": str(args.drafter),
         "kind": kind,
+        "tuned": mode,
         "dtype": str(target.dtype).removeprefix("torch."),
         "prompts": args.prompts,
-        "num_prompts": len(prompts),
+        "num_prompts": len(jobs),
         "hardware": hardware_info(target.device),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        **result,
-        "written": bool(args.write),
     }
+    best: dict = {}
+    if mode in ("exits", "both"):
+        exits = tune_exit_thresholds(target, drafter, jobs, grid=args.exit_grid, rounds=args.exit_rounds, **common)
+        result["exits"] = exits
+        best["exit_thresholds"] = exits["best"]["exit_thresholds"]
+        drafter.config.exit_thresholds = best["exit_thresholds"]  # the speculation grid below runs with them
+        print(format_exit_tuning_markdown(exits))
+    if mode in ("speculation", "both"):
+        speculation = tune_speculation(
+            target,
+            drafter,
+            jobs,
+            num_assistant_tokens=args.num_assistant_tokens,
+            thresholds=args.thresholds,
+            schedules=args.schedules,
+            lookup_tokens=args.lookup_tokens,
+            lookup_min_ngrams=args.lookup_min_ngrams,
+            lookup_halving=[bool(h) for h in args.lookup_halve_per_ngram],
+            **common,
+        )
+        result.update(speculation)
+        best = {**{k: speculation["best"][k] for k in SETTING_KEYS if k in speculation["best"]}, **best}
+        print(format_tuning_markdown(result))
+    result["written"] = bool(args.write)
     folder = Path(args.drafter)
     (folder / TUNING_FILE).write_text(json.dumps(result, indent=1))
-    print(format_tuning_markdown(result))
     print(f"\nwrote {folder / TUNING_FILE}")
     if args.write:
-        write_best_setting(folder, result["best"], fallback=drafter.generation_config)
-        print(f"updated {folder / 'generation_config.json'} (MoA lookup: config.json) with the best setting")
+        write_best_setting(folder, best, fallback=drafter.generation_config)
+        print(
+            f"updated {folder / 'generation_config.json'} (MoA lookup and exit thresholds: config.json) with the best "
+            "setting"
+        )
     return 0
 
 
@@ -451,7 +691,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "prompts, against the target alone (interleaved). Prints a table, writes tuning.json into the drafter "
         "folder and, with --write, the best setting into its generation_config.json. Spec-Bench is refused.",
     )
-    p.add_argument("--target", required=True, help="`default` (SmolLM2-135M-Instruct, offline), a folder or a Hub id")
+    p.add_argument(
+        "--target",
+        required=True,
+        action="append",
+        help="`default` (SmolLM2-135M-Instruct, offline), `default:NAME` (a shipped fine-tune of it), a folder or a "
+        "Hub id; give it several times to tune one setting for a drafter's several targets (pooled), each as "
+        "SPEC=SOURCE[+SOURCE...] for its own prompts (e.g. default:pydoc=pydoc:heldout) or SPEC for --prompts",
+    )
     p.add_argument(
         "--dtype",
         default="auto",
@@ -518,6 +765,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="MoA drafter: 1 = a lookup match one token shorter than the longest n-gram proposes half as many "
         "tokens; values to try, comma-separated 0/1 (default: 0)",
     )
+    p.add_argument(
+        "--tune",
+        default="auto",
+        choices=["auto", "speculation", "exits", "both"],
+        help="what to tune: the speculation grid (draft length, threshold, schedule, lookup), the exit thresholds of "
+        "a sorted MoA drafter, or both (exits first, then the grid with the best thresholds); auto: exits for a "
+        "drafter with num_blocks > 1, else speculation",
+    )
+    p.add_argument(
+        "--exit-grid",
+        type=_csv(float),
+        default=list(EXIT_GRID),
+        help="exit thresholds tried for each exit besides 0 and never, comma-separated (default: "
+        f"{','.join(map(str, EXIT_GRID))})",
+    )
+    p.add_argument(
+        "--exit-rounds", type=int, default=1, help="passes of the exit-threshold search over the exits (default: 1)"
+    )
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (more: less timing noise)")
     p.add_argument(
         "--allow-other-target",
@@ -527,6 +792,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--write",
         action="store_true",
-        help="save the best setting into the drafter folder's generation_config.json (lookup: its config.json)",
+        help="save the best setting into the drafter folder's generation_config.json (lookup and exit thresholds: its "
+        "config.json)",
     )
     p.set_defaults(func=run_tune)

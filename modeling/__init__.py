@@ -2,7 +2,9 @@
 
 from .configuration_eagle import EagleDrafterConfig
 from .configuration_moa import (
+    PRIMARY_TARGET,
     MoADrafterConfig,
+    fixed_exit_thresholds,
     target_signature,
     tli_unsupported_reason,
     unsupported_target_reason,
@@ -11,10 +13,12 @@ from .drafting import DrafterMixin, RollbackCache, SpeculationStats, target_fing
 from .lookup import LookupSettings, lookup_continuation
 from .modeling_eagle import EagleDrafterModel
 from .modeling_moa import (
+    MoABlock,
     MoADrafterCache,
     MoADrafterModel,
     MoADrafterOutput,
     MoAPreTrainedModel,
+    MoATargetParts,
     cycle_starts_from_restarts,
     gather_target_kv,
     held_at_reads,
@@ -24,18 +28,22 @@ from .modeling_moa import (
 )
 
 __all__ = [
+    "PRIMARY_TARGET",
     "DrafterMixin",
     "EagleDrafterConfig",
     "EagleDrafterModel",
     "LookupSettings",
+    "MoABlock",
     "MoADrafterCache",
     "MoADrafterConfig",
     "MoADrafterModel",
     "MoADrafterOutput",
     "MoAPreTrainedModel",
+    "MoATargetParts",
     "RollbackCache",
     "SpeculationStats",
     "cycle_starts_from_restarts",
+    "fixed_exit_thresholds",
     "gather_target_kv",
     "held_at_reads",
     "held_capacities",

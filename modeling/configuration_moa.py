@@ -6,8 +6,11 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from .lookup import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM, LookupSettings
 
 __all__ = [
+    "PRIMARY_TARGET",
     "READABLE_CACHE_LAYERS",
     "MoADrafterConfig",
+    "check_exit_thresholds",
+    "fixed_exit_thresholds",
     "target_layer_defaults",
     "target_layer_types",
     "target_signature",
@@ -154,6 +157,29 @@ def target_layer_defaults(target_config) -> dict:
     )
 
 
+PRIMARY_TARGET = "main"  # the name of a drafter's primary target (its `target_*` fields)
+
+
+def fixed_exit_thresholds(exit: int, num_blocks: int) -> list[float]:
+    """The `exit_thresholds` that always draft with exit `exit` (1-based) of a drafter with `num_blocks` blocks:
+    never leave before it (2.0 > any probability), always leave there (0.0)."""
+    if not 1 <= exit <= num_blocks:
+        raise ValueError(f"exit must be in [1, num_blocks={num_blocks}], got {exit}")
+    return [2.0] * (exit - 1) + [0.0] * (num_blocks - exit)
+
+
+def check_exit_thresholds(thresholds, num_blocks: int) -> list[float]:
+    """`exit_thresholds` as floats, or a `ValueError` saying what is wrong with them."""
+    values = list(thresholds)
+    if len(values) != num_blocks - 1 or any(not isinstance(t, (int, float)) or t < 0 for t in values):
+        raise ValueError(
+            f"exit_thresholds must hold num_blocks - 1 = {num_blocks - 1} numbers >= 0 (a token leaves at exit k < "
+            f"num_blocks when its top probability is >= the k-th; 0: always, > 1: never), got {thresholds!r}. Use "
+            "None to always draft with the last exit, or `fixed_exit_thresholds(exit, num_blocks)` for a fixed one."
+        )
+    return [float(t) for t in values]
+
+
 class MoADrafterConfig(PreTrainedConfig):
     r"""Configuration of [`MoADrafterModel`].
 
@@ -188,6 +214,15 @@ class MoADrafterConfig(PreTrainedConfig):
             network.
         lookup_halve_per_ngram: a lookup match one token shorter than `lookup_max_ngram` proposes half as many
             tokens (a quarter for two shorter, ...; at least 1).
+        num_blocks: K stacked SA + CA blocks with an exit after each (S2D's sorted sub-models: exit k runs blocks
+            1..k and the shared head). 1: the paper's drafter.
+        exit_thresholds: K-1 confidences. While drafting, a token leaves at the first exit k < K whose top draft
+            probability is >= `exit_thresholds[k-1]`, else at exit K (0: always leave there; > 1: never). None:
+            always exit K. See `fixed_exit_thresholds` for a fixed exit.
+        extra_targets: targets served besides the primary one (`target_name_or_path` / `target_fingerprint`, named
+            `PRIMARY_TARGET`): {name: {"target_name_or_path", "target_fingerprint", "lora_rank"}}. Each has its own
+            LSA input projection and, with `lora_rank` > 0, low-rank deltas on the linear layers of every block;
+            `attach` picks the parts of the target whose fingerprint it recognises.
     """
 
     model_type = "moa_drafter"
@@ -228,6 +263,10 @@ class MoADrafterConfig(PreTrainedConfig):
     lookup_max_ngram: int = LOOKUP_MAX_NGRAM
     lookup_min_ngram: int = LOOKUP_MIN_NGRAM
     lookup_halve_per_ngram: bool = False
+    # Sorted blocks (S2D) and several targets.
+    num_blocks: int = 1
+    exit_thresholds: list[float] | None = None
+    extra_targets: dict[str, dict] | None = None
     initializer_range: float = 0.02
     num_hidden_layers: int = 1  # one SA layer: what `GenerationMixin` and cache utilities read
     tie_word_embeddings: bool = False
@@ -245,6 +284,34 @@ class MoADrafterConfig(PreTrainedConfig):
             self.lsa_intermediate_size = 3 * self.lsa_hidden_size // 2
         super().__post_init__(**kwargs)
         self.validate_lookup()  # fail at construction, not when drafting
+        self.validate_sorted()
+
+    def validate_sorted(self, extra_targets: dict | None = None):
+        """Check `num_blocks`, `exit_thresholds` and `extra_targets` (or the given `extra_targets` instead)."""
+        if not isinstance(self.num_blocks, int) or self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be an integer >= 1 (1: the paper's drafter), got {self.num_blocks!r}")
+        if self.num_blocks > 1 and self.target_layer_inference > 0:
+            raise ValueError(
+                f"num_blocks={self.num_blocks} (sorted exits) needs target_layer_inference=0, got "
+                f"{self.target_layer_inference}: every exit feeds the LM head directly. Use one of the two."
+            )
+        if self.exit_thresholds is not None:
+            self.exit_thresholds = check_exit_thresholds(self.exit_thresholds, self.num_blocks)
+        for name, spec in ((self.extra_targets if extra_targets is None else extra_targets) or {}).items():
+            if not isinstance(name, str) or not name.isidentifier() or name == PRIMARY_TARGET:
+                raise ValueError(
+                    f"An extra target's name must be a Python identifier other than {PRIMARY_TARGET!r} (the primary "
+                    f"target's), got {name!r}: rename it, e.g. 'pydoc'."
+                )
+            if (
+                not isinstance(spec, dict)
+                or not isinstance(spec.get("lora_rank", 0), int)
+                or spec.get("lora_rank", 0) < 0
+            ):
+                raise ValueError(
+                    f"extra_targets[{name!r}] must be a dict with 'target_name_or_path', 'target_fingerprint' and an "
+                    f"integer 'lora_rank' >= 0 (0: no low-rank deltas), got {spec!r}."
+                )
 
     def validate_lookup(self):
         LookupSettings.from_config(self)  # raises a ValueError naming the field for invalid settings

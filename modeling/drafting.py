@@ -13,6 +13,7 @@ This file ships inside every Hub repo as remote code: it imports only torch, tra
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -67,6 +68,8 @@ class SpeculationStats:
     """What happened in the drafter's last `generate` session.
 
     `accepted_lengths[i]`: tokens the target added in cycle i, counting its own token (plain decoding = 1.0).
+    `exit_counts[k-1]`: tokens the network drafted at exit k (one entry for a drafter with one exit; prompt lookup's
+    tokens are not in it: they sum to `drafted_tokens - lookup_tokens`).
     """
 
     accepted_lengths: list[int] = field(default_factory=list)
@@ -76,6 +79,7 @@ class SpeculationStats:
     verify_time_s: float = 0.0
     lookup_cycles: int = 0  # cycles whose draft came from prompt lookup (see `DrafterMixin.lookup_settings`)
     lookup_tokens: int = 0  # tokens of `drafted_tokens` proposed by prompt lookup
+    exit_counts: list[int] = field(default_factory=list)  # tokens the network drafted per exit (sorted drafters: K)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -96,6 +100,7 @@ class SpeculationStats:
             "verify_time_s": self.verify_time_s,
             "lookup_cycles": self.lookup_cycles,
             "lookup_tokens": self.lookup_tokens,
+            "exit_counts": list(self.exit_counts),
         }
 
 
@@ -148,6 +153,7 @@ class DraftingSession:
     draft_time_s: float = 0.0
     lookup_cycles: int = 0
     lookup_tokens: int = 0
+    exit_counts: list = field(default_factory=list)  # tokens the network drafted per exit (`record_exits`)
     context_reads: list = field(default_factory=list)  # (start, end) target positions read, per cycle
 
 
@@ -437,18 +443,22 @@ class DrafterMixin:
     def is_attached(self) -> bool:
         return self._attachment is not None
 
-    def _check_signature(self, target: PreTrainedModel, allow_other_target: bool) -> None:
-        """The target's signature must equal the drafter's, and another model than the drafter's target (see
-        `_other_target_reason`) needs `allow_other_target`."""
+    def _signature_differences(self, target: PreTrainedModel) -> list[str]:
+        """What differs between the target's signature and the drafter's ("key: drafter x != target y")."""
         sig = target_signature(target.config)
         head = target.get_output_embeddings()
         if head is not None and hasattr(head, "weight"):
             sig["vocab_size"] = head.weight.shape[0]
-        diffs = [
-            f"{key}: drafter {value} != target {sig[key]}"
+        return [
+            f"{key}: drafter {value} != target {sig.get(key)}"
             for key, value in self.config.signature().items()
             if sig.get(key) != value
         ]
+
+    def _check_signature(self, target: PreTrainedModel, allow_other_target: bool) -> None:
+        """The target's signature must equal the drafter's, and another model than the drafter's target (see
+        `_other_target_reason`) needs `allow_other_target`."""
+        diffs = self._signature_differences(target)
         if diffs:
             raise ValueError(
                 "The target's signature does not match the one this drafter was built for ("
@@ -574,6 +584,8 @@ class DrafterMixin:
             ids, scores = self._draft_with_network(
                 input_ids, past_key_values, gc, processors, eos, threshold, max_new_tokens, min_new_tokens
             )
+            if not self.records_exits:  # one exit: every token the network drafted
+                self.record_exits([len(scores)])
         if session is not None:
             session.drafted_tokens += len(scores)
             session.draft_time_s += time.perf_counter() - t0
@@ -655,11 +667,28 @@ class DrafterMixin:
     # ----------------------------------------------------------------------------------------------------------------
     # Session statistics
     # -----------------------------------------------------------------------------------------------------------------
+    records_exits = False  # True: the drafter calls `record_exits` per drafted token itself (MoA: `_decode`)
+
+    @property
+    def num_exits(self) -> int:
+        """The drafter's exits (`num_blocks` of a sorted MoA drafter, else 1)."""
+        return int(getattr(self.config, "num_blocks", 1) or 1)
+
+    def record_exits(self, counts: list[int]) -> None:
+        """Add tokens drafted by the network at each exit (`counts[k-1]` at exit k) to the session's statistics."""
+        s = self._session
+        if s is not None:
+            s.exit_counts = [a + b for a, b in itertools.zip_longest(s.exit_counts, counts, fillvalue=0)]
+
     def _start_session(self) -> None:
         tap = self._attachment.tap if self._attachment is not None else None
         if tap is not None:
             tap.cache = None  # the target's cache of an earlier generate call is stale
-        self._session = DraftingSession(tap_calls0=tap.calls if tap else 0, tap_seconds0=tap.seconds if tap else 0.0)
+        self._session = DraftingSession(
+            tap_calls0=tap.calls if tap else 0,
+            tap_seconds0=tap.seconds if tap else 0.0,
+            exit_counts=[0] * self.num_exits,
+        )
 
     @property
     def speculation_stats(self) -> SpeculationStats:
@@ -687,4 +716,5 @@ class DrafterMixin:
             verify_time_s=tap.seconds - s.tap_seconds0,
             lookup_cycles=s.lookup_cycles,
             lookup_tokens=s.lookup_tokens,
+            exit_counts=list(s.exit_counts),
         )

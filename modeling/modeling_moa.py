@@ -8,6 +8,17 @@ Per drafting cycle (the target has verified tokens 0..n-1 and cached keys/values
   2. per drafted token: embedding -> SA (causal, own KV cache) -> CA (queries attend to verified context only)
      -> [TLI: the target's last N layers with the target's own cache] -> the target's LM head.
 
+Sorted drafters (S2D, Sorted Speculative Decoding, arXiv 2407.01955), `num_blocks` K > 1: K stacked SA + CA blocks
+(block 1 the paper's `self_attention` + `cross_attention`, then `blocks`), every CA reading the same context vectors,
+with an exit after each block into the shared head; training takes the loss at every exit (`forward(exits="all")`),
+so the first k blocks are a drafter of their own. While drafting, a token leaves at the first exit k < K whose top
+probability clears `exit_thresholds[k-1]` (else at exit K; `_adaptive_exits`): cheap exits draft the easy tokens.
+Each block keeps its own keys/values; a block skipped by tokens that left earlier first catches up on them from the
+stored outputs of the block before (`_DeepBlock.pending`), so every exit drafts exactly what `forward` gives there.
+One drafter serves several targets (a model and its fine-tunes): each extra target has parts of its own
+(`MoATargetParts`: its LSA input projection and low-rank deltas on the blocks' linear layers), selected by `attach`
+from the target's weights fingerprint (`select_target`, `add_target`).
+
 The drafting runtime shared with the EAGLE drafter (target hooks, the `generate` that assisted generation calls, the
 drafting loop, statistics, the tree drafting state) is in drafting.py, prompt lookup in lookup.py. The tree drafting
 API (`tree_start`, `tree_catch_up`, `tree_step`, ...; for the engine of custom_generate/) drafts the same tokens as
@@ -16,32 +27,47 @@ the chain, node by node, for left-padded batches.
 This file ships inside every Hub repo as remote code: it imports only torch, transformers and its sibling files.
 """
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import rotate_half
 
-from .configuration_moa import MoADrafterConfig, tli_unsupported_reason, unsupported_target_reason
+from .configuration_moa import (
+    PRIMARY_TARGET,
+    MoADrafterConfig,
+    check_exit_thresholds,
+    tli_unsupported_reason,
+    unsupported_target_reason,
+)
 from .drafting import (
     DrafterMixin,
     DraftingSession,
+    LayerKV,
     RollbackCache,
     TargetTap,
     TreeState,
+    _weights_difference,
     decoder_of,
     register_hooks,
 )
+from .drafting import target_fingerprint as _fingerprint
 
 __all__ = [
+    "MoABlock",
     "MoADrafterModel",
+    "MoALinear",
+    "MoALoRA",
+    "MoATargetParts",
     "MoAPreTrainedModel",
     "MoADrafterCache",
     "MoADrafterOutput",
@@ -97,12 +123,26 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotate_half(x) * sin
 
 
+class MoALinear(nn.Linear):
+    """`nn.Linear` plus the low-rank delta of the drafter's active target, if it has one (`MoATargetParts`):
+    y = x W^T + (x A^T) B^T. `delta` = (A [r, in], B [out, r]) is a plain reference set by `select_target`."""
+
+    delta: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.delta is not None:
+            a, b = self.delta
+            y = y + F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype))
+        return y
+
+
 class MoAMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, act: str):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = MoALinear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = MoALinear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = MoALinear(intermediate_size, hidden_size, bias=False)
         self.act_fn = ACT2FN[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,10 +155,10 @@ class MoAAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_proj = MoALinear(hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = MoALinear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = MoALinear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = MoALinear(num_heads * head_dim, hidden_size, bias=False)
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -188,6 +228,69 @@ class MoACrossAttentionLayer(nn.Module):
             mask = torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], dim=-1)  # [B, 1, T, 1+M]
         h = h + self.attn.attend(q, k, v, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MoABlock(nn.Module):
+    """Blocks 2..K of a sorted drafter (block 1 is the drafter's `self_attention` + `cross_attention`): SA over the
+    previous block's output, then CA over the same verified context vectors (its own keys/values of them).
+
+    Its output projections (`o_proj`, `down_proj`) start at zero where no checkpoint sets them (`_init_weights`), so a
+    block added to a trained drafter is the identity on the residual stream: every exit first equals the one before.
+    """
+
+    def __init__(self, config: MoADrafterConfig):
+        super().__init__()
+        c = config
+        self.self_attention = MoADecoderLayer(
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.intermediate_size,
+            c.rms_norm_eps,
+            c.hidden_act,
+        )
+        self.cross_attention = MoACrossAttentionLayer(c)
+        for linear in (
+            self.self_attention.self_attn.o_proj,
+            self.self_attention.mlp.down_proj,
+            self.cross_attention.attn.o_proj,
+            self.cross_attention.mlp.down_proj,
+        ):
+            linear.zero_init = True
+
+
+class MoALoRA(nn.Module):
+    """One low-rank delta of an extra target on a shared linear layer: A [r, in] (small random), B [out, r] (zero at
+    first, so a new target drafts as the primary one until trained); the layer adds (x A^T) B^T."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int):
+        super().__init__()
+        self.A = nn.Parameter(torch.randn(rank, in_features) / in_features**0.5)
+        self.B = nn.Parameter(torch.zeros(out_features, rank))
+
+
+class MoATargetParts(nn.Module):
+    """What a drafter keeps per extra target (`MoADrafterModel.add_target`): its own LSA input projection (targets
+    differ in the keys/values the LSA reads; [W, lsa_hidden] as the primary's, or [W, W] starting as the identity
+    when the primary reads them directly) and, with `lora_rank` r > 0, a `MoALoRA` for every linear layer of the
+    shared SA/CA blocks (`lora`, keyed by the layer's name with "." -> "__")."""
+
+    def __init__(self, kv_width: int, lsa_hidden_size: int, linears: dict[str, nn.Linear], lora_rank: int):
+        super().__init__()
+        self.lsa_in_proj = nn.Linear(kv_width, lsa_hidden_size, bias=False)
+        self.lsa_in_proj.identity_init = kv_width == lsa_hidden_size
+        self.lora = nn.ModuleDict(
+            {
+                name.replace(".", "__"): MoALoRA(linear.in_features, linear.out_features, lora_rank)
+                for name, linear in (linears.items() if lora_rank > 0 else ())
+            }
+        )
+
+    def delta(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A, B) of the shared linear layer `name`, or None (no delta)."""
+        lora = self.lora[name.replace(".", "__")] if name.replace(".", "__") in self.lora else None
+        return None if lora is None else (lora.A, lora.B)
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -309,6 +412,8 @@ class MoADrafterCache(RollbackCache):
       when it was read has none, and is kept out of the CA's attention).
     - TLI (N > 0): a cache for the target's last N layers: the target's own keys/values for verified positions,
       followed by the ones computed from drafted positions.
+    - Sorted drafters (K > 1 blocks): `deep[k-2]` holds block k's SA keys/values, its CA keys/values of the same
+      context, and the positions block k has not run on yet (tokens that left at an earlier exit).
     """
 
     def __init__(self):
@@ -318,6 +423,8 @@ class MoADrafterCache(RollbackCache):
         self.ca_valid: torch.Tensor | None = None  # [M] bool, False: no context for that position; None: all valid
         self.tli: DynamicCache | None = None
         self.tli_verified = 0  # the TLI cache holds the target's own keys/values for positions < tli_verified
+        self.cycle_starts: list[int] = []  # per SA position p: its CA read the context of positions < this
+        self.deep: list[_DeepBlock] = []  # blocks 2..K of a sorted drafter
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0 if self.sa_keys is None else self.sa_keys.shape[2]
@@ -353,12 +460,17 @@ class MoADrafterCache(RollbackCache):
         if self.sa_keys is not None:
             self.sa_keys, self.sa_values = self.sa_keys[:, :, :length], self.sa_values[:, :, :length]
             self.tokens = self.tokens[:, :length]
+            del self.cycle_starts[length:]
+        _crop_deep(self.deep, self.get_seq_length(), length)
 
     def truncate(self, length: int) -> None:
         """Keep positions < `length` (0 empties the cache)."""
         self.crop_self(length)
         if self.ca_keys is not None:
             self.ca_keys, self.ca_values = self.ca_keys[:, :, :length], self.ca_values[:, :, :length]
+        for block in self.deep:
+            if block.ca_keys is not None:
+                block.ca_keys, block.ca_values = block.ca_keys[:, :, :length], block.ca_values[:, :, :length]
         if self.ca_valid is not None:
             self.ca_valid = self.ca_valid[:length]
         if self.tli_length > length:
@@ -367,14 +479,93 @@ class MoADrafterCache(RollbackCache):
 
 
 @dataclass
+class _Pending:
+    """Inputs of slots a deeper block has not run on yet, with what that block needs to run them: x [B, n, d] (the
+    previous block's outputs), the SA mask [B or 1, 1, n, S] over slots (columns beyond a block's length are never
+    visible to these rows), RoPE cos/sin [(B,) n, hd], and the CA mask [B or 1, 1, n, M] over the context they saw."""
+
+    x: torch.Tensor
+    sa_mask: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    ca_mask: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.x.shape[1]
+
+    def first(self, n: int) -> "_Pending":
+        cut = (self.sa_mask[..., :n, :], self.cos[..., :n, :], self.sin[..., :n, :], self.ca_mask[..., :n, :])
+        return _Pending(self.x[:, :n], *cut)
+
+    def rows(self, rows: torch.Tensor) -> "_Pending":
+        return _Pending(self.x[rows], self.sa_mask[rows], self.cos[rows], self.sin[rows], self.ca_mask[rows])
+
+
+def _fit(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """A bool mask [..., S] cut or padded with False to [..., width]."""
+    if mask.shape[-1] >= width:
+        return mask[..., :width]
+    return torch.cat([mask, mask.new_zeros(*mask.shape[:-1], width - mask.shape[-1])], dim=-1)
+
+
+@dataclass
+class _DeepBlock:
+    """Block k >= 2 of a sorted drafter while drafting: SA keys/values of the slots it ran on (a prefix of the slots
+    block k-1 ran on), CA keys/values of the verified context, and the pending slots (block k-1 ran, block k not:
+    tokens that left at an earlier exit), which it runs before any later slot that goes this deep."""
+
+    kv: LayerKV = field(default_factory=LayerKV)
+    ca_keys: torch.Tensor | None = None  # [B, Hkv, M, hd]
+    ca_values: torch.Tensor | None = None
+    pending: list[_Pending] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return 0 if self.kv.keys is None else self.kv.keys.shape[2]
+
+    def append_context(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.ca_keys is not None:
+            k, v = torch.cat([self.ca_keys, k], dim=2), torch.cat([self.ca_values, v], dim=2)
+        self.ca_keys, self.ca_values = k, v
+
+    def take(self, n: int) -> None:
+        """Keep the first n pending slots."""
+        kept = []
+        for p in self.pending:
+            if n <= 0:
+                break
+            kept.append(p if p.size <= n else p.first(n))
+            n -= p.size
+        self.pending = kept
+
+
+def _crop_deep(deep: list[_DeepBlock], first_length: int, length: int) -> None:
+    """Keep slots < `length` in every deeper block; `first_length`: block 1's slot count after the same crop.
+    Block k's pending slots are [len_k, len_{k-1}): cropping keeps the first min(len_{k-1}, length) - len_k'."""
+    done = first_length
+    for block in deep:
+        kept = min(block.length, length)
+        block.take(min(done, length) - kept)
+        block.kv.crop(kept)
+        done = kept
+
+
+@dataclass
 class MoATreeState(TreeState):
-    """The MoA drafter's tree drafting state: `TreeState` (its SA cache, one layer) and the CA memory of the verified
-    tokens: CA keys/values [B, Hkv, M, hd] of the target states read at each verified token's `prev_slots`, and
-    `ca_valid` [B, M] (False for padding and tokens without a previous target state: never attended)."""
+    """The MoA drafter's tree drafting state: `TreeState` (block 1's SA cache, one layer), the CA memory of the
+    verified tokens: CA keys/values [B, Hkv, M, hd] of the target states read at each verified token's `prev_slots`,
+    and `ca_valid` [B, M] (False for padding and tokens without a previous target state: never attended); for a
+    sorted drafter the deeper blocks' own (`deep`, as in `MoADrafterCache`). The exit (1-based) each evaluation
+    left at: `root_exits` [B] of the roots of the latest `tree_catch_up`, `node_exits` [B, k] of the nodes of the
+    latest `tree_step` (the engine counts the tokens each proposed, `EngineStats.exit_counts`)."""
 
     ca_keys: torch.Tensor
     ca_values: torch.Tensor
     ca_valid: torch.Tensor
+    root_exits: torch.Tensor
+    node_exits: torch.Tensor
+    deep: list[_DeepBlock] = field(default_factory=list)  # blocks 2..K of a sorted drafter
 
     def append_context(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
         """Append CA keys/values [B, Hkv, n, hd] with their validity [B, n]."""
@@ -382,17 +573,33 @@ class MoATreeState(TreeState):
         self.ca_values = torch.cat([self.ca_values, v], dim=2)
         self.ca_valid = torch.cat([self.ca_valid, valid], dim=1)  # [B, M+n]
 
+    def end_tree(self) -> None:
+        super().end_tree()
+        _crop_deep(self.deep, self.num_verified, self.num_verified)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        super().select_rows(rows)
+        rows = rows.to(self.valid.device)
+        for block in self.deep:
+            block.kv.select_rows(rows)
+            if block.ca_keys is not None:
+                block.ca_keys, block.ca_values = block.ca_keys[rows], block.ca_values[rows]
+            block.pending = [p.rows(rows) for p in block.pending]
+
 
 @dataclass
 class MoADrafterOutput(ModelOutput):
     """`logits`: [B, T, V] (None if not asked); `hidden_states`: the drafter's feature [B, T, d] (the predicted
     post-norm final hidden state of the target, or with TLI N > 0 the predicted activation after layer L-N);
-    `final_hidden_states`: with N > 0, the target's final-norm output after its last N layers."""
+    `final_hidden_states`: with N > 0, the target's final-norm output after its last N layers; `exit_logits` /
+    `exit_hidden_states`: one per block of a sorted drafter (the last ones are `logits` / `hidden_states`)."""
 
     logits: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     final_hidden_states: torch.Tensor | None = None
     past_key_values: MoADrafterCache | None = None
+    exit_logits: tuple[torch.Tensor, ...] | None = None  # sorted drafters: [B, T, V] per exit, exit 1 first
+    exit_hidden_states: tuple[torch.Tensor, ...] | None = None  # [B, T, d] per block
 
 
 def _full_attention_rotary(decoder: nn.Module) -> Callable | None:
@@ -431,20 +638,30 @@ class MoAPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
+        """Initial values of the parameters a checkpoint did not set (transformers' `init` functions leave loaded
+        ones alone): deeper blocks' output projections start at zero, an extra target's parts as the primary's."""
         std = self.config.initializer_range
         if isinstance(module, nn.Linear):
-            module.weight.normal_(0.0, std)
+            if getattr(module, "zero_init", False):
+                init.zeros_(module.weight)
+            elif getattr(module, "identity_init", False):
+                init.eye_(module.weight)
+            else:
+                init.normal_(module.weight, 0.0, std)
             if module.bias is not None:
-                module.bias.zero_()
+                init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            module.weight.normal_(0.0, std)
+            init.normal_(module.weight, 0.0, std)
         elif isinstance(module, MoARMSNorm):
-            module.weight.fill_(1.0)
+            init.ones_(module.weight)
         elif isinstance(module, MoACrossAttentionLayer):
-            module.null_key.normal_(0.0, std)
-            module.null_value.zero_()
+            init.normal_(module.null_key, 0.0, std)
+            init.zeros_(module.null_value)
         elif isinstance(module, MoARotaryEmbedding):
-            module.inv_freq.copy_(module.compute_inv_freq())
+            init.copy_(module.inv_freq, module.compute_inv_freq())
+        elif isinstance(module, MoALoRA):
+            init.normal_(module.A, 0.0, module.A.shape[1] ** -0.5)
+            init.zeros_(module.B)
 
 
 class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
@@ -458,6 +675,7 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
     """
 
     supports_prompt_lookup = True  # verified context is read from the target's cache, so skipped cycles cost nothing
+    records_exits = True  # `_decode` records the exit of every token it drafts (`record_exits`)
 
     def __init__(self, config: MoADrafterConfig):
         super().__init__(config)
@@ -496,10 +714,139 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         if c.draft_vocab_size is not None:  # a reduced head over the `draft_ids` tokens
             self.draft_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
             self.register_buffer("draft_ids", torch.arange(c.draft_vocab_size), persistent=True)  # [V'] full ids
+        if c.num_blocks > 1:  # S2D: blocks 2..K, an exit after each
+            self.blocks = nn.ModuleList(MoABlock(c) for _ in range(c.num_blocks - 1))
+        if c.extra_targets:
+            self.target_parts = nn.ModuleDict(
+                {name: self._new_parts(int(spec.get("lora_rank", 0))) for name, spec in c.extra_targets.items()}
+            )
+        self._active_target = PRIMARY_TARGET
         self._attachment: _Attachment | None = None
         self._session: DraftingSession | None = None
         self.post_init()
         self.generation_config = self.default_generation_config(self.generation_config)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Sorted blocks and several targets (S2D)
+    # -----------------------------------------------------------------------------------------------------------------
+    def block_layers(self) -> list[tuple[MoADecoderLayer, MoACrossAttentionLayer]]:
+        """(SA, CA) of blocks 1..K: block 1 is `self_attention` + `cross_attention`, then `blocks`."""
+        deeper = [(b.self_attention, b.cross_attention) for b in getattr(self, "blocks", None) or ()]
+        return [(self.self_attention, self.cross_attention), *deeper]
+
+    def _shared_linears(self) -> dict[str, MoALinear]:
+        """The linear layers of the SA/CA blocks, which an extra target's low-rank deltas adapt."""
+        return {
+            name: m
+            for name, m in self.named_modules()
+            if isinstance(m, MoALinear) and name.split(".")[0] in ("self_attention", "cross_attention", "blocks")
+        }
+
+    def _new_parts(self, lora_rank: int) -> MoATargetParts:
+        c = self.config
+        return MoATargetParts(c.target_kv_width, c.lsa_hidden_size, self._shared_linears(), lora_rank)
+
+    @property
+    def target_names(self) -> list[str]:
+        """The targets this drafter serves: `PRIMARY_TARGET` ("main") first, then `config.extra_targets`."""
+        return [PRIMARY_TARGET, *(self.config.extra_targets or {})]
+
+    @property
+    def active_target(self) -> str:
+        return self._active_target
+
+    def select_target(self, name: str) -> None:
+        """Draft (and train, see `forward`'s `target_name`) with the parts of target `name`: its LSA input projection
+        and low-rank deltas; "main" (`PRIMARY_TARGET`): the shared weights alone. `attach` selects by fingerprint."""
+        self._check_target_name(name)
+        parts = self.target_parts[name] if name != PRIMARY_TARGET else None
+        for layer_name, linear in self._shared_linears().items():
+            linear.delta = parts.delta(layer_name) if parts is not None else None  # plain references, not submodules
+        self._active_target = name
+
+    def _check_target_name(self, name: str) -> None:
+        if name not in self.target_names:
+            known = ", ".join(f"{n!r} ({path})" for n, path in self._target_paths().items())
+            raise ValueError(
+                f"Unknown target {name!r}: this drafter serves {known}. Add one with "
+                "`drafter.add_target(name, model)`."
+            )
+
+    def _target_paths(self) -> dict[str, str | None]:
+        """{name: target_name_or_path} of every target the drafter serves, the primary first."""
+        extra = {n: spec.get("target_name_or_path") for n, spec in (self.config.extra_targets or {}).items()}
+        return {PRIMARY_TARGET: self.config.target_name_or_path, **extra}
+
+    @contextlib.contextmanager
+    def using_target(self, name: str | None):
+        """`with drafter.using_target(name):` the parts of `name` inside (None: the active ones), the previous
+        selection restored after."""
+        previous = self._active_target
+        self.select_target(previous if name is None else name)
+        try:
+            yield self
+        finally:
+            self.select_target(previous)
+
+    def target_part_parameters(self, name: str) -> list[nn.Parameter]:
+        """The parameters only target `name` uses (to train a new target's parts alone): its LSA input projection and
+        low-rank deltas; for "main", the primary LSA input projection (none when the LSA reads the keys/values
+        directly)."""
+        self._check_target_name(name)
+        if name == PRIMARY_TARGET:
+            return [] if self.lsa_in_proj is None else list(self.lsa_in_proj.parameters())
+        return list(self.target_parts[name].parameters())
+
+    @torch.no_grad()
+    def add_target(
+        self,
+        name: str,
+        target: PreTrainedModel | None = None,
+        *,
+        target_name_or_path: str | None = None,
+        target_fingerprint: str | None = None,
+        lora_rank: int = 0,
+    ) -> None:
+        """Serve another target of the primary one's signature (e.g. a fine-tune of it) with parts of its own
+        (`MoATargetParts`): an LSA input projection copied from the primary's and, with `lora_rank` > 0, low-rank
+        deltas on every linear layer of the SA/CA blocks, zero at first (so it first drafts as for the primary). Train
+        them alone with `target_part_parameters(name)` (see docs/training.md). `target` (the model) gives the name
+        and fingerprint by which `attach` recognises it; without it pass them, or select it with `select_target`."""
+        if target is not None:
+            diffs = self._signature_differences(target)
+            if diffs:
+                raise ValueError(
+                    f"Target {name!r} cannot share this drafter: its signature differs from the primary target's ("
+                    + "; ".join(diffs)
+                    + "). A drafter serves targets of one architecture and vocabulary; train another for this one."
+                )
+            target_name_or_path = target_name_or_path or getattr(target.config, "name_or_path", None) or None
+            target_fingerprint = target_fingerprint or _fingerprint(target)
+        if name in self.target_names:
+            raise ValueError(f"This drafter already serves a target named {name!r}: choose another name.")
+        spec = {"target_name_or_path": target_name_or_path, "target_fingerprint": target_fingerprint}
+        extra = {**(self.config.extra_targets or {}), name: {**spec, "lora_rank": int(lora_rank)}}
+        self.config.validate_sorted(extra)  # raises before anything changes
+        parts = self._new_parts(int(lora_rank))
+        if self.lsa_in_proj is not None:
+            parts.lsa_in_proj.weight.copy_(self.lsa_in_proj.weight)
+        else:  # the primary reads the keys/values directly: start from the identity
+            nn.init.eye_(parts.lsa_in_proj.weight)
+        self.config.extra_targets = extra
+        if getattr(self, "target_parts", None) is None:
+            self.target_parts = nn.ModuleDict()
+        self.target_parts[name] = parts.to(device=self.device, dtype=self.dtype)
+        self.select_target(self._active_target)
+
+    def target_for(self, target: PreTrainedModel) -> str | None:
+        """The name of the served target whose recorded fingerprint `target`'s weights have (the primary first), or
+        None (no match, or no fingerprints to compare)."""
+        recorded = {PRIMARY_TARGET: self.config.target_fingerprint}
+        recorded.update({n: s.get("target_fingerprint") for n, s in (self.config.extra_targets or {}).items()})
+        if not any(recorded.values()):
+            return None
+        actual = _fingerprint(target)
+        return next((n for n, fp in recorded.items() if fp and _weights_difference(fp, actual) == ""), None)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Attaching to the target
@@ -513,7 +860,8 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
             if self._attachment.target is target:
                 return self
             self.detach()
-        self.check_target(target, allow_other_target=allow_other_target)
+        name = self.check_target(target, allow_other_target=allow_other_target)
+        self.select_target(name or PRIMARY_TARGET)
         n = self.config.target_layer_inference
         decoder = decoder_of(target)
         tli_layers = list(decoder.layers[len(decoder.layers) - n :]) if n > 0 else []
@@ -532,14 +880,22 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         self._start_session()
         return self
 
-    def check_target(self, target: PreTrainedModel, allow_other_target: bool = False) -> None:
-        """Raise a `ValueError` saying what is wrong if this drafter cannot serve `target`."""
+    def check_target(self, target: PreTrainedModel, allow_other_target: bool = False) -> str | None:
+        """Raise a `ValueError` saying what is wrong if this drafter cannot serve `target`; else return the name of
+        the recorded target it is (None: another model, accepted with `allow_other_target`)."""
         reason = unsupported_target_reason(target.config) or tli_unsupported_reason(
             target.config, self.config.target_layer_inference
         )
         if reason is not None:
             raise ValueError(f"This target cannot be served by a MoA drafter: {reason}.")
-        self._check_signature(target, allow_other_target)
+        name = self.target_for(target) if self.config.extra_targets else None
+        try:
+            self._check_signature(target, allow_other_target or name is not None)
+        except ValueError as err:
+            if not self.config.extra_targets:
+                raise
+            known = ", ".join(f"{n!r} ({path})" for n, path in self._target_paths().items())
+            raise ValueError(f"{err} This drafter serves: {known}.") from None
         n = self.config.target_layer_inference
         if n > 0:
             decoder = decoder_of(target)
@@ -549,6 +905,7 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
                         f"target_layer_inference={n} needs the target's decoder to expose `{attr}` "
                         f"({type(decoder).__name__} does not). Use target_layer_inference=0 for this target."
                     )
+        return name if name is not None else (None if self._other_target_reason(target) else PRIMARY_TARGET)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Borrowed or own embedding / head
@@ -557,12 +914,21 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         """[..., d] -> [..., V] float32 next-token logits over the full vocabulary (-inf outside a draft
         vocabulary)."""
         if self.config.draft_vocab_size is not None:
-            draft = self.draft_logits(hidden)  # [..., V']
-            full = draft.new_full((*draft.shape[:-1], self.config.vocab_size), -float("inf"))  # [..., V]
-            return full.index_copy_(-1, self.draft_ids, draft)
+            return self._full_vocab(self.draft_logits(hidden))
         self._require("LM head")
         head = self.get_output_embeddings()
         return head(hidden.to(head.weight.dtype)).float()
+
+    def _full_vocab(self, draft: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., V'] scattered into the full vocabulary [..., V] (-inf elsewhere)."""
+        full = draft.new_full((*draft.shape[:-1], self.config.vocab_size), -float("inf"))  # [..., V]
+        return full.index_copy_(-1, self.draft_ids, draft)
+
+    def _exit_logits(self, hidden: torch.Tensor, confidence: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """An exit's float32 logits [..., V] and (if asked) its top probability [...] over the draft vocabulary."""
+        draft = self.draft_logits(hidden)  # [..., V'] (V' = V without a draft vocabulary)
+        top = draft.softmax(-1).amax(-1) if confidence else None
+        return (self._full_vocab(draft) if self.config.draft_vocab_size is not None else draft), top
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., d] -> [..., V'] float32 logits over the draft vocabulary (`draft_ids`); the full head without
@@ -595,8 +961,11 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         """LSA: [B, T, L, 2*Hkv*hd] target keys/values per layer -> [B, T, d] one context vector per token."""
         B, T, L, W = target_kv.shape
         x = target_kv.to(self.dtype).reshape(B * T, L, W)  # each token is a sequence over the target's layers
-        if self.lsa_in_proj is not None:
-            x = self.lsa_in_proj(x)  # [B*T, L, lsa_hidden]
+        proj = self.lsa_in_proj  # the active target's own
+        if self._active_target != PRIMARY_TARGET:
+            proj = self.target_parts[self._active_target].lsa_in_proj
+        if proj is not None:
+            x = proj(x)  # [B*T, L, lsa_hidden]
         cos, sin = self.lsa_rotary_emb(torch.arange(L, device=x.device), x.dtype)  # position = layer index
         x = self.layer_self_attention(x, cos, sin, mask=None)  # no mask across layers
         return self.Ekv2E(x.mean(dim=1)).view(B, T, -1)  # mean over layers -> [B, T, d]
@@ -665,6 +1034,8 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         sa_mask: torch.Tensor | None = None,
         target_tli_kv: list | None = None,
         return_logits: bool = True,
+        exits: str = "all",
+        target_name: str | None = None,
         **kwargs,
     ) -> MoADrafterOutput:
         """Training-time (parallel) forward over whole sequences with simulated drafting cycles.
@@ -681,7 +1052,17 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
             sa_mask: optional bool [B, T, T] SA mask (default causal).
             target_tli_kv: with N > 0, a list of N (key, value) pairs [B, Hkv, T, hd] from the target's last N
                 layers; position i sees them for j < start(i) and the drafted ones for start(i) <= j <= i.
+            exits: "all": `exit_logits` too, the logits of every exit (block) of a sorted drafter; "last": the last
+                exit's logits only (what an inference-style call needs; `exit_logits` None).
+            target_name: the target whose parts to use (None: the active one, see `select_target`).
         """
+        with self.using_target(target_name):
+            args = (context, target_kv_held, cycle_starts, sa_mask, target_tli_kv, return_logits, exits)
+            return self._forward(input_ids, target_kv, *args)
+
+    def _forward(
+        self, input_ids, target_kv, context, target_kv_held, cycle_starts, sa_mask, target_tli_kv, return_logits, exits
+    ) -> MoADrafterOutput:
         B, T = input_ids.shape
         device = input_ids.device
         pos = torch.arange(T, device=device)
@@ -695,11 +1076,14 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         cos, sin = self.rotary_emb(pos, h.dtype)
         causal = pos[None, :] <= pos[:, None]  # [T, T]
         mask = causal[None, None] if sa_mask is None else (sa_mask & causal)[:, None]
-        h = self.self_attention(h, cos, sin, mask=mask)
-        ctx_k, ctx_v = self.cross_attention.context_keys_values(context.to(h.dtype), cos, sin)
         verified = pos[None, None, :] < cycle_starts[:, :, None]  # [B, T, T]: j < start(i)
         ca_mask = verified if target_kv_held is None else verified & target_kv_held[:, None, :]
-        h = self.cross_attention(h, cos, sin, ctx_k, ctx_v, mask=ca_mask[:, None])
+        outputs = []  # the output of every block: one exit each
+        for sa, ca in self.block_layers():
+            h = sa(h, cos, sin, mask=mask)
+            ctx_k, ctx_v = ca.context_keys_values(context.to(h.dtype), cos, sin)
+            h = ca(h, cos, sin, ctx_k, ctx_v, mask=ca_mask[:, None])
+            outputs.append(h)
         final = None
         if self.config.target_layer_inference > 0:
             if target_tli_kv is None:
@@ -717,7 +1101,16 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
             )
             final = self._tli(h, pos[None], tli, mask=additive)
         logits = self.head(final if final is not None else h) if return_logits else None
-        return MoADrafterOutput(logits=logits, hidden_states=h, final_hidden_states=final)
+        exit_logits = None
+        if return_logits and exits == "all":
+            exit_logits = (*(self.head(x) for x in outputs[:-1]), logits)
+        return MoADrafterOutput(
+            logits=logits,
+            hidden_states=h,
+            final_hidden_states=final,
+            exit_logits=exit_logits,
+            exit_hidden_states=tuple(outputs),
+        )
 
     # ----------------------------------------------------------------------------------------------------------------
     # Inference: one drafting call of assisted generation
@@ -764,10 +1157,13 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         context = context.to(self.dtype)
         cos, sin = self.rotary_emb(torch.arange(start, start + context.shape[1], device=context.device), context.dtype)
         cache.append_context(*self.cross_attention.context_keys_values(context, cos, sin), valid=valid)
+        for block, (_, ca) in zip(self._deep_blocks(cache), self.block_layers()[1:]):
+            block.append_context(*ca.context_keys_values(context, cos, sin))
 
     def draft_step(self, new_ids: torch.Tensor, cache: MoADrafterCache) -> torch.Tensor:
         """Public form of one drafting step: feed `new_ids` [B, T] (tokens not yet in the SA cache), get the
-        logits [B, V] for the next token given the CA memory in `cache`."""
+        logits [B, V] for the next token given the CA memory in `cache` (a sorted drafter's from the exit each row
+        leaves at, see `config.exit_thresholds`)."""
         return self._decode(new_ids, cache)
 
     def _decode(self, new_ids: torch.Tensor, cache: MoADrafterCache) -> torch.Tensor:
@@ -780,13 +1176,17 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         mask = None
         if T > 1:  # causal among the new tokens, all cached ones visible
             mask = torch.arange(past + T, device=h.device)[None, :] <= pos[:, None]  # [T, past+T]
-        h = self.self_attention(h, cos, sin, mask=mask, cache=cache)[:, -1:]
-        cache.tokens = (
-            new_ids if cache.tokens is None else torch.cat([cache.tokens, new_ids], dim=1)
-        )  # only the last position drafts
+        h = self.self_attention(h, cos, sin, mask=mask, cache=cache)
+        cache.tokens = new_ids if cache.tokens is None else torch.cat([cache.tokens, new_ids], dim=1)
+        M = cache.context_length
+        cache.cycle_starts += [min(p, M) for p in range(past, past + T)]  # position p reads the context of j < p, < M
         if cache.ca_keys is None:
             B, hkv, hd = h.shape[0], self.config.num_key_value_heads, self.config.head_dim
             cache.ca_keys = cache.ca_values = h.new_zeros(B, hkv, 0, hd)
+        if self.config.num_blocks > 1:
+            return self._decode_sorted(h, past, cos, sin, cache)
+        self.record_exits([h.shape[0]])
+        h = h[:, -1:]  # only the last position drafts
         ca_mask = None if cache.ca_valid is None else cache.ca_valid[None, None, None, :]  # [1, 1, 1, M]
         h = self.cross_attention(h, cos[-1:], sin[-1:], cache.ca_keys, cache.ca_values, mask=ca_mask)
         if self.config.target_layer_inference > 0:
@@ -795,8 +1195,92 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
             h = self._tli(h, pos[-1:][None], cache.tli)
         return self.head(h)[:, -1]  # [B, V] float32
 
+    def _decode_sorted(self, h, past: int, cos, sin, cache: MoADrafterCache) -> torch.Tensor:
+        """Sorted drafters: block 1's CA on the T new positions past.. (SA output h [B, T, d]) and the adaptive exits
+        of the last one; logits [B, V]. Every position keeps its block-1 output for the deeper blocks."""
+        T, M = h.shape[1], cache.context_length
+        starts = torch.arange(past, past + T, device=h.device).clamp(max=M)  # [T] as `cache.cycle_starts`
+        ca_mask = torch.arange(M, device=h.device)[None, :] < starts[:, None]  # [T, M]
+        if cache.ca_valid is not None:
+            ca_mask = ca_mask & cache.ca_valid[None, :]
+        ca_mask = ca_mask[None, None]  # [1, 1, T, M]
+        every = T == 1 and past >= M and cache.ca_valid is None  # one drafted token sees all context: no mask
+        h = self.cross_attention(h, cos, sin, cache.ca_keys, cache.ca_values, mask=None if every else ca_mask)
+        slots = torch.arange(past + T, device=h.device)  # [past+T]
+        sa_mask = slots[None, :] <= slots[past:, None]  # [T, past+T] causal
+        first = _Pending(h, sa_mask[None, None], cos, sin, ca_mask)
+        logits, exit_of = self._adaptive_exits(first, self._deep_blocks(cache))  # [B, 1, V], [B, 1]
+        if self._session is not None:
+            self.record_exits(torch.bincount(exit_of.flatten() - 1, minlength=self.config.num_blocks).tolist())
+        return logits[:, -1]  # [B, V]
+
+    def _deep_blocks(self, state) -> list[_DeepBlock]:
+        """The deeper blocks' drafting state of a cache or tree state (created on first use)."""
+        if len(state.deep) < self.config.num_blocks - 1:
+            state.deep = [_DeepBlock() for _ in range(self.config.num_blocks - 1)]
+        return state.deep
+
+    def _run_pending(self, block: _DeepBlock, sa: MoADecoderLayer, ca: MoACrossAttentionLayer) -> _Pending:
+        """Run a deeper block on all its pending slots (in slot order); returns their outputs with their masks."""
+        todo, block.pending = block.pending, []
+        width = block.length + sum(p.size for p in todo)  # the block's slots after this run
+        M = block.ca_keys.shape[2] if block.ca_keys is not None else 0
+        x = torch.cat([p.x for p in todo], dim=1)  # [B, n, d]
+        sa_mask = torch.cat([_fit(p.sa_mask, width) for p in todo], dim=-2)  # [B|1, 1, n, width]
+        ca_mask = torch.cat([_fit(p.ca_mask, M) for p in todo], dim=-2)  # [B|1, 1, n, M]
+        cos, sin = torch.cat([p.cos for p in todo], dim=-2), torch.cat([p.sin for p in todo], dim=-2)
+        if block.ca_keys is None:
+            block.ca_keys = block.ca_values = x.new_zeros(
+                x.shape[0], self.config.num_key_value_heads, 0, self.config.head_dim
+            )
+        x = sa(x, cos, sin, mask=sa_mask, cache=block.kv)
+        x = ca(x, cos, sin, block.ca_keys, block.ca_values, mask=ca_mask)
+        return _Pending(x, sa_mask, cos, sin, ca_mask)
+
+    def _adaptive_exits(self, x: _Pending, deep: list[_DeepBlock], m: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """S2D's adaptive depth for the last `m` slots of block 1's output `x` ([B, n, d] with what deeper blocks need
+        to run these n slots): the logits [B, m, V] of each slot's exit and that exit [B, m] (1-based).
+
+        A slot leaves at the first exit k < K whose top probability clears `exit_thresholds[k-1]`, else at exit K.
+        Block k runs when any slot still needs it (every row of the chain, every node of the tree's frontier: one
+        batched call beats gathering the rows that need it), and first on its `pending` slots (tokens that left
+        earlier, in slot order), so its keys/values are those the full-depth drafter has. Each exit's head runs
+        once, giving both its logits and the confidence."""
+        K, thresholds = self.config.num_blocks, [*self._exit_thresholds(), 0.0]  # exit K always accepts
+        logits = exit_of = None
+        for k in range(1, K + 1):
+            if k > 1:  # block k catches up on the slots that left before it, then runs these
+                deep[k - 2].pending.append(x)
+                x = self._run_pending(deep[k - 2], *self.block_layers()[k - 1])
+            t = thresholds[k - 1]
+            if t > 1.0:  # no token leaves here: no head needed
+                continue
+            exit_logits, top = self._exit_logits(x.x[:, -m:], confidence=t > 0.0)  # [B, m, V], [B, m] or None
+            leave = (
+                torch.ones(exit_logits.shape[:-1], dtype=torch.bool, device=x.x.device) if top is None else top >= t
+            )
+            if exit_of is not None:
+                leave = leave & (exit_of == 0)
+            logits = exit_logits if logits is None else torch.where(leave[..., None], exit_logits, logits)
+            exit_of = torch.where(leave, k, 0 if exit_of is None else exit_of)  # [B, m]
+            if bool((exit_of > 0).all()):
+                break
+        if k < K:  # the slots block k+1 has not run on
+            deep[k - 1].pending.append(x)
+        return logits, exit_of
+
+    def _exit_thresholds(self) -> list[float]:
+        """`config.exit_thresholds` (read at every drafting step), or never leaving before the last exit (None)."""
+        thresholds = self.config.exit_thresholds
+        if thresholds is None:
+            return [2.0] * (self.config.num_blocks - 1)
+        return check_exit_thresholds(thresholds, self.config.num_blocks)
+
     def new_cache(self) -> MoADrafterCache:
-        return MoADrafterCache()
+        cache = MoADrafterCache()
+        if self.config.num_blocks > 1:
+            self._deep_blocks(cache)
+        return cache
 
     def _prepare_draft(
         self, input_ids: torch.Tensor, cache: MoADrafterCache, max_new_tokens: int, min_new_tokens: int
@@ -832,12 +1316,17 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         self._check_tree()
         c = self.config
         empty = torch.zeros(batch_size, c.num_key_value_heads, 0, c.head_dim, dtype=self.dtype, device=self.device)
-        return MoATreeState(
+        state = MoATreeState(
             **TreeState.empty_fields(batch_size, 1, self.device),
             ca_keys=empty,  # [B, Hkv, 0, hd]
             ca_values=empty,
             ca_valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device),  # [B, 0]
+            root_exits=torch.ones(batch_size, dtype=torch.long, device=self.device),  # [B]
+            node_exits=torch.ones(batch_size, 0, dtype=torch.long, device=self.device),  # [B, 0]
         )
+        if c.num_blocks > 1:
+            self._deep_blocks(state)
+        return state
 
     @torch.no_grad()
     def tree_catch_up(
@@ -853,7 +1342,8 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         """Feed newly verified `tokens` [B, n] (right-aligned; `valid` [B, n] False on left padding; `positions`
         [B, n] real positions). CA memory: the context (LSA) of the target's keys/values at `prev_slots` [B, n]
         (the token at position-1; -1: none) of `target_cache`, with RoPE at position-1. Returns float32 logits
-        [B, V] of the token after each row's last one (the tree root's children)."""
+        [B, V] of the token after each row's last one (the tree root's children), from the exit each row's root
+        leaves at; the deeper blocks run on these tokens when a later token first needs them."""
         state.end_tree()
         context = torch.cat(
             self._context_chunks(lambda s, e: gather_target_kv_at(target_cache, prev_slots[:, s:e]), tokens.shape[1]),
@@ -862,9 +1352,21 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         cos, sin = self.rotary_emb(positions - 1, context.dtype)  # [B, n, hd]: the context is position-1's
         k, v = self.cross_attention.context_keys_values(context, cos, sin)  # [B, Hkv, n, hd]
         state.append_context(k, v, valid & (prev_slots >= 0))
+        for block, (_, ca) in zip(state.deep, self.block_layers()[1:]):
+            block.append_context(*ca.context_keys_values(context, cos, sin))
         h = self.embed(tokens)  # [B, n, d]
         cos, sin = self.rotary_emb(positions, h.dtype)  # [B, n, hd]
-        h = self.self_attention(h, cos, sin, mask=state.add_verified(valid), cache=state.layers[0])[:, -1:]
+        sa_mask = state.add_verified(valid)  # [B, 1, n, V]
+        if self.config.num_blocks > 1:
+            h = self.self_attention(h, cos, sin, mask=sa_mask, cache=state.layers[0])
+            n, M = tokens.shape[1], state.ca_keys.shape[2]
+            own = M - n + torch.arange(n, device=h.device)  # [n] each verified token's CA slot (position-1's context)
+            ca_mask = (torch.arange(M, device=h.device)[None, :] <= own[:, None])[None] & state.ca_valid[:, None, :]
+            logits, exits = self._tree_exits(state, _Pending(h, sa_mask, cos, sin, ca_mask[:, None]), m=1)
+            state.root_exits = exits[:, -1]  # [B]
+            return logits[:, -1]  # [B, V]
+        h = self.self_attention(h, cos, sin, mask=sa_mask, cache=state.layers[0])[:, -1:]
+        state.root_exits = torch.ones_like(tokens[:, -1])  # [B]
         return self._tree_logits(state, h, cos[:, -1:], sin[:, -1:])[:, -1]  # [B, V]
 
     @torch.no_grad()
@@ -873,11 +1375,24 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
     ) -> torch.Tensor:
         """Feed one depth of tree nodes: `tokens`, `positions`, `parents` [B, k] (`TreeState.add_nodes`). Each node
         sees in SA the row's verified tokens, its ancestors and itself; in CA the verified context. Returns float32
-        logits [B, k, V] of each node's next token."""
+        logits [B, k, V] of each node's next token. A sorted drafter's nodes each leave at their own exit; a deeper
+        block runs on the whole frontier when any node needs it (see `_adaptive_exits`)."""
         h = self.embed(tokens)  # [B, k, d]
         cos, sin = self.rotary_emb(positions, h.dtype)  # [B, k, hd]
-        h = self.self_attention(h, cos, sin, mask=state.add_nodes(parents), cache=state.layers[0])
+        sa_mask = state.add_nodes(parents)  # [B, 1, k, S]
+        h = self.self_attention(h, cos, sin, mask=sa_mask, cache=state.layers[0])
+        if self.config.num_blocks > 1:
+            ca_mask = state.ca_valid[:, None, None, :].expand(-1, -1, h.shape[1], -1)  # [B, 1, k, M]
+            logits, state.node_exits = self._tree_exits(state, _Pending(h, sa_mask, cos, sin, ca_mask), m=h.shape[1])
+            return logits
+        state.node_exits = torch.ones_like(tokens)  # [B, k]
         return self._tree_logits(state, h, cos, sin)  # [B, k, V]
+
+    def _tree_exits(self, state: MoATreeState, first: _Pending, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sorted drafters: block 1's CA on the new slots (SA output `first.x`), then `_adaptive_exits` for the last
+        m: their float32 logits [B, m, V] and exits [B, m]."""
+        first.x = self.cross_attention(first.x, first.cos, first.sin, state.ca_keys, state.ca_values, first.ca_mask)
+        return self._adaptive_exits(first, state.deep, m=m)
 
     def _tree_logits(self, state: MoATreeState, h, cos, sin) -> torch.Tensor:
         """CA over the verified context of each row and the head: h [B, T, d] -> float32 logits [B, T, V]."""

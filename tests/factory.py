@@ -44,6 +44,7 @@ __all__ = [
     "make_independent",
     "make_target",
     "random_dataset",
+    "sorted_drafter",
     "tiny_target",
     "tiny_tokenizer",
     "tiny_training_args",
@@ -133,6 +134,20 @@ class OracleDrafter(MoADrafterModel):
             logits = torch.full_like(logits, -10.0)
             logits[:, token] = 10.0
         return logits
+
+
+def sorted_drafter(target, num_blocks: int = 3, seed: int = 0, scale: float = 0.2, **overrides) -> MoADrafterModel:
+    """A random sorted MoA drafter (`num_blocks` exits) for `target` in eval mode, its matrices drawn with std `scale`
+    (the deeper blocks' zero-initialised output projections too), so that every exit drafts differently."""
+    import moa_hf
+
+    torch.manual_seed(seed)
+    drafter = moa_hf.build_drafter(target, num_blocks=num_blocks, **overrides)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, scale)
+    return drafter.eval()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

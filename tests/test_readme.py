@@ -67,3 +67,16 @@ def test_readme_engine_example_runs(tmp_path):
     assert result.returncode == 0, f"README engine example failed:\n{result.stdout}\n{result.stderr}"
     lengths = re.findall(r"\d+\.\d+", result.stdout.strip().splitlines()[-1])
     assert len(lengths) == 2 and all(float(x) >= 1.0 for x in lengths)
+
+
+@pytest.mark.slow
+@needs_default_target
+def test_readme_sorted_drafter_example_runs(tmp_path):
+    """The sorted-drafter example (third block) runs after the quickstart: a fine-tune variant attached by weights."""
+    blocks = python_blocks(README.read_text(encoding="utf-8"))
+    assert len(blocks) >= 3 and "add_target(" in blocks[2]
+    shown = "\nprint(sorted_drafter.active_target, out.shape[1] - inputs['input_ids'].shape[1])\n"
+    code = blocks[0] + blocks[2] + shown
+    result = run_offline(code, tmp_path)
+    assert result.returncode == 0, f"README sorted-drafter example failed:\n{result.stdout}\n{result.stderr}"
+    assert result.stdout.strip().splitlines()[-1] == "pydoc 16"

@@ -417,11 +417,13 @@ def test_cli_client_cache_and_offline(tiny, server, tmp_path, capsys):
     online = json.loads(capsys.readouterr().out)
     assert online["unverified_tokens"] == 0 and online["stats"]["drafter_revision"]
     server.stop()
-    assert main(args) == 0
+    assert main(args) == 3  # unverified text: exit code 3 (EXIT_UNVERIFIED) unless --best-effort
     captured = capsys.readouterr()
     offline = json.loads(captured.out)
     assert offline["unverified_span"] == [0, 6] and offline["server_calls"] == 0
     assert "server unreachable: generating with the cached drafter" in captured.err
+    assert main(args + ["--best-effort"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == offline["token_ids"]
     assert main(args + ["--offline"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == offline["token_ids"]
     empty = ["--cache-dir", str(tmp_path / "empty")]

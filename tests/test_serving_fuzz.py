@@ -41,8 +41,9 @@ def fuzz_state():
     target = make_target("llama")
     drafter = moa_hf.build_drafter(target, own_embeddings=True).eval()
     limits = ServerLimits(
-        max_sessions=8, max_tokens_per_session=64, max_draft_tokens=8, session_ttl_s=30, max_request_bytes=8192
-    )
+        max_sessions=8, max_tokens_per_session=64, max_draft_tokens=8, session_ttl_s=30, max_request_bytes=8192,
+        admission_wait_s=0,  # full: 429 at once
+    )  # fmt: skip
     return ServingState(target, drafter, limits=limits, token=TOKEN)
 
 
@@ -59,7 +60,8 @@ OPERATIONS = [
 
 @pytest.fixture(scope="module")
 def api_schema(fuzz_state):
-    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(fuzz_state))
+    app = create_app(fuzz_state, docs=True)  # the API docs are off by default, and behind the token when on
+    schema = schemathesis.openapi.from_asgi("/openapi.json", app, headers={"Authorization": f"Bearer {TOKEN}"})
     rejection = schema.config.checks.negative_data_rejection
     rejection.expected_statuses = [*rejection.expected_statuses, "413"]  # an oversized invalid body: rejected too
     return schema

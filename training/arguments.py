@@ -4,10 +4,14 @@ each field is an option, spelled with underscores or hyphens, `--max_steps` or `
 
 from __future__ import annotations
 
+import argparse
+import re
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from transformers import SchedulerType, TrainingArguments
+
+from moa_hf.modeling import PRIMARY_TARGET
 
 from .drafters import KINDS, DrafterAdapter, MoAAdapter
 
@@ -18,9 +22,46 @@ __all__ = [
     "TargetArguments",
     "TrainCommandArguments",
     "TrainDataArguments",
+    "TrainTargetArguments",
+    "named_values",
 ]
 
 _DTYPES = ["auto", "bfloat16", "float16", "float32"]
+_NAMED = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
+
+
+def named_values(items: list[str] | None, what: str, split: bool = True) -> dict[str, list[str]]:
+    """Options tagged with a target name, in order: ``NAME=V1[,V2...]`` -> {NAME: [V1, V2]} (values split on commas
+    when `split`), a plain ``V`` -> {"main": [V]}. A name appearing twice collects both lists."""
+    out: dict[str, list[str]] = {}
+    for item in items or []:
+        match = _NAMED.match(item)
+        name, value = (match.group(1), match.group(2)) if match else (PRIMARY_TARGET, item)
+        values = [v for v in value.split(",") if v] if split and match else [value]
+        if not values:
+            raise ValueError(f"{what} {item!r} names no value; write {what} NAME=VALUE.")
+        out.setdefault(name, []).extend(values)
+    return out
+
+
+def _parse_weights(value) -> list[float] | None:
+    """`--exit-loss-weights 1,1,2` (or a list) -> [1.0, 1.0, 2.0]; None stays None (uniform)."""
+    if value is None or isinstance(value, (list, tuple)):
+        return None if value is None else [float(w) for w in value]
+    try:
+        return [float(w) for w in str(value).replace(" ", "").split(",") if w]
+    except ValueError as err:
+        raise ValueError(f"exit_loss_weights must be numbers separated by commas (1,1,2), got {value!r}.") from err
+
+
+class _Repeated(argparse.Action):
+    """A str option that may be given several times: ``--target main=a --target b=c`` -> ``"main=a,b=c"``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        marker = f"_{self.dest}_given"
+        before = getattr(namespace, self.dest) if getattr(namespace, marker, False) else None
+        setattr(namespace, self.dest, values if before is None else f"{before},{values}")
+        setattr(namespace, marker, True)
 
 
 @dataclass
@@ -73,6 +114,37 @@ class MoATrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Also measure the acceptance length every N optimizer steps (None: only on evaluate)."},
     )
+    eval_each_exit: str = field(
+        default="final",
+        metadata={
+            "choices": ["final", "always", "never"],
+            "help": "Drafters with several blocks: also measure the acceptance length of every fixed exit (and of "
+            "adaptive depth when the drafter has exit thresholds) at the final evaluation, at every one, or never "
+            "(the other measurements draft as the drafter does by default).",
+        },
+    )
+    exit_loss_weights: str | None = field(
+        default=None,
+        metadata={
+            "help": "Drafters with K blocks: weights of the K exits' losses, comma-separated (e.g. 1,1,2; default "
+            "uniform); the loss is their weighted mean."
+        },
+    )
+    train_target_parts: str | None = field(
+        default=None,
+        metadata={
+            "metavar": "NAME",
+            "help": "Train only the per-target parts of target NAME (its LSA input projection and LoRA deltas); "
+            "every other weight of the drafter stays frozen. The data must all be that target's.",
+        },
+    )
+    target_lora_rank: int = field(
+        default=0,
+        metadata={
+            "help": "Rank of the LoRA deltas on the shared blocks created for a target the drafter does not have yet "
+            "(0: only its own LSA input projection)."
+        },
+    )
     # Inherited fields with other defaults.
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Keep every collated column (the MoA trainer uses them all)."}
@@ -103,6 +175,23 @@ class MoATrainingArguments(TrainingArguments):
             raise ValueError("soft_ce_weight and feature_weight must be >= 0 and not both 0.")
         if self.vocab_chunk_size < 1:
             raise ValueError(f"vocab_chunk_size must be positive, got {self.vocab_chunk_size}.")
+        self.exit_loss_weights = _parse_weights(self.exit_loss_weights)
+        weights = self.exit_loss_weights
+        if weights is not None and (not weights or min(weights) < 0 or sum(weights) <= 0):
+            raise ValueError(f"exit_loss_weights must be >= 0 with a positive sum, got {weights}.")
+        if self.target_lora_rank < 0:
+            raise ValueError(f"target_lora_rank must be >= 0, got {self.target_lora_rank}.")
+
+    def exit_weights(self, num_exits: int) -> list[float]:
+        """The normalised loss weights of `num_exits` exits (summing to 1; uniform unless `exit_loss_weights`)."""
+        weights = self.exit_loss_weights or [1.0] * num_exits
+        if len(weights) != num_exits:
+            raise ValueError(
+                f"exit_loss_weights has {len(weights)} values but the drafter has {num_exits} exits; give one weight "
+                "per block (--exit-loss-weights w1,...,wK)."
+            )
+        total = sum(weights)
+        return [w / total for w in weights]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -120,6 +209,29 @@ class TargetArguments:
     dtype: str = field(
         default="auto", metadata={"choices": _DTYPES, "help": "Target dtype (auto: bf16 on a GPU, fp32 on a CPU)."}
     )
+
+
+@dataclass
+class TrainTargetArguments(TargetArguments):
+    """`moa train`: the frozen target model(s), by spec (`moa_hf.loading.load_target`)."""
+
+    target: str = field(
+        metadata={
+            "action": _Repeated,
+            "metavar": "[NAME=]SPEC",
+            "help": "`default` (SmolLM2-135M-Instruct, offline), `default:VARIANT` (one of its fine-tunes), a folder "
+            "or a Hub id. Several targets: repeat it with names, `--target main=default --target pydoc=default:pydoc`"
+            " (a plain spec is target `main`, the drafter's primary one).",
+        }
+    )
+
+    def specs(self) -> dict[str, str]:
+        """{target name: spec}, in the order given."""
+        specs = named_values(self.target.split(","), "--target", split=False)
+        doubled = [name for name, values in specs.items() if len(values) > 1]
+        if doubled:
+            raise ValueError(f"--target names {', '.join(doubled)} more than once; give one spec per target name.")
+        return {name: values[0] for name, values in specs.items()}
 
 
 @dataclass
@@ -177,20 +289,50 @@ class TrainDataArguments:
 
     _argument_group_name: ClassVar[str] = "training data"
 
-    data: list[str] = field(metadata={"help": "Dataset folder(s) written by `moa data`."})
-    eval_data: str | None = field(default=None, metadata={"help": "Held-out dataset folder for the evaluation loss."})
+    data: list[str] = field(
+        metadata={
+            "action": "extend",
+            "metavar": "[NAME=]DIR",
+            "help": "Dataset folder(s) written by `moa data`. Several targets: `--data main=DIR[,DIR2] --data "
+            "pydoc=DIR` (each target's own data; a plain folder is target main's).",
+        }
+    )
+    eval_data: str | None = field(
+        default=None, metadata={"help": "Held-out dataset folder (the main target's) for the evaluation loss."}
+    )
     states: list[str] | None = field(
         default=None,
         metadata={
+            "action": "extend",
+            "metavar": "[NAME=]DIR",
             "help": "Folder of the target's cached states (K/V and final hidden states, computed once on first use, "
             "memory-mapped): epochs then cost only the drafter; one folder per --data folder reuses each dataset's "
-            "states."
+            "states. Several targets: `--states main=DIR --states pydoc=DIR` (per target: one folder, or one per "
+            "--data folder of that target).",
         },
     )
-    eval_prompts: str = field(
-        default="default:validation",
-        metadata={"help": "Held-out prompts for the acceptance length (`none` disables)."},
+    eval_prompts: list[str] | None = field(
+        default=None,
+        metadata={
+            "action": "extend",
+            "metavar": "[NAME=]SOURCE",
+            "help": "Held-out prompts for the acceptance length (default `default:validation`; `none` disables); a "
+            "plain source is used for every target, `NAME=SOURCE` for target NAME only.",
+        },
     )
+
+    def prompt_sources(self, targets: list[str]) -> dict[str, str]:
+        """{target name: held-out prompt source} for the targets that get an acceptance measurement."""
+        items = self.eval_prompts or ["default:validation"]
+        if any(item in ("", "none") for item in items):
+            return {}
+        plain = [item for item in items if not _NAMED.match(item)]
+        sources = {name: plain[-1] for name in targets} if plain else {}
+        for name, values in named_values([item for item in items if _NAMED.match(item)], "--eval-prompts").items():
+            if name not in targets:
+                raise ValueError(f"--eval-prompts names target {name!r}, which is not among --target ({targets}).")
+            sources[name] = ",".join(values)
+        return sources
 
 
 @dataclass
@@ -208,7 +350,20 @@ class DrafterArguments:
         },
     )
     init_drafter: str | None = field(
-        default=None, metadata={"help": "Start from a saved drafter (a `moa train` --output) instead of a fresh one."}
+        default=None,
+        metadata={
+            "aliases": ["--init-from"],
+            "help": "Start from a saved drafter (a `moa train` --output, or `default`: the shipped one) instead of a "
+            "fresh one.",
+        },
+    )
+    num_blocks: int | None = field(
+        default=None,
+        metadata={
+            "metavar": "K",
+            "help": "MoA: K stacked blocks with an exit after each (a sorted drafter). With --init-drafter, a drafter "
+            "with fewer blocks gets new ones that start as the identity (every exit first equals its last one).",
+        },
     )
     draft_vocab_size: int | None = field(
         default=None,
@@ -247,14 +402,16 @@ class DrafterArguments:
         metadata={"help": "Train LoRA adapters of this rank instead of all weights (the merged drafter is saved)."},
     )
 
-    def __post_init__(self):
-        self.draft_vocab_size = self.draft_vocab_size or None  # 0: the full vocabulary
-        self.lsa_hidden_size = self.lsa_hidden_size or None  # 0: the default width
-
     def build_options(self, adapter: DrafterAdapter) -> dict:
         """The keyword arguments of `adapter.build` that these options set (unset ones left out)."""
         values = {keyword: getattr(self, name) for name, keyword in adapter.options.items()}
         return {keyword: value for keyword, value in values.items() if value is not None}
+
+    def __post_init__(self):
+        self.draft_vocab_size = self.draft_vocab_size or None  # 0: the full vocabulary
+        self.lsa_hidden_size = self.lsa_hidden_size or None  # 0: the default width
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"--num-blocks must be >= 1, got {self.num_blocks}.")
 
 
 @dataclass

@@ -18,10 +18,21 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser
 
-from moa_hf.loading import load_drafter, load_target, parse_dtype
+from moa_hf import MoADrafterModel, target_fingerprint
+from moa_hf.loading import folder_kind, load_drafter, load_target, parse_dtype
+from moa_hf.modeling import PRIMARY_TARGET
 
-from .arguments import DataArguments, DrafterArguments, TargetArguments, TrainCommandArguments, TrainDataArguments
+from .arguments import (
+    DataArguments,
+    DrafterArguments,
+    TargetArguments,
+    TrainCommandArguments,
+    TrainDataArguments,
+    TrainTargetArguments,
+    named_values,
+)
 from .drafters import adapter_for, adapter_named
+from .target_finetune import FinetuneTargetArguments, run_finetune_target_command
 
 __all__ = [
     "DATA_ARGUMENTS",
@@ -37,7 +48,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DATA_ARGUMENTS = (TargetArguments, DataArguments)
-TRAIN_ARGUMENTS = (TargetArguments, TrainDataArguments, DrafterArguments, TrainCommandArguments)
+TRAIN_ARGUMENTS = (TrainTargetArguments, TrainDataArguments, DrafterArguments, TrainCommandArguments)
 
 
 def data_arguments(args: argparse.Namespace) -> tuple[TargetArguments, DataArguments]:
@@ -47,11 +58,12 @@ def data_arguments(args: argparse.Namespace) -> tuple[TargetArguments, DataArgum
 
 def train_arguments(
     args: argparse.Namespace,
-) -> tuple[TargetArguments, TrainDataArguments, DrafterArguments, TrainCommandArguments]:
+) -> tuple[TrainTargetArguments, TrainDataArguments, DrafterArguments, TrainCommandArguments]:
     """The dataclasses of `moa train` from its parsed options. `--eval-steps` is the period of the evaluation loss
     with `--eval-data`, else of the acceptance length on the held-out prompts (`eval_acceptance_steps`)."""
     values = dict(vars(args))
-    prompts = values["eval_prompts"] not in ("", "none") and values["eval_num_prompts"] > 0
+    sources = values["eval_prompts"] or ["default:validation"]
+    prompts = not any(s in ("", "none") for s in sources) and values["eval_num_prompts"] > 0
     if values["eval_data"] is not None:
         values["eval_strategy"] = "steps"
     else:
@@ -109,29 +121,64 @@ def _target_dtype(target_args: TargetArguments, training: TrainCommandArguments)
     return parse_dtype(target_args.dtype) or (torch.bfloat16 if on_gpu else torch.float32)
 
 
+def _init_folder(spec: str | None) -> Path | None:
+    """The folder of `--init-drafter` (`default`: the shipped drafter)."""
+    if spec is None:
+        return None
+    if spec == "default":
+        from moa_hf import default_drafter_path
+
+        return Path(default_drafter_path())
+    return Path(spec).expanduser()
+
+
 def _build_drafter(drafter_args: DrafterArguments, target, train_data, seed: int) -> torch.nn.Module:
-    """The drafter to train, in fp32 master weights (use --bf16 for mixed precision): the --init-drafter, or a fresh
-    one of --kind."""
+    """The drafter to train, in fp32 master weights (use --bf16 for mixed precision): the --init-drafter (with
+    --num-blocks K: as a MoA drafter of K blocks, the blocks it lacks starting as the identity), or a fresh one of
+    --kind."""
+    if drafter_args.init_drafter and drafter_args.num_blocks is not None:
+        folder = _init_folder(drafter_args.init_drafter)
+        kind = folder_kind(folder) if (folder / "config.json").is_file() else None
+        if kind != "moa":
+            raise SystemExit(f"--num-blocks with --init-drafter needs a saved MoA drafter; {folder} is not one.")
+        blocks = drafter_args.num_blocks
+        drafter = MoADrafterModel.from_pretrained(str(folder), num_blocks=blocks, local_files_only=True)
+        return drafter.to(device=target.device, dtype=torch.float32)
     if drafter_args.init_drafter:
         return load_drafter(drafter_args.init_drafter, target=target, dtype=torch.float32)
     torch.manual_seed(seed)
     adapter = adapter_named(drafter_args.kind)
+    if drafter_args.num_blocks is not None and "num_blocks" not in adapter.options.values():
+        raise SystemExit(f"moa train: error: --num-blocks builds a MoA drafter, not --kind {drafter_args.kind}.")
     drafter = adapter.build(target, data=train_data, **drafter_args.build_options(adapter))
     return drafter.to(dtype=torch.float32)
 
 
-def _with_cached_states(train_data, parts: list, target, drafter, data_args, training):
-    """`train_data` paired with the target's cached states (`--states`), computed where missing."""
+def _retarget(drafter, target) -> None:
+    """A started drafter whose every weight is now trained for another primary target (a dedicated drafter for a
+    fine-tune, started from the base model's): it records that target's fingerprint, which `attach` then accepts."""
+    fingerprint = target_fingerprint(target)
+    recorded = getattr(drafter.config, "target_fingerprint", None)
+    if fingerprint is None or recorded in (None, fingerprint):
+        return
+    logger.warning("The drafter was trained for other target weights; it now records this target's fingerprint.")
+    drafter.config.target_fingerprint = fingerprint
+    drafter.config.target_name_or_path = getattr(target.config, "name_or_path", None) or None
+
+
+def _with_cached_states(name: str, train_data, parts: list, folders: list[str], target, drafter, training):
+    """Target `name`'s `train_data` (the concatenation of `parts`) paired with its cached states (`--states`),
+    computed where missing."""
     from torch.utils.data import ConcatDataset
 
     from .states import TargetStatesDataset, cache_target_states
 
-    if len(data_args.states) not in (1, len(parts)):
+    if len(folders) not in (1, len(parts)):
         raise SystemExit(
-            f"--states takes one folder (for all --data together) or one per --data folder; got "
-            f"{len(data_args.states)} for {len(parts)} datasets."
+            f"--states takes one folder (for all --data together) or one per --data folder; got {len(folders)} for "
+            f"{len(parts)} datasets of target {name!r}."
         )
-    pairs = [(train_data, data_args.states[0])] if len(data_args.states) == 1 else list(zip(parts, data_args.states))
+    pairs = [(train_data, folders[0])] if len(folders) == 1 else list(zip(parts, folders))
     tli = adapter_for(drafter).target_layer_inference(drafter)
     cached = [
         TargetStatesDataset(
@@ -152,42 +199,87 @@ def _with_cached_states(train_data, parts: list, target, drafter, data_args, tra
     return cached[0] if len(cached) == 1 else ConcatDataset(cached)
 
 
+def _named_inputs(target_args: TrainTargetArguments, data_args: TrainDataArguments):
+    """({target: spec}, {target: data folders}, {target: states folders}) from the tagged options, checked."""
+    specs = target_args.specs()
+    data = named_values(data_args.data, "--data")
+    states = named_values(data_args.states, "--states")
+    for option, named in (("--data", data), ("--states", states)):
+        unknown = sorted(set(named) - set(specs))
+        if unknown:
+            raise ValueError(
+                f"{option} names target(s) {unknown} that no --target names; add --target NAME=SPEC for each "
+                f"(targets: {list(specs)})."
+            )
+    idle = [name for name in specs if name not in data]
+    if idle:
+        raise ValueError(f"Target(s) {idle} have no --data; give each target its data (--data NAME=DIR).")
+    return specs, data, states
+
+
+def _load_eval_prompts(sources: dict[str, str], num_prompts: int) -> dict[str, list[str]]:
+    """{target: held-out prompts} from {target: prompt source} (each source loaded once)."""
+    from .data import load_prompts
+
+    loaded: dict[str, list[str]] = {}
+    for source in dict.fromkeys(sources.values()):
+        loaded[source] = load_prompts(source, split="validation", num_prompts=num_prompts)
+    return {name: loaded[source] for name, source in sources.items()}
+
+
 def run_train(args: argparse.Namespace) -> int:
     import datasets
 
-    from .data import load_prompts
     from .peft_utils import apply_lora, merge_lora
     from .trainer import MoATrainer
 
     try:
         target_args, data_args, drafter_args, training = train_arguments(args)
+        specs, data_dirs, states_dirs = _named_inputs(target_args, data_args)
+        prompt_sources = data_args.prompt_sources(list(specs)) if training.eval_num_prompts > 0 else {}
     except ValueError as err:  # an invalid combination of options: a message, not a traceback
         raise SystemExit(f"moa train: error: {err}") from err
-    # Loaded on the CPU in its final dtype; MoATrainer moves it to the training device of this process.
-    target, tokenizer = load_target(target_args.target, dtype=_target_dtype(target_args, training), device="cpu")
-    parts = [datasets.load_from_disk(path) for path in data_args.data]
-    train_data = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    if drafter_args.lora_r and (len(specs) > 1 or training.train_target_parts):
+        raise SystemExit("moa train: error: --lora-r trains one target's whole drafter; drop it to train targets.")
+    # Loaded on the CPU in their final dtype; MoATrainer moves them to the training device of this process.
+    targets, tokenizer = {}, None
+    for name, spec in specs.items():
+        targets[name], tok = load_target(spec, dtype=_target_dtype(target_args, training), device="cpu")
+        tokenizer = tokenizer or tok
+    primary = PRIMARY_TARGET if PRIMARY_TARGET in targets else next(iter(targets))
+    if drafter_args.init_drafter is None and primary != PRIMARY_TARGET:
+        raise SystemExit(
+            f"moa train: error: a new drafter is built for its primary target `{PRIMARY_TARGET}`; name one target "
+            f"{PRIMARY_TARGET} (--target {PRIMARY_TARGET}=SPEC) or start from a trained drafter (--init-drafter)."
+        )
+    parts = {name: [datasets.load_from_disk(path) for path in dirs] for name, dirs in data_dirs.items()}
+    train_data = {name: p[0] if len(p) == 1 else datasets.concatenate_datasets(p) for name, p in parts.items()}
     eval_data = datasets.load_from_disk(data_args.eval_data) if data_args.eval_data else None
-    eval_prompts = None
-    if data_args.eval_prompts not in ("", "none") and training.eval_num_prompts > 0:
-        eval_prompts = load_prompts(data_args.eval_prompts, split="validation", num_prompts=training.eval_num_prompts)
-    drafter = _build_drafter(drafter_args, target, train_data, training.seed)
-    if data_args.states:
-        train_data = _with_cached_states(train_data, parts, target, drafter, data_args, training)
+    eval_prompts = _load_eval_prompts(prompt_sources, training.eval_num_prompts) or None
+    drafter = _build_drafter(drafter_args, targets[primary], train_data.get(primary), training.seed)
+    if drafter_args.init_drafter and PRIMARY_TARGET in targets and not training.train_target_parts:
+        _retarget(drafter, targets[PRIMARY_TARGET])
+    examples = {name: len(data) for name, data in train_data.items()}
+    for name, folders in states_dirs.items():
+        train_data[name] = _with_cached_states(
+            name, train_data[name], parts[name], folders, targets[name], drafter, training
+        )
     model = apply_lora(drafter, r=drafter_args.lora_r) if drafter_args.lora_r else drafter
     trainer = MoATrainer(
         model=model,
-        target=target,
+        target=targets,
         args=training,
         train_dataset=train_data,
         eval_dataset=eval_data,
         eval_prompts=eval_prompts,
         processing_class=tokenizer,
     )
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     resume = training.resume_from_checkpoint
     t0 = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=True if resume == "latest" else resume)
     wall = time.perf_counter() - t0
+    measuring = _acceptance_time(trainer)  # part of `wall`: the periodic acceptance measurements
     final = trainer.evaluate() if eval_prompts or eval_data is not None else {}
     if trainer.is_world_process_zero():
         out = Path(training.output_dir)
@@ -197,25 +289,68 @@ def run_train(args: argparse.Namespace) -> int:
         drafter.save_pretrained(out)  # the drafter only (safetensors): never the target's weights
         drafter.generation_config.save_pretrained(out)
         tokens = int(trainer.state.num_input_tokens_seen or 0)
+        info_from = _init_folder(drafter_args.init_drafter)
         info = {
             "kind": adapter_for(drafter).name,
-            "data": f"on-policy responses of {getattr(target.config, 'name_or_path', target_args.target)} "
-            f"({len(train_data)} examples, {', '.join(data_args.data)})",
-            "cached_target_states": bool(data_args.states),
+            "data": "; ".join(
+                f"on-policy responses of {getattr(targets[name].config, 'name_or_path', specs[name])} "
+                f"({examples[name]} examples, {', '.join(dirs)})"
+                + (f" for target {name} ({specs[name]})" if len(specs) > 1 or name != PRIMARY_TARGET else "")
+                for name, dirs in data_dirs.items()
+            ),
+            "cached_target_states": bool(states_dirs),
             "tokens": tokens or None,
             "steps": trainer.state.global_step,
             "wall_time_s": round(wall, 1),
+            "acceptance_eval_time_s": round(measuring, 1),  # included in wall_time_s
             "hardware": _hardware(),
             "final_train_loss": round(float(result.training_loss), 5),
             "acceptance_length_heldout": final.get("eval_acceptance_length"),
             "top1_heldout": final.get("eval_top1"),  # with --eval-data: top-1 agreement with the target
             "top1_first_heldout": final.get("eval_top1_first"),
-            "learning_curve": _learning_curve(trainer, info_from=drafter_args.init_drafter),
+            **_sorted_info(trainer, specs, final, trainable, drafter_args),
+            "learning_curve": _learning_curve(trainer, info_from=info_from),
         }
-        info.update(_totals(info, info_from=drafter_args.init_drafter))
+        info.update(_totals(info, info_from=info_from))
         (out / "training_info.json").write_text(json.dumps(info, indent=1))
         print(json.dumps({"output": str(out), **info}, indent=1))
     return 0
+
+
+def _sorted_info(trainer, specs: dict[str, str], final: dict, trainable: int, drafter_args) -> dict:
+    """What training_info.json records of the drafter's depth and targets: blocks, exit loss weights, the targets
+    (name -> spec) and their tokens, what was trained, and the held-out acceptance per target and exit."""
+    args = trainer.args
+    names = list(specs)
+    named = len(names) > 1 or names != [PRIMARY_TARGET]
+    acceptance = {}
+    for name in names:
+        prefix = f"eval_{name}_" if named else "eval_"
+        found = {
+            key.removeprefix(f"{prefix}acceptance_length_") if key != f"{prefix}acceptance_length" else "default": v
+            for key, v in final.items()
+            if key.startswith(f"{prefix}acceptance_length")
+        }
+        if found:
+            acceptance[name] = found
+    return {
+        "num_blocks": len(trainer.exit_weights),
+        "exit_loss_weights": args.exit_loss_weights,
+        "targets": specs,
+        "tokens_per_target": trainer.target_token_counts(),
+        "trained": f"the parts of target {args.train_target_parts}" if args.train_target_parts else "all weights",
+        "trainable_parameters": trainable,
+        "init_drafter": drafter_args.init_drafter,
+        "acceptance_heldout_by_target": acceptance or None,
+    }
+
+
+def _acceptance_time(trainer) -> float:
+    """Seconds the acceptance-length callback has spent measuring so far."""
+    from .evaluation import AcceptanceEvalCallback
+
+    callbacks = trainer.callback_handler.callbacks
+    return sum(cb.measure_time_s for cb in callbacks if isinstance(cb, AcceptanceEvalCallback))
 
 
 def _hardware() -> str:
@@ -277,7 +412,7 @@ def _add_command(subparsers, name: str, types: tuple[type, ...], func, **kwargs)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `moa data` and `moa train`."""
+    """Add `moa data`, `moa train` and `moa finetune-target`."""
     _add_command(
         subparsers,
         "data",
@@ -298,6 +433,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "moa_hf.training.cli train ...` for several GPUs/processes. The final drafter (safetensors + "
         "generation_config.json) is saved in --output. Every MoATrainingArguments / TrainingArguments field is an "
         "option.",
+    )
+    _add_command(
+        subparsers,
+        "finetune-target",
+        (FinetuneTargetArguments,),
+        run_finetune_target_command,
+        help="rebuild a shipped fine-tune of the default target (`default:pydoc`): PEFT LoRA on its material",
+        description="LoRA-tune SmolLM2-135M-Instruct (the `default` target) on the material of a variant of "
+        "`moa_hf.DEFAULT_TARGET_VARIANTS` with the Hugging Face Trainer and save the PEFT adapter (bf16 "
+        "safetensors) and training_info.json in --output; `default:NAME` targets load it merged. The defaults are "
+        "how the shipped adapter was made.",
     )
 
 

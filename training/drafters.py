@@ -17,6 +17,7 @@ from accelerate.utils import extract_model_from_parallel
 from transformers import PreTrainedModel
 
 from moa_hf import EagleDrafterConfig, EagleDrafterModel, MoADrafterModel, build_drafter, target_fingerprint
+from moa_hf.modeling import PRIMARY_TARGET, fixed_exit_thresholds
 
 from .builders import build_independent, frequent_tokens
 from .builders import init_from_target_layer as copy_target_layer
@@ -26,6 +27,7 @@ __all__ = [
     "ADAPTERS",
     "KINDS",
     "DrafterAdapter",
+    "ExitStates",
     "EagleAdapter",
     "IndependentAdapter",
     "MoAAdapter",
@@ -45,6 +47,11 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(seen, "get_base_model"):  # peft.PeftModel
         seen = extract_model_from_parallel(seen.get_base_model(), keep_torch_compile=False)
     return seen
+
+
+# (student [B, T, d]: the hidden states the drafter's head reads at one exit, feature [B, T, d]: its prediction of the
+# target's feature there, or None when it has none); a drafter returns one pair per exit, exit 1 first.
+ExitStates = list[tuple[torch.Tensor, "torch.Tensor | None"]]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -79,6 +86,34 @@ class DrafterAdapter:
         """N: the target's last N layers run inside the drafter (their inputs are part of the target's states)."""
         return 0
 
+    def num_exits(self, drafter: torch.nn.Module) -> int:
+        """How many exits (depths that each draft with the shared head) the drafter has."""
+        return getattr(drafter.config, "num_blocks", 1) if hasattr(drafter, "config") else 1
+
+    def add_targets(self, drafter: torch.nn.Module, targets: dict[str, PreTrainedModel], lora_rank: int = 0) -> list:
+        """Give `drafter` parts for every target of `targets` (name -> model) beyond its primary one that it lacks;
+        the names added."""
+        others = [name for name in targets if name != PRIMARY_TARGET]
+        if others:
+            raise ValueError(
+                f"A {type(drafter).__name__} serves one target (`{PRIMARY_TARGET}`), not {others}: train a MoA "
+                "drafter for several targets."
+            )
+        return []
+
+    def train_only_target_parts(self, drafter: torch.nn.Module, name: str) -> list[torch.nn.Parameter]:
+        """Freeze every parameter of `drafter` except the per-target parts of target `name`; those parameters."""
+        raise ValueError(f"A {type(drafter).__name__} has no per-target parts; train a MoA drafter.")
+
+    def use_target(self, drafter: torch.nn.Module, target: PreTrainedModel) -> None:
+        """Before a batch of `target`'s data: borrow that target's modules (embedding, head) where the drafter
+        does."""
+
+    def select_target(self, drafter: torch.nn.Module, name: str | None) -> None:
+        """Draft with the parts of target `name` (None: as chosen when attaching)."""
+        if name not in (None, PRIMARY_TARGET):
+            raise ValueError(f"A {type(drafter).__name__} serves one target (`{PRIMARY_TARGET}`), not {name!r}.")
+
     def training_forward(
         self,
         model: torch.nn.Module,
@@ -87,9 +122,10 @@ class DrafterAdapter:
         cycle_starts: torch.Tensor | None = None,
         sa_mask: torch.Tensor | None = None,
         feature_noise: float = 0.0,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(student [B, T, d]: the hidden states the drafter's head reads, feature [B, T, d]: its prediction of the
-        target's feature, or None when it has none) for a training batch. `model` may be wrapped (PEFT / DDP)."""
+        target_name: str | None = None,
+    ) -> ExitStates:
+        """[(student, feature)] per exit (see `ExitStates`) for a training batch of target `target_name`'s data
+        (None: the drafter's active target). `model` may be wrapped (PEFT / DDP)."""
         raise NotImplementedError
 
     def student_head(self, drafter: torch.nn.Module):
@@ -98,9 +134,19 @@ class DrafterAdapter:
         raise NotImplementedError
 
     @contextlib.contextmanager
-    def generating(self, drafter: torch.nn.Module, target: PreTrainedModel) -> Iterator[None]:
-        """`drafter` ready to draft for `target` in `target.generate(assistant_model=...)` inside the block, with the
-        library's default speculation settings (comparable points of a learning curve)."""
+    def generating(
+        self,
+        drafter: torch.nn.Module,
+        target: PreTrainedModel,
+        target_name: str | None = None,
+        exit: int | None = None,
+    ) -> Iterator[None]:
+        """`drafter` ready to draft for `target` (with its parts of target `target_name`, when given) in
+        `target.generate(assistant_model=...)` inside the block, with the library's default speculation settings
+        (comparable points of a learning curve); `exit` (1-based): always draft from that exit (None: as the drafter
+        does by default)."""
+        if exit not in (None, 1):
+            raise ValueError(f"A {type(drafter).__name__} has one exit, not {exit}.")
         yield
 
 
@@ -127,24 +173,35 @@ class _AttachingAdapter(DrafterAdapter):
             drafter.lm_head.requires_grad_(False)
         drafter.attach(target, allow_other_target=True)
 
+    def use_target(self, drafter, target) -> None:
+        drafter.attach(target, allow_other_target=True)  # nothing to do when attached to it already
+
     def student_head(self, drafter):
         return drafter.head, None
 
     @contextlib.contextmanager
-    def generating(self, drafter, target) -> Iterator[None]:
-        if not drafter.is_attached:
-            drafter.attach(target, allow_other_target=True)
+    def generating(self, drafter, target, target_name=None, exit=None) -> Iterator[None]:
+        num_exits = self.num_exits(drafter)
+        if exit is not None and not 1 <= exit <= num_exits:
+            raise ValueError(f"This drafter has exits 1..{num_exits}, not {exit}.")
+        drafter.attach(target, allow_other_target=True)  # the target it drafts for (a no-op when attached already)
+        self.select_target(drafter, target_name)
         own = getattr(drafter, "generation_config", None)
         lookup = drafter.config.lookup_num_tokens if drafter.supports_prompt_lookup else 0
+        thresholds = getattr(drafter.config, "exit_thresholds", None)
         drafter.generation_config = drafter.default_generation_config(copy.deepcopy(own))
         if lookup:
             drafter.config.lookup_num_tokens = 0  # the network alone: no prompt lookup
+        if exit is not None and num_exits > 1:
+            drafter.config.exit_thresholds = fixed_exit_thresholds(exit, num_exits)  # always that exit
         try:
             yield
         finally:
             drafter.generation_config = own
             if lookup:
                 drafter.config.lookup_num_tokens = lookup
+            if num_exits > 1:
+                drafter.config.exit_thresholds = thresholds
 
 
 class MoAAdapter(_AttachingAdapter):
@@ -158,6 +215,7 @@ class MoAAdapter(_AttachingAdapter):
         "draft_vocab_size": "draft_vocab_size",
         "lsa_hidden_size": "lsa_hidden_size",
         "init_from_target_layer": "init_from_target_layer",
+        "num_blocks": "num_blocks",
     }
     simulates_cycles = True
     needs_target_kv = True
@@ -175,7 +233,34 @@ class MoAAdapter(_AttachingAdapter):
     def target_layer_inference(self, drafter) -> int:
         return drafter.config.target_layer_inference
 
-    def training_forward(self, model, inputs, states, cycle_starts=None, sa_mask=None, feature_noise=0.0):
+    def select_target(self, drafter, name) -> None:
+        if name is not None:
+            drafter.select_target(name)
+
+    def add_targets(self, drafter, targets, lora_rank=0) -> list:
+        """`MoADrafterModel.add_target` for every non-primary target of `targets` that `drafter` lacks."""
+        added = [name for name in targets if name != PRIMARY_TARGET and name not in drafter.target_names]
+        for name in added:
+            drafter.add_target(name, targets[name], lora_rank=lora_rank)
+        return added
+
+    def train_only_target_parts(self, drafter, name) -> list:
+        if name not in drafter.target_names:
+            raise ValueError(
+                f"The drafter has no target {name!r} (it has {drafter.target_names}); name that target's model with "
+                f"--target {name}=SPEC so that its parts are created first."
+            )
+        params = list(drafter.target_part_parameters(name))
+        if not params:
+            raise ValueError(f"Target {name!r} of this drafter has no parameters of its own to train.")
+        drafter.requires_grad_(False)
+        for p in params:
+            p.requires_grad_(True)
+        return params
+
+    def training_forward(
+        self, model, inputs, states, cycle_starts=None, sa_mask=None, feature_noise=0.0, target_name=None
+    ):
         outputs = model(
             input_ids=inputs["input_ids"],
             target_kv=states.target_kv,
@@ -184,10 +269,15 @@ class MoAAdapter(_AttachingAdapter):
             sa_mask=sa_mask,
             target_tli_kv=states.tli_kv,
             return_logits=False,
+            exits="all",
+            target_name=target_name,
         )
-        feature = outputs.hidden_states  # [B, T, d]
-        student = outputs.final_hidden_states if outputs.final_hidden_states is not None else feature
-        return student, feature
+        features = outputs.exit_hidden_states  # K x [B, T, d], exit 1 first
+        if outputs.final_hidden_states is None:
+            return [(feature, feature) for feature in features]
+        if len(features) > 1:  # TLI: the target's last layers run after the last exit only
+            raise ValueError("Target layer inference (target_layer_inference > 0) needs num_blocks=1.")
+        return [(outputs.final_hidden_states, features[0])]
 
     def student_head(self, drafter):
         if drafter.config.draft_vocab_size is not None:
@@ -206,14 +296,16 @@ class EagleAdapter(_AttachingAdapter):
         overrides = {"target_fingerprint": target_fingerprint(target), **overrides}
         return EagleDrafterModel(EagleDrafterConfig.from_target_config(target.config, **overrides)).float()
 
-    def training_forward(self, model, inputs, states, cycle_starts=None, sa_mask=None, feature_noise=0.0):
+    def training_forward(
+        self, model, inputs, states, cycle_starts=None, sa_mask=None, feature_noise=0.0, target_name=None
+    ):
         outputs = model(
             input_ids=inputs["input_ids"],
             target_hidden=states.final_hidden,
             attention_mask=inputs.get("attention_mask"),
             noise_std=feature_noise,
         )
-        return outputs.hidden_states, outputs.hidden_states  # [B, T, d]: its head reads its feature
+        return [(outputs.hidden_states, outputs.hidden_states)]  # [B, T, d]: its head reads its feature
 
 
 class IndependentAdapter(DrafterAdapter):
@@ -227,14 +319,16 @@ class IndependentAdapter(DrafterAdapter):
     def build(self, target, *, data=None, **overrides):
         return build_independent(target, **overrides)
 
-    def training_forward(self, model, inputs, states, cycle_starts=None, sa_mask=None, feature_noise=0.0):
+    def training_forward(
+        self, model, inputs, states, cycle_starts=None, sa_mask=None, feature_noise=0.0, target_name=None
+    ):
         outputs = model(
             input_ids=inputs["input_ids"],
             attention_mask=inputs.get("attention_mask"),
             output_hidden_states=True,
             logits_to_keep=1,
         )
-        return outputs.hidden_states[-1], None  # [B, T, d]: its own final (post-norm) hidden states
+        return [(outputs.hidden_states[-1], None)]  # [B, T, d]: its own final (post-norm) hidden states
 
     def student_head(self, drafter):
         return drafter.get_output_embeddings(), None

@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import DynamicCache, PreTrainedModel
 
-from ..modeling import gather_target_kv, target_signature
+from ..modeling import gather_target_kv, target_fingerprint, target_signature
 
 __all__ = ["TargetStates", "TargetStatesDataset", "cache_target_states", "load_target_states"]
 
@@ -80,13 +80,21 @@ def cache_target_states(
     Examples are batched by length (right padding, masked) and stored unpadded, truncated to `max_length`; with
     `tli_layers=M` the hidden states before the last 1..M layers are stored too (drafters with Target Layer Inference
     N <= M). Returns the folder. An existing complete folder for the same dataset size and target (and at least M
-    such layers) is reused as is.
+    such layers) is reused as is; one computed by another model (another signature, or other weights: another
+    `target_fingerprint`, e.g. the base model of a fine-tune) is recomputed.
     """
     out = Path(output_dir)
     meta_path = out / _META
+    fingerprint = target_fingerprint(target)
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
-        if meta.get("complete") and meta["num_examples"] == len(dataset) and meta["target"] == _signature(target):
+        same_weights = meta.get("fingerprint") in (None, fingerprint) or fingerprint is None  # None: not recorded
+        if (
+            meta.get("complete")
+            and meta["num_examples"] == len(dataset)
+            and meta["target"] == _signature(target)
+            and same_weights
+        ):
             if meta.get("tli_layers", 0) >= tli_layers:
                 return out
             raise ValueError(
@@ -167,6 +175,7 @@ def cache_target_states(
         "max_length": max_length,
         "offsets": offsets.tolist(),
         "target": _signature(target),
+        "fingerprint": fingerprint,
     }
     meta_path.write_text(json.dumps(meta))
     return out
@@ -199,7 +208,21 @@ def load_target_states(folder: str | os.PathLike, target: PreTrainedModel | None
             f"The target states in {folder} were computed by {states.meta['target']}, not by this target "
             f"({_signature(target)}); recompute them for this target."
         )
+    if target is not None:
+        _check_fingerprint(states.meta, target_fingerprint(target), folder)
     return states
+
+
+def _check_fingerprint(meta: dict, fingerprint: str | None, folder: Path) -> None:
+    """Refuse states computed by other weights of the same signature (a base model and its fine-tune). Folders
+    written before fingerprints were recorded are not checked."""
+    recorded = meta.get("fingerprint")
+    if recorded is not None and fingerprint is not None and recorded != fingerprint:
+        raise ValueError(
+            f"The target states in {folder} were computed by other weights than this target's (fingerprint "
+            f"{recorded}, this target {fingerprint}: a fine-tune of it, or its base model?); give this target its "
+            "own --states folder."
+        )
 
 
 class TargetStatesDataset(Dataset):

@@ -10,19 +10,25 @@ summed and divided by the number of counted positions in the whole (accumulated,
 A target with sliding-window layers: the drafter reads a prompt at the end of it, when such a layer holds only its
 last window-1 positions; the older ones have no context and stay out of the CA memory, in training
 (`held_target_kv`) as at inference (`MoADrafterModel.read_context`).
+
+A sorted drafter (K > 1 blocks, an exit after each) is scored at every exit: the loss is the weighted mean of the
+exits' losses above (`exit_loss_weights`). A drafter serving several targets trains on each target's own data, every
+batch from one target (`TargetBatchSampler`), with that target's parts, states and teacher head.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import ConcatDataset, Dataset, Sampler
 from transformers import DynamicCache, PreTrainedModel, Trainer
 
 from moa_hf.modeling import (
+    PRIMARY_TARGET,
     cycle_starts_from_restarts,
     gather_target_kv,
     held_at_reads,
@@ -40,6 +46,7 @@ __all__ = [
     "IGNORE_INDEX",
     "MoADataCollator",
     "MoATrainer",
+    "TargetBatchSampler",
     "draw_cycle_lengths",
     "read_ends_of_cycles",
     "run_target",
@@ -64,7 +71,8 @@ class MoADataCollator:
 
     Returns ``input_ids`` and ``attention_mask`` [B, T], ``labels`` [B, T] (position i is counted, with label
     input_ids[i+1], when token i+1 is a response token; else -100), ``prompt_lengths`` [B] and ``sample_index`` [B]
-    (the example's index in the dataset: the seed of its random cycle lengths).
+    (the example's index in the dataset: the seed of its random cycle lengths), and ``target_index`` [B] when the
+    examples carry one (which of the trainer's targets produced them).
     """
 
     pad_token_id: int = 0
@@ -98,6 +106,8 @@ class MoADataCollator:
             "prompt_lengths": prompt_lengths,
             "sample_index": sample_index,
         }
+        if "target_index" in features[0]:
+            batch["target_index"] = torch.tensor([int(f["target_index"]) for f in features], dtype=torch.long)
         for key in ("target_kv", "final_hidden", "tli_hidden"):  # cached target states (`states.TargetStatesDataset`)
             if key in features[0]:
                 first = features[0][key]
@@ -119,6 +129,60 @@ class _Indexed(Dataset):
 
     def __getitem__(self, idx: int) -> dict:
         return {**self.dataset[idx], "sample_index": int(idx)}
+
+
+class _Tagged(Dataset):
+    """A map-style dataset whose items also carry the index of the target that produced them (`target_index`)."""
+
+    def __init__(self, dataset, target_index: int):
+        self.dataset = dataset
+        self.target_index = target_index
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, idx: int) -> dict:
+        return {**self.dataset[idx], "target_index": self.target_index}
+
+
+class TargetBatchSampler(Sampler[int]):
+    """Indices into the concatenation of several targets' datasets (sizes `sizes`, in that order) such that every
+    consecutive block of `batch_size` indices comes from one target: each epoch, every dataset is shuffled and cut
+    into blocks (its last block filled up with its own first examples of the epoch), and all blocks are shuffled
+    together, so targets are mixed in proportion to their dataset sizes. A pure function of (seed, epoch).
+
+    A DataLoader with this sampler and the same `batch_size` yields one-target batches (Accelerate hands whole
+    batches to processes: the same holds per process under DDP).
+    """
+
+    def __init__(self, sizes: Sequence[int], batch_size: int, seed: int = 0):
+        if batch_size < 1 or not sizes or min(sizes) < 1:
+            raise ValueError(f"Need a positive batch size and non-empty datasets, got {batch_size} and {list(sizes)}.")
+        self.sizes = [int(n) for n in sizes]
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def _blocks(self) -> list[list[int]]:
+        g = torch.Generator().manual_seed(int(_mix(self.seed, self.epoch, 0x7A67) >> 1))
+        blocks, offset = [], 0
+        for n in self.sizes:
+            order = (offset + torch.randperm(n, generator=g)).tolist()
+            width = -(-n // self.batch_size) * self.batch_size
+            order = (order * -(-width // n))[:width]  # filled up with the first ones again
+            blocks += [order[i : i + self.batch_size] for i in range(0, width, self.batch_size)]
+            offset += n
+        return [blocks[i] for i in torch.randperm(len(blocks), generator=g).tolist()]
+
+    def __iter__(self):
+        for block in self._blocks():
+            yield from block
+
+    def __len__(self) -> int:
+        return sum(-(-n // self.batch_size) for n in self.sizes) * self.batch_size
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -230,21 +294,27 @@ def _accepts(model: torch.nn.Module, name: str) -> bool:
 # The trainer
 # ---------------------------------------------------------------------------------------------------------------------
 class MoATrainer(Trainer):
-    """Trains `model` (a drafter, optionally PEFT-wrapped) against a frozen `target`.
+    """Trains `model` (a drafter, optionally PEFT-wrapped) against a frozen `target`, or several targets.
 
-    The target is kept as a trainer attribute: it is put in eval mode with `requires_grad=False`, never optimized,
+    The targets are kept as trainer attributes: each is put in eval mode with `requires_grad=False`, never optimized,
     never saved (checkpoints and `save_model` hold the drafter only). The drafter's class picks its adapter
     (`drafters.ADAPTERS`): how it runs on a batch and which head it is scored through. A MoA / EAGLE-style drafter is
-    attached to the target for the borrowed embedding / LM head (and TLI layers); one with `own_embeddings=True`
-    keeps its copies frozen.
+    attached to the target of each batch for the borrowed embedding / LM head (and TLI layers); one with
+    `own_embeddings=True` keeps its copies frozen.
 
     Args:
         model: the drafter: MoA, EAGLE-style or an independent causal LM.
-        target: the frozen target LLM.
+        target: the frozen target LLM, or {target name: model} for a MoA drafter serving several targets (`"main"`
+            is the drafter's primary target; a missing other one gets its parts with
+            `add_target(name, model, lora_rank=args.target_lora_rank)` before training).
         args: `MoATrainingArguments`.
-        train_dataset / eval_dataset: map-style datasets of ``{"input_ids", "prompt_length"}`` (see `build_dataset`).
+        train_dataset: a map-style dataset of ``{"input_ids", "prompt_length"}`` (see `build_dataset`), the main
+            target's (the only target's); or {target name: dataset}, each target's own data. Every batch comes from
+            one target (`TargetBatchSampler`).
+        eval_dataset: held-out data of the main (first) target, for the evaluation loss.
         eval_prompts: held-out prompts (strings, with `processing_class` as tokenizer, or token-id lists) for the
-            acceptance-length evaluation (`AcceptanceEvalCallback`), `args.eval_num_prompts` of them.
+            acceptance-length evaluation (`AcceptanceEvalCallback`), `args.eval_num_prompts` of them: the same for
+            every target, or {target name: prompts}.
     """
 
     loss_is_scaled_for_ga = True  # compute_loss divides by the token count of the whole accumulated batch
@@ -252,12 +322,12 @@ class MoATrainer(Trainer):
     def __init__(
         self,
         model: torch.nn.Module,
-        target: PreTrainedModel,
+        target: PreTrainedModel | Mapping[str, PreTrainedModel],
         args: MoATrainingArguments,
         train_dataset=None,
         eval_dataset=None,
         data_collator=None,
-        eval_prompts: Sequence[str] | Sequence[Sequence[int]] | None = None,
+        eval_prompts: Sequence[str] | Sequence[Sequence[int]] | Mapping[str, Sequence] | None = None,
         processing_class=None,
         callbacks=None,
         **kwargs,
@@ -273,17 +343,40 @@ class MoATrainer(Trainer):
                 "support. Launch one process per GPU: `accelerate launch --multi_gpu ...` or `torchrun ...`."
             )
         self.adapter = adapter_for(model)  # how this class of drafter is built, run and read
-        self.target = target
-        self.target_capacities = held_capacities(DynamicCache(config=target.config))  # positions each layer keeps
-        target.eval()
-        target.requires_grad_(False)
-        if getattr(target, "hf_device_map", None) is None and target.device != args.device:
-            target.to(args.device)
-        self.adapter.prepare(unwrap_model(model), target)
+        self.targets = dict(target) if isinstance(target, Mapping) else {PRIMARY_TARGET: target}
+        if not self.targets:
+            raise ValueError("MoATrainer needs a target model.")
+        self.target_names = list(self.targets)
+        by_target = self._datasets_by_target(train_dataset)
+        # the target of untagged batches (evaluation data): the one trained on, else the primary one
+        self.default_target = (
+            next(iter(by_target))
+            if by_target and len(by_target) == 1
+            else (PRIMARY_TARGET if PRIMARY_TARGET in self.targets else self.target_names[0])
+        )
+        self.target = self.targets[self.default_target]
+        self.capacities_by_target = {  # positions each layer of each target keeps
+            name: held_capacities(DynamicCache(config=t.config)) for name, t in self.targets.items()
+        }
+        self.target_capacities = self.capacities_by_target[self.default_target]  # the default target's
+        for t in self.targets.values():
+            t.eval()
+            t.requires_grad_(False)
+            if getattr(t, "hf_device_map", None) is None and t.device != args.device:
+                t.to(args.device)
+        drafter = unwrap_model(model)
+        self.adapter.prepare(drafter, self.target)
+        self._prepare_targets(model, drafter, args, by_target)
+        self.exit_weights = args.exit_weights(self.adapter.num_exits(drafter))
         if data_collator is None:
-            pad = target.config.get_text_config().pad_token_id
+            pad = self.target.config.get_text_config().pad_token_id
             data_collator = MoADataCollator(pad_token_id=pad if pad is not None else 0, max_length=args.max_length)
-        train_dataset = _Indexed(train_dataset) if train_dataset is not None else None
+        self._target_sizes = [len(d) for d in by_target.values()] if by_target else []
+        if by_target and len(by_target) > 1:
+            tagged = [_Tagged(d, self.target_names.index(name)) for name, d in by_target.items()]
+            train_dataset = _Indexed(ConcatDataset(tagged))
+        elif by_target:
+            train_dataset = _Indexed(next(iter(by_target.values())))
         eval_dataset = _Indexed(eval_dataset) if eval_dataset is not None else None
         super().__init__(
             model=model,
@@ -296,36 +389,114 @@ class MoATrainer(Trainer):
             **kwargs,
         )
         self.model_accepts_loss_kwargs = True  # makes the Trainer count `labels` tokens into num_items_in_batch
-        self._parts = torch.zeros(3, dtype=torch.float64)  # soft CE sum, feature loss sum, tokens since last log
+        K = len(self.exit_weights)
+        self._parts = torch.zeros(3 + K, dtype=torch.float64)  # soft CE, feature loss, tokens since last log, exits
         self._agreement = torch.zeros(4, dtype=torch.float64)  # evaluation: top-1 hits, positions, first-of-cycle ones
+        self._target_tokens = torch.zeros(len(self.target_names), dtype=torch.float64)  # non-padding, this process
         if eval_prompts is not None and args.eval_num_prompts > 0:
+            if isinstance(eval_prompts, Mapping):
+                eval_prompts = {name: list(p)[: args.eval_num_prompts] for name, p in eval_prompts.items()}
+            else:
+                eval_prompts = list(eval_prompts)[: args.eval_num_prompts]
             self.add_callback(
                 AcceptanceEvalCallback(
-                    target,
-                    list(eval_prompts)[: args.eval_num_prompts],
+                    self.targets,
+                    eval_prompts,
                     tokenizer=processing_class,
                     max_new_tokens=args.eval_max_new_tokens,
                     every_n_steps=args.eval_acceptance_steps,
                     trainer=self,
+                    each_exit=args.eval_each_exit,
                 )
             )
+
+    def _datasets_by_target(self, train_dataset) -> dict[str, Dataset] | None:
+        """{target name: dataset} from `train_dataset` (a plain one is the main target's, or the only target's)."""
+        if train_dataset is None:
+            return None
+        if not isinstance(train_dataset, Mapping):
+            if PRIMARY_TARGET not in self.targets and len(self.targets) > 1:
+                raise ValueError(
+                    f"Pass the training data of several targets as {{target name: dataset}} (targets: "
+                    f"{self.target_names})."
+                )
+            name = PRIMARY_TARGET if PRIMARY_TARGET in self.targets else self.target_names[0]
+            return {name: train_dataset}
+        unknown = sorted(set(train_dataset) - set(self.targets))
+        if unknown:
+            raise ValueError(f"Training data for {unknown}, which are not among the targets {self.target_names}.")
+        empty = [name for name, d in train_dataset.items() if len(d) == 0]
+        if empty:
+            raise ValueError(f"The training data of target(s) {empty} is empty.")
+        return {name: d for name, d in train_dataset.items()}
+
+    def _prepare_targets(self, model, drafter, args: MoATrainingArguments, by_target) -> None:
+        """Parts for every target the drafter lacks; with `train_target_parts`, everything else frozen."""
+        missing = [n for n in self.targets if n != PRIMARY_TARGET and n not in getattr(drafter, "target_names", [n])]
+        if missing and model is not drafter and hasattr(model, "get_base_model"):
+            raise ValueError(
+                f"Add the targets {missing} to the drafter (`drafter.add_target`) before wrapping it with PEFT; or "
+                "train without --lora-r."
+            )
+        added = self.adapter.add_targets(drafter, self.targets, lora_rank=args.target_lora_rank)
+        if added:
+            logger.info("Added parts for target(s) %s (LoRA rank %d).", added, args.target_lora_rank)
+        name = args.train_target_parts
+        if name is None:
+            return
+        if name not in self.targets:
+            raise ValueError(f"train_target_parts={name!r} is not among the targets {self.target_names}.")
+        others = sorted(set(by_target or {}) - {name})
+        if others:
+            raise ValueError(
+                f"Training only the parts of target {name!r} takes that target's data only, not that of {others}."
+            )
+        if model is not drafter and hasattr(model, "get_base_model"):
+            raise ValueError("train_target_parts trains the drafter's own per-target parts: do not wrap it in PEFT.")
+        params = self.adapter.train_only_target_parts(drafter, name)
+        logger.info("Training only target %r's parts: %d parameters.", name, sum(p.numel() for p in params))
 
     @property
     def drafter(self) -> torch.nn.Module:
         """The drafter being trained (under any PEFT / DDP wrapper): MoA, EAGLE-style or an independent LM."""
         return unwrap_model(self.model)
 
+    def _get_train_sampler(self, train_dataset=None):
+        """Several targets: `TargetBatchSampler` (one-target batches); else the Trainer's own sampler."""
+        if len(self._target_sizes) > 1 and (train_dataset is None or train_dataset is self.train_dataset):
+            return TargetBatchSampler(self._target_sizes, self._train_batch_size, seed=self.args.seed)
+        return super()._get_train_sampler(train_dataset)
+
+    def target_token_counts(self) -> dict[str, int]:
+        """Non-padding training tokens seen per target (summed over processes)."""
+        counts = self._target_tokens.clone()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            counts = counts.to(self.args.device)
+            torch.distributed.all_reduce(counts)
+            counts = counts.cpu()
+        return {name: int(n) for name, n in zip(self.target_names, counts.tolist())}
+
     # -----------------------------------------------------------------------------------------------------------------
     # Batch preparation
     # -----------------------------------------------------------------------------------------------------------------
-    def target_states(self, inputs: dict[str, torch.Tensor]) -> TargetStates:
-        """The frozen target's states for the batch: cached ones (`states.TargetStatesDataset`) when the batch has
-        them, else one no-grad forward of the target."""
+    def batch_target(self, inputs: dict[str, torch.Tensor]) -> str:
+        """The name of the target whose data the batch is (every batch comes from one target)."""
+        index = inputs.get("target_index")
+        if index is None:
+            return self.default_target
+        if bool((index != index[0]).any()):
+            raise ValueError(
+                "A batch mixes the data of several targets; train with MoATrainer's own sampler (TargetBatchSampler)."
+            )
+        return self.target_names[int(index[0])]
+
+    def target_states(self, inputs: dict[str, torch.Tensor], target_name: str | None = None) -> TargetStates:
+        """The frozen target's states for the batch (of target `target_name`; None: the batch's): cached ones
+        (`states.TargetStatesDataset`) when the batch has them, else one no-grad forward of the target."""
+        target = self.targets[target_name or self.batch_target(inputs)]
         tli = self.adapter.target_layer_inference(self.drafter)
         if "final_hidden" not in inputs:
-            return run_target(
-                self.target, inputs["input_ids"], inputs.get("attention_mask"), target_layer_inference=tli
-            )
+            return run_target(target, inputs["input_ids"], inputs.get("attention_mask"), target_layer_inference=tli)
         hidden = inputs["final_hidden"]
         kv = inputs.get("target_kv")
         if self.adapter.needs_target_kv and kv is None:
@@ -343,7 +514,7 @@ class MoATrainer(Trainer):
                 f"target states hold the inputs of the last {have}; cache them with `tli_layers={tli}` "
                 f"(`moa train --states` does it for a new folder)."
             )
-        num_layers, dtype = kv.shape[2], next(self.target.parameters()).dtype
+        num_layers, dtype = kv.shape[2], next(target.parameters()).dtype
         heads = self.drafter.config.target_num_key_value_heads
         tli_kv = [  # the last N layers' (keys, values) [B, Hkv, T, hd], as the target's cache holds them
             tuple(t.to(dtype) for t in split_target_kv(kv, layer, heads))
@@ -351,14 +522,19 @@ class MoATrainer(Trainer):
         ]
         return TargetStates(target_kv=kv, feature=before_last[:, :, tli - 1], final_hidden=hidden, tli_kv=tli_kv)
 
-    def held_target_kv(self, prompt_lengths: torch.Tensor, cycle_starts: torch.Tensor) -> torch.Tensor | None:
-        """bool [B, T]: whether every layer of the target still holds token j's key/value when the drafter reads it
-        at inference (`held_at_reads`): a sliding-window layer has dropped prompt positions older than its window by
-        the first read (at the end of the prompt). None when every layer holds every position of the batch."""
+    def held_target_kv(
+        self, prompt_lengths: torch.Tensor, cycle_starts: torch.Tensor, target_name: str | None = None
+    ) -> torch.Tensor | None:
+        """bool [B, T]: whether every layer of the target (`target_name`; None: `default_target`) still holds token j's
+        key/value when the drafter reads it at inference (`held_at_reads`): a sliding-window layer has dropped prompt
+        positions older than its window by the first read (at the end of the prompt). None when every layer holds
+        every position of the batch."""
+        name = target_name or self.default_target
+        capacities = self.target_capacities if name == self.default_target else self.capacities_by_target[name]
         T = cycle_starts.shape[1]
-        if all(c is None or c >= T for c in self.target_capacities):
+        if all(c is None or c >= T for c in capacities):
             return None
-        return held_at_reads(read_ends_of_cycles(prompt_lengths, cycle_starts), self.target_capacities)
+        return held_at_reads(read_ends_of_cycles(prompt_lengths, cycle_starts), capacities)
 
     def simulated_cycles(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(cycle_starts [B, T], sa_mask [B, T, T] or None) for the batch: the staircase of simulated drafting cycles
@@ -385,12 +561,18 @@ class MoATrainer(Trainer):
         return cycle_starts, sa_mask
 
     def token_losses(
-        self, student: torch.Tensor, feature: torch.Tensor | None, states: TargetStates, counted: torch.Tensor
+        self,
+        student: torch.Tensor,
+        feature: torch.Tensor | None,
+        states: TargetStates,
+        counted: torch.Tensor,
+        target_name: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(total, soft CE, feature) loss per counted position, each [N] float32, N = counted.sum().
 
         student: [B, T, d] the hidden states the drafter's head reads; feature: [B, T, d] the drafter's predicted
-        target feature (None: no feature loss, e.g. an independent LM)."""
+        target feature (None: no feature loss, e.g. an independent LM); target_name: whose head is the teacher (None:
+        `default_target`)."""
         args = self.args
         drafter = self.drafter
         n = int(counted.sum())
@@ -399,7 +581,7 @@ class MoATrainer(Trainer):
             feat = feature_loss(feature[counted], states.feature[counted])
         ce = torch.zeros(n, device=student.device)
         if args.soft_ce_weight > 0 or feature is None:
-            weight = self.target.get_output_embeddings().weight  # [V, d]
+            weight = self.targets[target_name or self.default_target].get_output_embeddings().weight  # [V, d]
             student_head, draft_ids = self.adapter.student_head(drafter)
             if draft_ids is not None:
                 weight = weight[draft_ids.to(weight.device)]  # [V', d]: the teacher over the draft vocab
@@ -426,25 +608,38 @@ class MoATrainer(Trainer):
     # -----------------------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Sum of per-position losses over the counted positions / `num_items_in_batch` (the counted positions of
-        the whole accumulated batch on all devices), so gradient accumulation and DDP match one large batch."""
-        states = self.target_states(inputs)
+        the whole accumulated batch on all devices), so gradient accumulation and DDP match one large batch.
+
+        A drafter with K exits: the per-position loss is the weighted mean over exits (`exit_weights`) of each
+        exit's loss; exits of weight 0 are scored without gradients (logged only)."""
+        name = self.batch_target(inputs)
+        self.adapter.use_target(self.drafter, self.targets[name])  # its embedding / head
+        states = self.target_states(inputs, name)
         cycle_starts, sa_mask = self.simulated_cycles(inputs) if self.adapter.simulates_cycles else (None, None)
         if cycle_starts is not None and states.target_kv is not None:
-            states.target_kv_held = self.held_target_kv(inputs["prompt_lengths"], cycle_starts)
-        student, feature = self.adapter.training_forward(
+            states.target_kv_held = self.held_target_kv(inputs["prompt_lengths"], cycle_starts, name)
+        exits = self.adapter.training_forward(
             model,
             inputs,
             states,
             cycle_starts=cycle_starts,
             sa_mask=sa_mask,
             feature_noise=self.args.feature_noise if model.training else 0.0,
+            target_name=name,
         )
+        if len(exits) != len(self.exit_weights):
+            raise ValueError(f"The drafter gave {len(exits)} exits, expected {len(self.exit_weights)}.")
         counted = inputs["labels"] != IGNORE_INDEX  # [B, T]
         if "attention_mask" in inputs:
             counted &= inputs["attention_mask"].bool()
-        total, ce, feat = self.token_losses(student, feature, states, counted)
+        per_exit = []  # (total, soft CE, feature) [N] per exit
+        for weight, (student, feature) in zip(self.exit_weights, exits):
+            with contextlib.nullcontext() if weight > 0 else torch.no_grad():
+                per_exit.append(self.token_losses(student, feature, states, counted, target_name=name))
+        weighted = [(w, part) for w, part in zip(self.exit_weights, per_exit) if w > 0]
+        total, ce, feat = (sum(w * part[i] for w, part in weighted) for i in range(3))  # each [N]
         if not model.training:
-            self._count_agreement(student, inputs["labels"], counted, cycle_starts)
+            self._count_agreement(exits[-1][0], inputs["labels"], counted, cycle_starts)
         if num_items_in_batch is None:
             loss = total.sum() / counted.sum().clamp(min=1)
         else:
@@ -452,7 +647,14 @@ class MoATrainer(Trainer):
             if self.args.average_tokens_across_devices and self.args.world_size > 1:
                 loss = loss * self.args.world_size  # DDP averages gradients over processes; undo it
         if model.training:
-            self._parts += torch.tensor([float(ce.detach().sum()), float(feat.detach().sum()), float(counted.sum())])
+            exit_sums = [float(part[0].detach().sum()) for part in per_exit]
+            self._parts += torch.tensor(
+                [float(ce.detach().sum()), float(feat.detach().sum()), float(counted.sum()), *exit_sums],
+                dtype=torch.float64,
+            )
+            mask = inputs.get("attention_mask")
+            tokens = mask.sum() if mask is not None else inputs["input_ids"].numel()
+            self._target_tokens[self.target_names.index(name)] += float(tokens)
         if return_outputs:
             token_loss = torch.zeros(counted.shape, device=total.device)
             token_loss[counted] = total.detach()
@@ -502,10 +704,14 @@ class MoATrainer(Trainer):
         return output
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Adds the loss components (`soft_ce`, `feature_loss`, per counted token, this process) to training logs."""
+        """Adds the loss components (`soft_ce`, `feature_loss`, per counted token, this process; weighted over exits)
+        and, for a drafter with several exits, each exit's loss (`loss_exit1`, ...) to training logs."""
         if "loss" in logs and self._parts[2] > 0:
             logs["soft_ce"] = float(self._parts[0] / self._parts[2])
             logs["feature_loss"] = float(self._parts[1] / self._parts[2])
+            if len(self._parts) > 4:
+                for i, value in enumerate(self._parts[3:].tolist(), start=1):
+                    logs[f"loss_exit{i}"] = float(value / self._parts[2])
             self._parts.zero_()
         super().log(logs, start_time)
 

@@ -1,4 +1,9 @@
-"""`moa serve`, `moa client` and `moa serve-bench`."""
+"""`moa serve`, `moa client`, `moa serve-bench` and `moa serve-load`.
+
+`moa client` exit codes: 0 the whole text verified by the target (or `--best-effort`), 1 a server error (or the server
+unreachable with no drafter to fall back on), 2 a usage error (one-line message, nothing sent), 3 some of the text
+was never verified (server unreachable, or no admission within `--admission-timeout-s`), 130 interrupted.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +15,36 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["register", "load_server_drafter"]
+__all__ = ["EXIT_SERVER_ERROR", "EXIT_UNVERIFIED", "EXIT_USAGE", "load_server_drafter", "read_token", "register"]
 
 logger = logging.getLogger(__name__)
 
 _DTYPE_CHOICES = ("bfloat16", "float32")
 _TOKEN_ENV = "MOA_SERVE_TOKEN"
+EXIT_SERVER_ERROR, EXIT_USAGE, EXIT_UNVERIFIED = 1, 2, 3
+
+
+def read_token(token: str | None, token_file: str | None) -> str | None:
+    """The auth token: `--token-file PATH` (its first line), else `--token` (visible in `ps`: a warning), else
+    `$MOA_SERVE_TOKEN`; None when none is set. `ValueError` for an unreadable or empty file, or both flags."""
+    if token is not None and token_file is not None:
+        raise ValueError("give the token once: --token-file or --token, not both")
+    if token_file is not None:
+        try:
+            lines = Path(token_file).read_text().splitlines()
+        except OSError as err:
+            raise ValueError(f"cannot read --token-file {token_file}: {err.strerror or err}") from err
+        if not lines or not lines[0].strip():
+            raise ValueError(f"--token-file {token_file} is empty: write the token on its first line")
+        return lines[0].strip()
+    if token is not None:
+        logger.warning("--token is visible to every user of this machine (ps): prefer --token-file or $%s", _TOKEN_ENV)
+        return token
+    return os.environ.get(_TOKEN_ENV) or None
 
 
 def register(subparsers) -> None:
-    """Add the `serve`, `client` and `serve-bench` subcommands."""
+    """Add the `serve`, `client`, `serve-bench` and `serve-load` subcommands."""
     p = subparsers.add_parser(
         "serve",
         help="host a target for client-server speculative decoding",
@@ -47,13 +72,15 @@ def register(subparsers) -> None:
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the target's)")
     p.add_argument(
-        "--token", default=None, help=f"auth token clients must send (default: ${_TOKEN_ENV}); required off loopback"
+        "--token-file",
+        default=None,
+        help=f"a file whose first line is the auth token clients must send (or ${_TOKEN_ENV}); required off loopback",
     )
-    p.add_argument("--max-sessions", type=int, default=16)
-    p.add_argument("--max-tokens-per-session", type=int, default=4096)
-    p.add_argument("--max-draft-tokens", type=int, default=64, help="most drafted tokens per verification call")
-    p.add_argument("--session-ttl-s", type=float, default=300.0, help="idle sessions expire after this")
-    p.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    p.add_argument("--token", default=None, help="the token itself (visible in `ps`: prefer --token-file)")
+    p.add_argument(
+        "--docs", action="store_true", help="serve the API docs (/docs, /redoc, /openapi.json), behind the token"
+    )
+    _serve_limits(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random drafter")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_serve)
@@ -72,7 +99,10 @@ def register(subparsers) -> None:
         help="print one JSON object (text, token_ids, server_calls, unverified_tokens, timings, ...)",
     )
     c.add_argument("--raw", action="store_true", help="send the prompt as raw text (no chat template)")
-    c.add_argument("--token", default=None, help=f"the server's auth token (default: ${_TOKEN_ENV})")
+    c.add_argument(
+        "--token-file", default=None, help=f"a file whose first line is the server's auth token (or ${_TOKEN_ENV})"
+    )
+    c.add_argument("--token", default=None, help="the token itself (visible in `ps`: prefer --token-file)")
     c.add_argument(
         "--drafter",
         default=None,
@@ -116,6 +146,18 @@ def register(subparsers) -> None:
         default=10.0,
         help="after drafting every token offline, how long to wait for the server",
     )
+    c.add_argument(
+        "--admission-timeout-s",
+        type=float,
+        default=600.0,
+        help="how long to wait for a busy server (it answers 429/503 with Retry-After) before drafting alone",
+    )
+    c.add_argument(
+        "--best-effort",
+        action="store_true",
+        help=f"exit 0 even when some text was never verified (drafter-only; still said on stderr; default: exit "
+        f"{EXIT_UNVERIFIED})",
+    )
     c.set_defaults(func=_client)
 
     b = subparsers.add_parser(
@@ -141,6 +183,18 @@ def register(subparsers) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--output", default=None, help="write the JSON report here")
     b.set_defaults(func=_bench)
+
+    from .loadtest import add_arguments as load_arguments  # standard library only: cheap for `moa --help`
+
+    load = subparsers.add_parser(
+        "serve-load",
+        help="load-test a `moa serve` server with concurrent clients",
+        description="Start `moa serve` (or attach to --server), run one client alone, then N concurrent clients "
+        "(drafting here) per phase; report latency p50/p95, verified tokens/s, exactness against the single-client "
+        "output, /v1/health latency, server RSS, HTTP errors and unverified tokens. Bounded by --max-seconds.",
+    )
+    load_arguments(load)
+    load.set_defaults(func=_load)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -191,18 +245,63 @@ def _missing_extras() -> str | None:
     return None
 
 
+def _serve_limits(p) -> None:
+    """`moa serve`'s limits (defaults: `ServerLimits`; docs/serving.md says why)."""
+    g = p.add_argument_group("limits")
+    g.add_argument("--max-sessions", type=int, default=32, help="sessions at once (default: 32 = --max-batch)")
+    g.add_argument("--max-tokens-per-session", type=int, default=4096)
+    g.add_argument("--max-draft-tokens", type=int, default=64, help="most drafted tokens per verification call")
+    g.add_argument(
+        "--memory-budget-gb",
+        type=float,
+        default=None,
+        help="the sessions' projected caches, in GB (prompt + max_new_tokens + drafts per session; default: 25%% of "
+        "the RAM, or of the GPU's memory on CUDA)",
+    )
+    g.add_argument("--session-ttl-s", type=float, default=60.0, help="idle sessions expire after this")
+    g.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    g.add_argument("--max-context-reply", type=int, default=512, help="tokens a call's context_from may reach back")
+    g = p.add_argument_group("load")
+    g.add_argument("--max-batch", type=int, default=32, help="sessions' calls verified in one scheduler tick")
+    g.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per session per tick")
+    g.add_argument(
+        "--admission-wait-s", type=float, default=20.0, help="a new session waits this long for room, then 429"
+    )
+    g.add_argument("--max-queue", type=int, default=64, help="new sessions waiting for room; more get 429 at once")
+    g.add_argument("--header-timeout-s", type=float, default=10.0, help="a request's headers must arrive within this")
+    g.add_argument("--body-timeout-s", type=float, default=20.0, help="its body within this after the headers")
+
+
 def _serve(args) -> int:
     if (message := _missing_extras()) is not None:
         print(message, file=sys.stderr)
         return 2
-    import uvicorn
+    from .server import ServerLimits, ServingState, create_app, is_loopback, run_server
 
-    from .server import ServerLimits, ServingState, create_app, is_loopback
-
-    token = args.token or os.environ.get(_TOKEN_ENV) or None
+    try:
+        token = read_token(args.token, args.token_file)
+        limits = ServerLimits(
+            max_sessions=args.max_sessions,
+            max_tokens_per_session=args.max_tokens_per_session,
+            max_draft_tokens=args.max_draft_tokens,
+            session_ttl_s=args.session_ttl_s,
+            max_request_bytes=args.max_request_bytes,
+            max_batch=args.max_batch,
+            prefill_chunk=args.prefill_chunk,
+            admission_wait_s=args.admission_wait_s,
+            max_queue=args.max_queue,
+            memory_budget_bytes=None if args.memory_budget_gb is None else int(args.memory_budget_gb * 1e9),
+            max_context_reply=args.max_context_reply,
+            header_timeout_s=args.header_timeout_s,
+            body_timeout_s=args.body_timeout_s,
+        )
+        _check_limits(limits)
+    except ValueError as err:
+        print(f"error: {_one_line(err)}", file=sys.stderr)
+        return EXIT_USAGE
     if not is_loopback(args.host) and token is None:
         print(
-            f"error: --host {args.host} is not a loopback address: set an auth token with --token or "
+            f"error: --host {args.host} is not a loopback address: set an auth token with --token-file or "
             f"${_TOKEN_ENV} (clients then pass the same token)",
             file=sys.stderr,
         )
@@ -210,34 +309,80 @@ def _serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     target, tokenizer = _load_target(args.target, args.dtype, args.tokenizer)
     drafter, _ = load_server_drafter(args.drafter, target, seed=args.seed)
-    limits = ServerLimits(
-        max_sessions=args.max_sessions,
-        max_tokens_per_session=args.max_tokens_per_session,
-        max_draft_tokens=args.max_draft_tokens,
-        session_ttl_s=args.session_ttl_s,
-        max_request_bytes=args.max_request_bytes,
-    )
     state = ServingState(
         target, drafter, tokenizer=tokenizer, limits=limits, token=token, allow_other_target=args.allow_other_target
     )
     print(f"moa serve: {state.info()['target']} ({args.dtype}) on http://{args.host}:{args.port}", file=sys.stderr)
-    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level.lower())
+    app = create_app(state, docs=args.docs)
+    run_server(state, app, host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0
 
 
+def _check_limits(limits) -> None:
+    """`ValueError` (one line) for limits that cannot work."""
+    for name in ("max_sessions", "max_tokens_per_session", "max_batch", "prefill_chunk", "max_request_bytes"):
+        if getattr(limits, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(limits, name)}")
+    for name in ("max_draft_tokens", "max_queue", "max_context_reply"):
+        if getattr(limits, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(limits, name)}")
+    for name in ("session_ttl_s", "admission_wait_s", "header_timeout_s", "body_timeout_s"):
+        if not getattr(limits, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(limits, name)}")
+    if limits.memory_budget_bytes is not None and not limits.memory_budget_bytes > 0:
+        raise ValueError("--memory-budget-gb must be > 0")
+
+
 def _client(args) -> int:
+    """`moa client`: every failure is one line on stderr with its exit code (see the module doc)."""
     if (message := _missing_extras()) is not None:
         print(message, file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    try:
+        return _run_client(args)
+    except KeyboardInterrupt:
+        print("\nerror: interrupted", file=sys.stderr)
+        return 130
+    except ValueError as err:  # a usage error: a bad option, a prompt too long for the server, a mismatched drafter
+        print(f"error: {_one_line(err)}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as err:  # the server refused, or is unreachable with nothing to draft with
+        print(f"error: {_one_line(err)}", file=sys.stderr)
+        return EXIT_SERVER_ERROR
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def _check_client_args(args) -> None:
+    """Usage errors found before any request (`ValueError`, one line)."""
+    from .protocol import check_max_new_tokens, check_sampling
+
+    if not args.prompt.strip():
+        raise ValueError("the prompt is empty: give some text with --prompt")
+    check_max_new_tokens(args.max_new_tokens)
+    check_sampling(args.temperature, args.top_p, args.top_k, do_sample=args.do_sample)
+    for name in ("timeout_s", "reconnect_timeout_s", "admission_timeout_s"):
+        if not getattr(args, name) >= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ("draft_length", "max_draft_length"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.offline and args.no_cache and not args.drafter:
+        raise ValueError("--offline with --no-cache leaves nothing to draft with: pass --drafter DIR")
+
+
+def _run_client(args) -> int:
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from ..loading import load_drafter
     from .client import MoAClient
 
-    token = args.token or os.environ.get(_TOKEN_ENV) or None
-    if args.offline and args.no_cache and not args.drafter:
-        print("error: --offline with --no-cache leaves nothing to draft with: pass --drafter DIR", file=sys.stderr)
-        return 2
+    _check_client_args(args)
+    hf_logging.disable_progress_bar()  # stderr carries the command's own lines only (this process ends after it)
+    token = read_token(args.token, args.token_file)
     drafter = tokenizer = None
     folder = Path(args.drafter) if args.drafter else None
     if folder is not None and (folder / "config.json").is_file():
@@ -246,31 +391,29 @@ def _client(args) -> int:
             tokenizer = AutoTokenizer.from_pretrained(folder)
     if args.tokenizer is not None:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    try:
-        client = MoAClient(
-            args.server,
-            drafter=drafter,
-            tokenizer=tokenizer,
-            token=token,
-            draft_length=args.draft_length,
-            max_draft_length=args.max_draft_length,
-            context_format=args.context_format,
-            timeout_s=args.timeout_s,
-            reconnect_timeout_s=args.reconnect_timeout_s,
-            cache_dir=args.cache_dir,
-            use_cache=not args.no_cache,
-            offline=args.offline,
-        )
-    except (OSError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    client = MoAClient(
+        args.server,
+        drafter=drafter,
+        tokenizer=tokenizer,
+        token=token,
+        draft_length=args.draft_length,
+        max_draft_length=args.max_draft_length,
+        context_format=args.context_format,
+        timeout_s=args.timeout_s,
+        reconnect_timeout_s=args.reconnect_timeout_s,
+        admission_timeout_s=args.admission_timeout_s,
+        cache_dir=args.cache_dir,
+        use_cache=not args.no_cache,
+        offline=args.offline,
+    )
     with client:
         try:
             client.prepare()
             client.load_tokenizer()
-        except Exception as err:  # a CLI reports any failure in one line
-            print(f"error: {err}", file=sys.stderr)
-            return 1
+        except ValueError:  # a drafter that does not fit the server's: a usage error
+            raise
+        except Exception as err:  # the server unreachable and no drafter to fall back on, a refused token, ...
+            raise RuntimeError(_one_line(err)) from err
         if not client.connected:
             source = f"cached drafter (revision {client.revision})" if client.revision else "local drafter"
             why = "offline mode" if args.offline else "server unreachable"
@@ -282,45 +425,59 @@ def _client(args) -> int:
             client.drafter.save_pretrained(folder)
             client.tokenizer.save_pretrained(folder)
             print(f"saved the server's drafter and tokenizer to {folder}", file=sys.stderr)
-        quiet_offline = not client.connected  # already said above
-        events = client.iter_generate(
-            args.prompt,
-            args.max_new_tokens,
-            raw=args.raw,
-            do_sample=args.do_sample,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-        )
-        while True:
-            try:
-                event = next(events)
-            except StopIteration as stop:
-                result = stop.value
-                break
-            if args.json:
-                continue
-            if event.kind == "verified":
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-            elif event.kind == "offline" and not quiet_offline:
-                print("\n[server unreachable: drafting alone, retrying]", file=sys.stderr)
-            elif event.kind == "online":
-                quiet_offline = False
-                print("\n[server back: verifying the drafted tokens]", file=sys.stderr)
+        result = _stream(client, args)
     if args.json:
         out = result.as_dict()
         out["prompt_tokens"] = len(out.pop("prompt_ids"))
         print(json.dumps(out))
-        return 0
-    if result.unverified_span is not None:
+    elif result.unverified_span is not None:
         start = result.unverified_span[0]
         verified = client.tokenizer.decode(result.token_ids[:start], skip_special_tokens=True)
         sys.stdout.write(result.text[len(verified) :])
-        print(f"\n[the last {result.unverified_tokens} tokens were never verified by the target]", file=sys.stderr)
-    print()
-    return 0
+        print()
+    else:
+        print()
+    if result.verified:
+        return 0
+    why = "offline mode" if args.offline else "the server was unreachable or did not admit the client in time"
+    print(
+        f"[unverified: the last {result.unverified_tokens} of {len(result.token_ids)} tokens were drafted without "
+        f"the target ({why})]",
+        file=sys.stderr,
+    )
+    return 0 if args.best_effort or args.offline else EXIT_UNVERIFIED
+
+
+def _stream(client, args):
+    """Run the generation, streaming the verified text to stdout (unless --json) and state changes to stderr."""
+    quiet_offline = not client.connected  # already said
+    events = client.iter_generate(
+        args.prompt,
+        args.max_new_tokens,
+        raw=args.raw,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    while True:
+        try:
+            event = next(events)
+        except StopIteration as stop:
+            return stop.value
+        if event.kind == "waiting":
+            print(f"[server busy: waiting for admission ({event.text})]", file=sys.stderr)
+        if args.json:
+            continue
+        if event.kind == "verified":
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif event.kind == "offline" and not quiet_offline:
+            print("\n[server unreachable: drafting alone, retrying]", file=sys.stderr)
+        elif event.kind == "online":
+            quiet_offline = False
+            print("\n[server back: verifying the drafted tokens]", file=sys.stderr)
 
 
 def _bench(args) -> int:
@@ -354,3 +511,12 @@ def _bench(args) -> int:
         Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
     print(format_report(report))
     return 0
+
+
+def _load(args) -> int:
+    if (message := _missing_extras()) is not None:
+        print(message, file=sys.stderr)
+        return EXIT_USAGE
+    from .loadtest import run_from_args
+
+    return run_from_args(args)

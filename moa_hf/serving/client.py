@@ -1,9 +1,14 @@
 """The drafting client: holds the drafter, drafts locally, asks a `moa serve` server to verify (one call per cycle).
 
-When the server is unreachable the client keeps generating with its drafter alone (those tokens are marked
-unverified), retries with exponential backoff, and on reconnection has the pending tokens verified, correcting from
-the first rejected one. Verified tokens are never dropped. The draft length adapts to the measured round-trip time,
-server time, drafting time and acceptance (more tokens per call, so fewer calls, when the network is slow).
+A server that answers but is full (429, or 503 while it starts or stops, with Retry-After) is waited for: the client
+retries after the delay it asks for, up to `admission_timeout_s`, and drafts nothing meanwhile. Only when the server
+is unreachable (connection refused or reset, no answer even to /v1/health) or that admission wait ran out does the
+client keep generating with its drafter alone (those tokens are marked unverified, and the result says so), retry
+with exponential backoff, and on reconnection have the pending tokens verified, correcting from the first rejected
+one. Verified tokens are never dropped. A corrupted answer (unparseable, wrong content type, digest mismatch,
+inconsistent fields) is retried as it was sent. The session is deleted when the generation ends, however it ends.
+The draft length adapts to the measured round-trip time, server time, drafting time and acceptance (more tokens per
+call, so fewer calls, when the network is slow).
 
 The server's drafter and tokenizer are kept in a local cache (`cache.DrafterCache`, one folder per revision): a
 client downloads them only when the server announces a revision it does not hold, and a client whose server is
@@ -15,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import socket
 import tempfile
 import time
@@ -30,10 +36,14 @@ from ..modeling import MoADrafterCache
 from ..speculative import sampling_warpers
 from .cache import CachedDrafter, CacheError, DrafterCache
 from .protocol import (
+    CONTENT_DIGEST_HEADER,
     DRAFTER_FILE,
     PROTOCOL_VERSION,
     TOKENIZER_DIR,
     VerifyResult,
+    check_content_digest,
+    check_max_new_tokens,
+    check_sampling,
     decode_drafter,
     decode_result,
     lsa_fingerprint,
@@ -57,6 +67,19 @@ class _Unreachable(Exception):
     """The server could not be reached (or answered a transient error): keep drafting, retry later."""
 
 
+class _Busy(Exception):
+    """The server answers but cannot take the call now (429, 503 with Retry-After, or a timeout while its health
+    answers): wait `retry_after_s` and retry, drafting nothing meanwhile."""
+
+    def __init__(self, why: str, retry_after_s: float = 1.0, queue_depth: int | None = None):
+        super().__init__(why)
+        self.retry_after_s, self.queue_depth = retry_after_s, queue_depth
+
+
+class _Corrupted(Exception):
+    """An answer that is not a valid one (unparseable, wrong content type, digest mismatch, inconsistent fields)."""
+
+
 class _SessionLost(Exception):
     """The server no longer has the session (restart, expiry, or diverged state): create a new one."""
 
@@ -67,7 +90,8 @@ class GenerationEvent:
 
     kind: "verified" (tokens confirmed by the target, `text` is their decoded text), "unverified" (tokens drafted
     while the server was unreachable), "rollback" (that many unverified tokens were rejected and dropped),
-    "offline" / "online" (the server became unreachable / reachable again).
+    "offline" / "online" (the server became unreachable / reachable again), "waiting" (the server is busy: the
+    client waits for admission, drafting nothing; `text` says why).
     `position`: index (among generated tokens) of the first token of `token_ids`.
     """
 
@@ -79,13 +103,15 @@ class GenerationEvent:
 
 @dataclass
 class GenerationResult:
-    """One generation. `token_ids` are the generated tokens (prompt excluded); `unverified_span` = [start, end) of
-    the tokens at the end that no server ever verified (None when all were verified)."""
+    """One generation. `token_ids` are the generated tokens (prompt excluded); `verified` is True when the target
+    verified every one of them, else `unverified_span` = [start, end) are the `unverified_tokens` at the end that no
+    server verified (drafter-only text: the server was unreachable, or admission timed out); None when all were."""
 
     text: str
     token_ids: list[int]
     prompt_ids: list[int]
     server_calls: int
+    verified: bool
     unverified_tokens: int
     unverified_span: list[int] | None
     offline_spans: list[dict]
@@ -230,6 +256,9 @@ class _Run:
     first_token_s: float | None = None  # the first verified token
     first_unverified_s: float | None = None  # the first token shown unverified (drafted while offline)
     offline_spans: list[dict] = field(default_factory=list)
+    busy_answers: int = 0  # 429/503 (or timeouts of a live server) waited for
+    admission_wait_s: float = 0.0  # time spent waiting for them
+    corrupted_answers: int = 0
     shown: int = 0  # leading pending tokens already shown as unverified
     generator: torch.Generator | None = None  # the drafter's sampling RNG (seeded with `seed`)
     done: bool = False
@@ -263,6 +292,9 @@ class MoAClient:
         backoff_initial_s, backoff_max_s: retry delays while the server is unreachable (doubling).
         reconnect_timeout_s: once every token is drafted offline, how long to keep retrying before returning the
             result with an unverified tail.
+        admission_timeout_s: how long to wait for a busy server (429/503 with Retry-After) before drafting alone.
+        corrupt_retries: how many times a corrupted answer is asked for again before the server counts as
+            unreachable.
         cache_dir: the drafter cache (default `$MOA_HF_DRAFTER_CACHE`, else `~/.cache/moa_hf/drafters`);
             `use_cache=False` keeps a downloaded drafter in memory only.
         offline: never contact the server: draft alone with the given or newest cached drafter (all unverified).
@@ -287,6 +319,8 @@ class MoAClient:
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 2.0,
         reconnect_timeout_s: float = 10.0,
+        admission_timeout_s: float = 600.0,
+        corrupt_retries: int = 3,
         check_drafter: bool = True,
         transport: httpx.BaseTransport | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
@@ -314,6 +348,8 @@ class MoAClient:
         self.draft_top_k = draft_top_k
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
         self.reconnect_timeout_s = reconnect_timeout_s
+        self.admission_timeout_s, self.corrupt_retries = admission_timeout_s, corrupt_retries
+        self._rng = random.Random()  # jitter of the retry delays (clients retrying together spread out)
         self.check_drafter = check_drafter
         self.offline = offline
         self.cache = DrafterCache(self.server, cache_dir) if use_cache else None
@@ -357,18 +393,45 @@ class MoAClient:
             raise _Unreachable("offline mode: the client does not contact the server")
         try:
             response = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as err:
+        except (httpx.ConnectError, httpx.ConnectTimeout) as err:  # nothing listens, or no route
             raise _Unreachable(f"{type(err).__name__}: {err}") from err
+        except httpx.TransportError as err:  # a timeout or a reset: unreachable only if its health is silent too
+            why = f"{type(err).__name__} on {method} {path}"
+            if self._answers_health():
+                raise _Busy(f"{why}, but the server answers /v1/health", retry_after_s=0.5) from err
+            raise _Unreachable(f"{why}: {err}") from err
         self._raise_for_status(response, path)
         return response
 
+    def _answers_health(self) -> bool:
+        """Whether the server answers GET /v1/health (never held up by the model) within a few seconds."""
+        try:
+            self._http.get("/v1/health", timeout=httpx.Timeout(5.0, connect=2.0))
+        except httpx.TransportError:
+            return False
+        return True
+
     @staticmethod
     def _raise_for_status(response: httpx.Response, path: str) -> None:
-        if response.status_code in (429, 502, 503, 504) or response.status_code >= 500:
-            raise _Unreachable(f"HTTP {response.status_code}: {response.text[:200]}")
-        if response.status_code in (404, 409, 410) and "/sessions/" in path:
-            raise _SessionLost(response.json().get("detail", ""))
-        if response.status_code >= 400:
+        status = response.status_code
+        retry_after = response.headers.get("Retry-After")
+        if status == 429 or (status == 503 and retry_after is not None):  # reachable, busy: wait for admission
+            try:
+                body = response.json()
+            except ValueError:
+                body = {}
+            body = body if isinstance(body, dict) else {}
+            try:
+                seconds = max(0.0, float(retry_after if retry_after is not None else body.get("retry_after_s", 1)))
+            except (TypeError, ValueError):  # an HTTP-date or garbage: one second
+                seconds = 1.0
+            detail = str(body.get("detail", response.text[:200]))
+            raise _Busy(f"HTTP {status}: {detail}", retry_after_s=seconds, queue_depth=body.get("queue_depth"))
+        if status >= 500:
+            raise _Unreachable(f"HTTP {status}: {response.text[:200]}")
+        if status in (404, 409, 410) and "/sessions/" in path:
+            raise _SessionLost(response.text[:200])
+        if status >= 400:
             try:
                 detail = response.json().get("detail", response.text)
             except ValueError:
@@ -376,11 +439,26 @@ class MoAClient:
             raise ServingError(response.status_code, str(detail))
 
     def _fetch(self, path: str, **kwargs) -> httpx.Response:
-        """GET `path`, raising `ConnectionError` (not retried) if the server is unreachable."""
-        try:
-            return self._request("GET", path, **kwargs)
-        except _Unreachable as err:
-            raise ConnectionError(f"cannot reach the server at {self.server} ({path}): {err}") from err
+        """GET `path`, raising `ConnectionError` if the server is unreachable (not retried) or stays busy for
+        `admission_timeout_s` (waited for as it asks)."""
+        give_up_at = time.monotonic() + self.admission_timeout_s
+        while True:
+            try:
+                return self._request("GET", path, **kwargs)
+            except _Unreachable as err:
+                raise ConnectionError(f"cannot reach the server at {self.server} ({path}): {err}") from err
+            except _Busy as err:
+                left = give_up_at - time.monotonic()
+                if left <= 0:
+                    raise ConnectionError(
+                        f"the server at {self.server} stayed busy for {self.admission_timeout_s:g} s ({path}): {err}"
+                    ) from err
+                time.sleep(min(self._retry_delay(err), left))
+
+    def _retry_delay(self, busy: _Busy) -> float:
+        """Seconds to wait before retrying a busy server: its Retry-After, plus up to a quarter more (at most 1 s)
+        of jitter so that clients refused together do not come back together."""
+        return busy.retry_after_s + self._rng.uniform(0.0, min(1.0, 0.25 * busy.retry_after_s + 0.05))
 
     @property
     def connected(self) -> bool:
@@ -500,7 +578,7 @@ class MoAClient:
             raise ConnectionError(
                 f"cannot reach the server at {self.server} ({path}): the download broke off ({type(err).__name__})"
             ) from err
-        except _Unreachable as err:
+        except (_Unreachable, _Busy) as err:
             raise ConnectionError(f"cannot reach the server at {self.server} ({path}): {err}") from err
 
     def _write_tokenizer(self, folder: Path) -> None:
@@ -531,11 +609,33 @@ class MoAClient:
                 self.tokenizer = AutoTokenizer.from_pretrained(tmp)
         return self.tokenizer
 
+    def _recorded_targets(self) -> dict:
+        """{target name: recorded target fingerprint (or None)} of the drafter: its primary target and, for a sorted
+        multi-target drafter (`drafter.target_names`), the extra ones (`config.extra_targets`). {None: ...} for a
+        drafter without named targets."""
+        c = self.drafter.config
+        extra = getattr(c, "extra_targets", None) or {}
+        names = list(getattr(self.drafter, "target_names", None) or [None])
+        primary = getattr(c, "target_fingerprint", None)
+        return {name: extra[name].get("target_fingerprint") if name in extra else primary for name in names}
+
     def _check_fingerprint(self, info: dict | None) -> None:
-        if not self.check_drafter or info is None or self.drafter is None:
+        """Draft for the server's target and refuse a drafter that does not fit the server's: a multi-target drafter
+        selects the target whose recorded fingerprint is the server target's (the client has no target to attach,
+        `/v1/info` gives its fingerprint, or the cached copy's while it is unreachable); its LSA must be the one the
+        server runs."""
+        known_info = info or self._cached_info
+        if known_info is None or self.drafter is None:
             return
-        mine, theirs = getattr(self.drafter.config, "target_fingerprint", None), info.get("target_fingerprint")
-        if mine and theirs and mine != theirs:
+        theirs, recorded = known_info.get("target_fingerprint"), self._recorded_targets()
+        matched = [name for name, fp in recorded.items() if fp and fp == theirs]
+        if matched and len(recorded) > 1:
+            self.drafter.select_target(matched[0])
+        if not self.check_drafter or info is None:
+            return
+        known = {name: fp for name, fp in recorded.items() if fp}
+        if theirs and known and not matched:
+            mine = ", ".join(f"{fp} ({name})" if name else fp for name, fp in known.items())
             raise ValueError(
                 "This client's drafter was trained for other target weights than the server's target (target "
                 f"fingerprint {mine} vs {theirs}). Use the drafter trained for the server's model, or let the client "
@@ -552,7 +652,8 @@ class MoAClient:
     def _sync(self, run: _Run) -> None:
         """The server answers again (after an offline start or an outage): re-read its /v1/info. When it now runs
         another drafter revision, switch to it (cached or downloaded) and restart the drafter's cache, whose context
-        vectors came from the other drafter; the next call then asks for the context of every verified token.
+        vectors came from the other drafter; the next call creates a new session, which answers with the context of
+        every verified token (a verify re-reads at most the server's `max_context_reply` tokens).
         Raises `_Unreachable` while the server (or the download) does not answer."""
         try:
             info = self.info()
@@ -567,11 +668,19 @@ class MoAClient:
                 self._info = None
                 raise _Unreachable(str(err)) from err
             run.cache = MoADrafterCache()
+            self._end_session(run)  # a new session sends the context of every verified token (a verify may not)
         self._check_fingerprint(info)
         self._eos, self._vocab = self._eos_ids(), int(self.drafter.config.vocab_size)
 
     def _limits(self) -> dict:
         return (self._info or self._cached_info or {}).get("limits", {})
+
+    def _max_tokens(self) -> int | None:
+        """The most tokens a session may hold on the server (None: not known, e.g. offline without a cache)."""
+        info = self._info or self._cached_info or {}
+        bounds = [info.get("limits", {}).get("max_tokens_per_session"), info.get("max_context")]
+        bounds = [b for b in bounds if isinstance(b, int)]
+        return min(bounds) if bounds else None
 
     def _max_draft(self) -> int:
         return min(self.max_draft_length, self._limits().get("max_draft_tokens", self.max_draft_length))
@@ -642,16 +751,16 @@ class MoAClient:
         (an adaptive one depends on timings, and so does which random numbers are drawn).
         """
         t_start = time.perf_counter()
+        check_max_new_tokens(max_new_tokens)  # checked before any request
+        check_sampling(temperature, top_p, top_k, do_sample)
+        if len(prompt) == 0:
+            raise ValueError("The prompt is empty: give at least one token.")
         self.prepare()  # None: start offline, with the given or the newest cached drafter
+        check_sampling(temperature, top_p, top_k, do_sample, vocab_size=int(self.drafter.config.vocab_size))
         prompt_ids = list(prompt) if not isinstance(prompt, str) else self.encode_prompt(prompt, raw=raw)
         if not prompt_ids:
             raise ValueError("The prompt is empty: give at least one token.")
-        limit = self._limits().get("max_tokens_per_session")
-        if limit is not None and len(prompt_ids) + max_new_tokens + 1 > limit:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                f"server's {limit} tokens per session: shorten one of them"
-            )
+        check_max_new_tokens(max_new_tokens, len(prompt_ids), self._max_tokens())
         run = _Run(
             prompt=prompt_ids,
             verified=list(prompt_ids),
@@ -660,7 +769,6 @@ class MoAClient:
         )
         if do_sample and seed is not None:
             run.generator = torch.Generator(device=self.drafter.device).manual_seed(seed)
-        text = _TextStream(self.tokenizer)
         self._eos = self._eos_ids()
         self._vocab = int(self.drafter.config.vocab_size)
 
@@ -669,8 +777,19 @@ class MoAClient:
                 on_event(event)
             return event
 
+        try:
+            yield from self._cycles(run, t_start, emit)
+        finally:  # also when the generation raised or its consumer stopped early: free the server's memory now
+            self._end_session(run)
+        return self._finish(run, t_start)
+
+    def _cycles(self, run: _Run, t_start: float, emit: Callable[[GenerationEvent], GenerationEvent]):
+        """The drafting cycles of `iter_generate` (a generator of its events)."""
+        text = _TextStream(self.tokenizer)
+        max_new_tokens = run.max_new_tokens
         offline_since: float | None = None  # when the server became unreachable (None: online)
         drafting_done_at: float | None = None  # offline, when every remaining token had been drafted
+        busy_since: float | None = None  # when the server first answered "busy" in a row (None: it is not)
         backoff, next_retry = self.backoff_initial_s, 0.0
         start_offline = self._info is None  # the server did not answer just now: draft from the first token
         while not run.done and run.generated < max_new_tokens:
@@ -704,7 +823,20 @@ class MoAClient:
                     self._sync(run)
                 sent = min(len(run.pending), self._max_draft())
                 result = self._call(run, sent)
-            except _Unreachable as err:
+            except (_Busy, _Unreachable) as err:
+                if isinstance(err, _Busy):  # reachable but full: wait as it asks, draft nothing meanwhile
+                    now = time.monotonic()
+                    if busy_since is None:
+                        busy_since = now
+                        yield emit(GenerationEvent("waiting", text=str(err), position=run.generated))
+                    left = busy_since + self.admission_timeout_s - now
+                    if left > 0:
+                        delay = min(self._retry_delay(err), left)
+                        run.busy_answers += 1
+                        run.admission_wait_s += delay
+                        time.sleep(delay)
+                        continue
+                    err = _Unreachable(f"no admission within {self.admission_timeout_s:g} s ({err})")
                 run.failed_calls += 1
                 self._info = None
                 if offline_since is None:
@@ -712,7 +844,7 @@ class MoAClient:
                     logger.warning("server unreachable (%s): drafting alone until it is back", err)
                     span = {"start": run.generated, "drafted": len(run.pending), "accepted": 0}
                     run.offline_spans.append({**span, "reconnected_after_s": None})
-                    yield emit(GenerationEvent("offline", position=run.generated))
+                    yield emit(GenerationEvent("offline", text=str(err), position=run.generated))
                     if run.pending:
                         run.shown = len(run.pending)
                         if run.first_unverified_s is None:
@@ -722,6 +854,7 @@ class MoAClient:
                     backoff = min(backoff * 2, self.backoff_max_s)
                 next_retry = time.monotonic() + backoff
                 continue
+            busy_since = None
             position, shown, before = run.generated, run.shown, list(run.pending)
             new, confirmed = self._apply(run, result, sent)
             if shown:  # some pending tokens had been shown as unverified
@@ -737,7 +870,6 @@ class MoAClient:
             if run.first_token_s is None:
                 run.first_token_s = time.perf_counter() - t_start
             yield emit(GenerationEvent("verified", new, text.push(run.verified[len(run.prompt) :]), position))
-        return self._finish(run, t_start)
 
     # -- one cycle --------------------------------------------------------------------------------------------------
     def _ends(self, tokens: list[int]) -> bool:
@@ -794,39 +926,36 @@ class MoAClient:
 
     def _call(self, run: _Run, sent: int) -> VerifyResult:
         """Create or verify: the first `sent` pending tokens are verified. Re-creates a lost session once (after
-        re-reading /v1/info: a server that lost the session may have restarted with another drafter)."""
-        drafts = run.pending[:sent]
-        for _attempt in range(2):
-            body = {
-                "draft_ids": drafts,
-                "context_from": run.cache.context_length,  # 0 again after `_sync` switched drafters
-                "context_format": self.context_format,
-                "want_context": self.draft_length != 0,
-            }  # plain decoding (draft_length=0) needs no context
-            if run.sampling["do_sample"] and drafts:
-                body["draft_probs"] = run.dists[:sent]
-            if run.session_id is None:
-                path = "/v1/sessions"
-                sampling = {k: v for k, v in run.sampling.items() if v is not None}
-                if "seed" in sampling:  # a re-created session draws a fresh random stream
-                    sampling["seed"] = (sampling["seed"] + 1_000_003 * run.recreations) % (1 << 63)
-                payload = {**body, "input_ids": run.verified, **sampling}
-            else:
-                path = f"/v1/sessions/{run.session_id}/verify"
-                payload = {**body, "num_verified": len(run.verified), "last_token": run.verified[-1]}
+        re-reading /v1/info: a server that lost the session may have restarted with another drafter); asks again
+        for a corrupted answer (a verify is idempotent: the server rolls back to the client's `num_verified`) up to
+        `corrupt_retries` times, then counts the server as unreachable."""
+        lost = corrupted = 0
+        while True:
+            path, payload = self._payload(run, sent)
             data = json.dumps(payload).encode()
             t0 = time.perf_counter()
             try:
                 response = self._request("POST", path, content=data, headers={"Content-Type": "application/json"})
+                result = self._check_answer(run, response, sent)
             except _SessionLost as err:
+                if lost:
+                    raise _Unreachable("the session was lost twice in a row") from err
+                lost += 1
                 logger.info("session lost (%s): re-creating it from the %d verified tokens", err, len(run.verified))
                 run.session_id = None
                 run.recreations += 1
                 self._info = None
                 self._sync(run)
                 continue
+            except _Corrupted as err:
+                run.corrupted_answers += 1
+                corrupted += 1
+                if corrupted > self.corrupt_retries:
+                    raise _Unreachable(f"{corrupted} corrupted answers in a row ({err})") from err
+                logger.warning("corrupted answer from %s (%s): asking again", path, err)
+                time.sleep(min(self.backoff_max_s, self.backoff_initial_s * 2 ** (corrupted - 1)))
+                continue
             rtt = time.perf_counter() - t0
-            result = decode_result(response.content)
             forward = len(run.verified) - (0 if path == "/v1/sessions" else len(run.verified) - 1) + sent
             run.calls += 1
             run.bytes_up += len(data)
@@ -837,17 +966,70 @@ class MoAClient:
             self.policy.observe_call(rtt - result.server_s, server_s, forward, sent, result.accepted)
             run.session_id = result.session_id
             return result
-        raise _Unreachable("the session was lost twice in a row")
+
+    def _payload(self, run: _Run, sent: int) -> tuple[str, dict]:
+        """(path, JSON body) of the call verifying the first `sent` pending tokens: a create when the run has no
+        session (with the sampling options, sent only when sampling: greedy decoding ignores them), else a verify."""
+        drafts = run.pending[:sent]
+        body = {
+            "draft_ids": drafts,
+            "context_from": run.cache.context_length,  # 0 after `_sync` switched drafters (in a new session)
+            "context_format": self.context_format,
+            "want_context": self.draft_length != 0,
+        }  # plain decoding (draft_length=0) needs no context
+        if run.sampling["do_sample"] and drafts:
+            body["draft_probs"] = run.dists[:sent]
+        if run.session_id is not None:
+            path = f"/v1/sessions/{run.session_id}/verify"
+            return path, {**body, "num_verified": len(run.verified), "last_token": run.verified[-1]}
+        sampling = {}
+        if run.sampling["do_sample"]:
+            sampling = {k: v for k, v in run.sampling.items() if v is not None}
+            if "seed" in sampling:  # a re-created session draws a fresh random stream
+                sampling["seed"] = (sampling["seed"] + 1_000_003 * run.recreations) % (1 << 63)
+        remaining = run.max_new_tokens - run.generated  # what the server reserves memory for
+        return "/v1/sessions", {**body, "input_ids": run.verified, "max_new_tokens": remaining, **sampling}
+
+    def _check_answer(self, run: _Run, response: httpx.Response, sent: int) -> VerifyResult:
+        """The decoded answer to a call verifying `sent` pending tokens; `_Corrupted` unless it is a safetensors blob
+        matching its Content-Digest whose fields fit the client's state."""
+        content_type = response.headers.get("content-type", "")
+        if not content_type.startswith("application/octet-stream"):
+            raise _Corrupted(f"content type {content_type!r}, not application/octet-stream")
+        try:
+            check_content_digest(response.content, response.headers.get(CONTENT_DIGEST_HEADER))
+            result = decode_result(response.content)
+        except ValueError as err:
+            raise _Corrupted(str(err)) from err
+        a, n = result.accepted, len(run.verified)
+        if not result.session_id or not 0 <= a <= sent or not 0 <= result.next_token < self._vocab:
+            raise _Corrupted(f"inconsistent answer (accepted {a} of {sent}, next token {result.next_token})")
+        if result.num_verified != n + a + 1:
+            raise _Corrupted(f"the server holds {result.num_verified} tokens, the client expected {n + a + 1}")
+        if self.draft_length != 0 and result.context is None:
+            raise _Corrupted("the answer carries no context vectors")
+        if result.context is not None:
+            if result.context_start > run.cache.context_length:
+                raise _Corrupted(f"context gap: have {run.cache.context_length}, got from {result.context_start}")
+            rows = result.num_verified - 1 - result.context_start  # context of [context_start, n + a)
+            if result.context.shape[0] != rows:
+                raise _Corrupted(f"{result.context.shape[0]} context vectors for {rows} positions")
+        return result
+
+    def _end_session(self, run: _Run) -> None:
+        """Delete the run's server session (best effort: an unreachable server reaps it by its idle timeout)."""
+        if run.session_id is None or self.offline:
+            return
+        session_id, run.session_id = run.session_id, None
+        try:
+            self._http.delete(f"/v1/sessions/{session_id}", timeout=2.0)
+        except httpx.HTTPError:
+            pass
 
     def _apply(self, run: _Run, result: VerifyResult, sent: int) -> tuple[list[int], int]:
         """Take the server's verdict on the first `sent` pending tokens. Returns the newly verified tokens and how
         many of them were pending tokens (the accepted ones, plus the next one when the target's token equals it)."""
-        a = result.accepted
-        if not 0 <= a <= sent or not 0 <= result.next_token < self._vocab:
-            raise ServingError(502, f"the server's answer is inconsistent (accepted {a} of {sent})")
-        n = len(run.verified)
-        if result.num_verified != n + a + 1:
-            raise ServingError(502, f"the server holds {result.num_verified} tokens, the client expected {n + a + 1}")
+        a = result.accepted  # checked against the client's state by `_check_answer`
         new = run.pending[:a] + [result.next_token]
         confirmed = a
         if a == sent and len(run.pending) > sent and run.pending[sent] == result.next_token:
@@ -864,9 +1046,7 @@ class MoAClient:
         if keep < cache.get_seq_length():
             cache.truncate(keep)
         if result.context is not None:
-            skip = cache.context_length - result.context_start
-            if skip < 0:
-                raise ServingError(502, f"context gap: have {cache.context_length}, got from {result.context_start}")
+            skip = cache.context_length - result.context_start  # >= 0 (`_check_answer`)
             if result.context.shape[0] > skip:
                 context = result.context[skip:][None].to(self.drafter.device)  # [1, T, d]
                 start, held = cache.context_length, result.context_valid_from  # positions < held have no context
@@ -884,11 +1064,6 @@ class MoAClient:
         return new, confirmed
 
     def _finish(self, run: _Run, t_start: float) -> GenerationResult:
-        if run.session_id is not None:
-            try:
-                self._http.delete(f"/v1/sessions/{run.session_id}", timeout=2.0)
-            except httpx.HTTPError:
-                pass
         generated = run.verified[len(run.prompt) :]
         tail = [] if run.done else run.pending[: max(0, run.max_new_tokens - len(generated))]
         tokens = generated + tail
@@ -901,6 +1076,7 @@ class MoAClient:
             token_ids=tokens,
             prompt_ids=run.prompt,
             server_calls=run.calls,
+            verified=not tail,
             unverified_tokens=len(tail),
             unverified_span=span,
             offline_spans=run.offline_spans,
@@ -912,10 +1088,13 @@ class MoAClient:
                 "network_s": run.network_s,
                 "server_s": run.server_s,
                 "draft_s": run.draft_s,
+                "admission_wait_s": run.admission_wait_s,
             },
             stats={
                 "failed_calls": run.failed_calls,
                 "session_recreations": run.recreations,
+                "busy_answers": run.busy_answers,
+                "corrupted_answers": run.corrupted_answers,
                 "drafted_tokens": run.drafted,
                 "lookup_drafted_tokens": run.lookup_drafted,
                 "mean_accepted_length": sum(run.accepted_lengths) / calls,

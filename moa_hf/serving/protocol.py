@@ -20,11 +20,12 @@ from dataclasses import asdict, dataclass
 from typing import Annotated, Literal
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 __all__ = [
+    "CONTENT_DIGEST_HEADER",
     "CONTEXT_FORMATS",
     "DRAFTER_FILE",
     "TOKENIZER_DIR",
@@ -35,6 +36,13 @@ __all__ = [
     "SparseDistribution",
     "VerifyRequest",
     "VerifyResult",
+    "LOGIT_BOUND",
+    "MAX_TEMPERATURE",
+    "MIN_SAMPLING_TEMPERATURE",
+    "check_content_digest",
+    "check_max_new_tokens",
+    "check_sampling",
+    "content_digest",
     "decode_context",
     "decode_drafter",
     "decode_result",
@@ -56,10 +64,22 @@ ContextFormat = Literal["fp16", "int8", "fp32"]
 _MAX_IDS = 1 << 20
 _MAX_SPARSE = 1024
 _META_KEY = "moa"
-_LSA_PREFIXES = ("lsa_in_proj.", "layer_self_attention.", "Ekv2E.")
+# what the server runs for the client (its LSA), and a sorted multi-target drafter's per-target parts (issue 20)
+_LSA_PREFIXES = ("lsa_in_proj.", "layer_self_attention.", "Ekv2E.", "target_parts.")
 # Where the files of a download live in a client's cache entry (and the names their revision is computed over).
 DRAFTER_FILE = "drafter.safetensors"
 TOKENIZER_DIR = "tokenizer"
+# Create/verify answers carry the sha-256 of their body (RFC 9530): the client retries a corrupted answer.
+CONTENT_DIGEST_HEADER = "Content-Digest"
+
+# Sampling ranges, checked by `check_sampling` on both sides (the server's request models and the client's drafter).
+# Sampling divides float32 logits by the temperature: for |logits| <= LOGIT_BOUND the quotient stays finite (so the
+# softmax has no inf - inf = NaN) down to LOGIT_BOUND / float32 max = 2.94e-35, the lower bound. Below
+# `moa_hf.speculative.MIN_TEMPERATURE` (1e-5) both sides sample greedily (the limit of temperature -> 0), so no
+# accepted temperature ever reaches that division with an overflow.
+LOGIT_BOUND = 1e4
+MIN_SAMPLING_TEMPERATURE = LOGIT_BOUND / float(torch.finfo(torch.float32).max)
+MAX_TEMPERATURE = 100.0
 
 
 def _json_int(value):
@@ -76,6 +96,52 @@ def json_int(**bounds):
 
 JsonInt = json_int()
 _TokenId = json_int(ge=0)
+
+
+def check_sampling(
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    do_sample: bool = True,
+    vocab_size: int | None = None,
+) -> None:
+    """Raise `ValueError` (naming the field and its range) for sampling parameters the arithmetic cannot take;
+    greedy decoding (`do_sample=False`) ignores them. The one check of both sides: the server's request models
+    (a 422) and the client before it samples with its drafter."""
+    if not do_sample:
+        return
+    lo, hi = MIN_SAMPLING_TEMPERATURE, MAX_TEMPERATURE
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not lo <= temperature <= hi:
+        raise ValueError(
+            f"temperature {temperature!r} is outside [{lo:.3g}, {hi:g}]: float32 logits / temperature overflow "
+            f"below {lo:.3g} (|logits| <= {LOGIT_BOUND:g}); below 1e-05 sampling is greedy; for greedy decoding "
+            "leave do_sample off"
+        )
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p {top_p!r} is outside (0, 1]: 1 keeps every token")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k {top_k!r} must be an integer >= 0 (0: no top-k filtering)")
+    if vocab_size is not None and top_k > vocab_size:
+        raise ValueError(f"top_k {top_k} is outside [0, {vocab_size}]: the vocabulary has {vocab_size} tokens")
+
+
+def check_max_new_tokens(max_new_tokens: int, prompt_tokens: int | None = None, max_tokens: int | None = None) -> None:
+    """Raise `ValueError` unless 1 <= max_new_tokens and the prompt plus the generation (and the target's token
+    after it) fit in `max_tokens` (the server's `max_tokens_per_session`; None: no limit known)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens {max_new_tokens!r} must be an integer >= 1")
+    if max_tokens is None or prompt_tokens is None:
+        return
+    if prompt_tokens + 1 > max_tokens:
+        raise ValueError(
+            f"the prompt has {prompt_tokens} tokens, more than the server's {max_tokens - 1} (it holds "
+            f"{max_tokens} tokens per session): shorten the prompt"
+        )
+    if prompt_tokens + max_new_tokens + 1 > max_tokens:
+        raise ValueError(
+            f"max_new_tokens {max_new_tokens} is outside [1, {max_tokens - prompt_tokens - 1}] for this "
+            f"{prompt_tokens}-token prompt: the server holds {max_tokens} tokens per session"
+        )
 
 
 class _Strict(BaseModel):
@@ -109,17 +175,30 @@ class CreateSessionRequest(_Drafts):
     """Start a generation: `input_ids` are all verified (a prompt, or a verified prefix after a lost session)."""
 
     input_ids: list[_TokenId] = Field(min_length=1, max_length=_MAX_IDS)
+    max_new_tokens: json_int(ge=1, le=_MAX_IDS) | None = Field(
+        default=None,
+        description="the most tokens the client will generate (the server reserves cache memory for the prompt, "
+        "them and the drafts); None: up to the server's tokens per session",
+    )
     do_sample: bool = False
     temperature: float = Field(
         default=1.0,
         gt=0.0,
-        le=100.0,
+        le=MAX_TEMPERATURE,
         allow_inf_nan=False,
-        description="with do_sample; below 1e-5 sampling is greedy (moa_hf.speculative.MIN_TEMPERATURE)",
+        description=f"with do_sample: in [{MIN_SAMPLING_TEMPERATURE:.3g}, {MAX_TEMPERATURE:g}] (`check_sampling`); "
+        "below 1e-5 sampling is greedy (moa_hf.speculative.MIN_TEMPERATURE)",
     )
     top_k: json_int(ge=0) = Field(default=0, description="0: no top-k filtering of the target's distribution")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: json_int(ge=0, lt=1 << 63) | None = None
+
+    @field_validator("temperature", "top_k", "top_p")
+    @classmethod
+    def _sampling_range(cls, value, info: ValidationInfo):
+        """With do_sample (validated before these fields), the shared range check (`check_sampling`)."""
+        check_sampling(**{info.field_name: value}, do_sample=bool(info.data.get("do_sample")))
+        return value
 
 
 class VerifyRequest(_Drafts):
@@ -185,6 +264,24 @@ def encode_result(result: VerifyResult, fmt: str) -> bytes:
     return st_save(tensors, metadata={_META_KEY: json.dumps(result.metadata())})
 
 
+def content_digest(body: bytes) -> str:
+    """The `Content-Digest` header value of an answer body (RFC 9530): `sha-256=:<base64 of the sha-256>:`."""
+    return "sha-256=:" + base64.b64encode(hashlib.sha256(body).digest()).decode("ascii") + ":"
+
+
+def check_content_digest(body: bytes, header: str | None) -> None:
+    """Raise `ValueError` when a `Content-Digest` header's sha-256 does not match `body` (no header, or no sha-256
+    in it: nothing to check)."""
+    if not header:
+        return
+    for item in header.split(","):
+        name, _, value = item.strip().partition("=")
+        if name.strip().lower() == "sha-256":
+            if value.strip() != content_digest(body).partition("=")[2]:
+                raise ValueError(f"the answer's body ({len(body)} bytes) does not match its Content-Digest")
+            return
+
+
 def read_safetensors_metadata(blob: bytes) -> dict[str, str]:
     """The `__metadata__` of a safetensors blob (an 8-byte little-endian header length, then a JSON header)."""
     if len(blob) < 8:
@@ -197,14 +294,23 @@ def read_safetensors_metadata(blob: bytes) -> dict[str, str]:
 
 
 def decode_result(blob: bytes) -> VerifyResult:
-    """Parse a create/verify answer."""
+    """Parse a create/verify answer; `ValueError` for anything that is not one (e.g. a corrupted body)."""
     meta = read_safetensors_metadata(blob)
     if _META_KEY not in meta:
         raise ValueError("The server's answer carries no MoA metadata: is the URL a `moa serve` server?")
-    fields = json.loads(meta[_META_KEY])
-    known = {f.name for f in dataclasses.fields(VerifyResult)} - {"context", "payload_bytes"}
-    fields = {key: value for key, value in fields.items() if key in known}  # a newer server may send more
-    return VerifyResult(**fields, context=decode_context(st_load(blob)), payload_bytes=len(blob))
+    try:
+        fields = json.loads(meta[_META_KEY])
+        known = {f.name for f in dataclasses.fields(VerifyResult)} - {"context", "payload_bytes"}
+        fields = {key: value for key, value in fields.items() if key in known}  # a newer server may send more
+        result = VerifyResult(**fields, context=decode_context(st_load(blob)), payload_bytes=len(blob))
+    except Exception as err:  # a truncated tensor, a field missing or of the wrong type: not a valid answer
+        raise ValueError(f"The server's answer does not parse ({type(err).__name__}: {err})") from err
+    ints = ("num_verified", "accepted", "next_token", "context_start", "context_valid_from")
+    if not isinstance(result.session_id, str) or any(type(getattr(result, name)) is not int for name in ints):
+        raise ValueError(f"The server's answer has fields of the wrong type: {fields}")
+    if result.context is not None and result.context.dim() != 2:
+        raise ValueError(f"The server's context vectors have shape {tuple(result.context.shape)}, not [T, d]")
+    return result
 
 
 def lsa_fingerprint(drafter: torch.nn.Module) -> str:

@@ -3,21 +3,28 @@
 Each session keeps the target's `DynamicCache` of its verified tokens. One call per drafting cycle verifies the
 client's drafted tokens with one target forward, crops the cache to the accepted length and returns the accepted
 count, the target's next token and the LSA context vectors of the newly verified positions (see `protocol`).
+
+Under load (see docs/serving.md): handlers are async and never run the model; one scheduler thread
+(`batching.Scheduler`) verifies the calls of all sessions together, a batch per forward, and feeds long prompts in
+chunks between them. New sessions are admitted against `--max-sessions` and a memory budget, waiting in a FIFO
+queue (then 429 with Retry-After). Idle sessions are reaped, and `/v1/health` answers from the event loop at all
+times. The HTTP guards (the token before the body, slow clients cut off) and uvicorn: `http_server`.
 """
 
+import asyncio
 import base64
 import copy
 import hmac
 import ipaddress
-import json
 import logging
+import os
 import secrets
-import socket
 import tempfile
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -27,18 +34,34 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import Field, create_model
+from starlette.concurrency import run_in_threadpool
 from transformers import DynamicCache
 
-from ..modeling import oldest_held_position, target_fingerprint
+from ..modeling import PRIMARY_TARGET, oldest_held_position, target_fingerprint
 from ..speculative import sampling_warpers, verify
 from . import protocol
+from .batching import Admission, AdmissionRefused, Job, JobAbandoned, Scheduler, SchedulerClosed
+from .http_server import (  # ServerThread, run_server, ...: re-exported (see __all__)
+    HEALTH_PATH,
+    BodyLimit,
+    ServerThread,
+    TimedH11Protocol,
+    TokenGate,
+    disconnected,
+    run_server,
+    uvicorn_config,
+)
 from .protocol import (
+    CONTENT_DIGEST_HEADER,
     CONTEXT_FORMATS,
     PROTOCOL_VERSION,
     CreateSessionRequest,
     SparseDistribution,
     VerifyRequest,
     VerifyResult,
+    check_max_new_tokens,
+    check_sampling,
+    content_digest,
     download_digests,
     download_revision,
     encode_drafter,
@@ -47,7 +70,17 @@ from .protocol import (
     tokenizer_file_bytes,
 )
 
-__all__ = ["ServerLimits", "ServingState", "ServerThread", "create_app", "is_loopback", "TOKEN_ENV_VAR"]
+__all__ = [
+    "TOKEN_ENV_VAR",
+    "ServerLimits",
+    "ServerThread",
+    "ServingState",
+    "TimedH11Protocol",
+    "create_app",
+    "is_loopback",
+    "run_server",
+    "uvicorn_config",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +96,8 @@ _ERRORS = {
         410: "the session expired",
         413: "request body too large",
         422: "invalid request fields",
-        429: "too many sessions",
+        429: "the server is full: retry after Retry-After seconds",
+        503: "the server is shutting down: retry after Retry-After seconds",
     }.items()
 }
 _BLOB = {
@@ -83,16 +117,28 @@ def is_loopback(host: str) -> bool:
 
 @dataclass
 class ServerLimits:
-    """Configurable limits (see `moa serve --help`)."""
+    """Configurable limits (see `moa serve --help` and docs/serving.md for why these defaults)."""
 
-    max_sessions: int = 16
+    max_sessions: int = 32
     max_tokens_per_session: int = 4096
     max_draft_tokens: int = 64
-    session_ttl_s: float = 300.0
+    session_ttl_s: float = 60.0
     max_request_bytes: int = 1 << 20
+    # load
+    max_batch: int = 32  # rows (sessions' calls) per scheduler tick
+    prefill_chunk: int = 256  # prompt tokens per session per tick
+    admission_wait_s: float = 20.0  # a create waits this long for room, then 429
+    max_queue: int = 64  # creates waiting for room; more: 429 at once
+    memory_budget_bytes: int | None = None  # sessions' projected caches; None: 25% of the device's memory
+    # context replies
+    max_context_reply: int = 512  # tokens a verify's context_from may reach back
+    context_reread_factor: float = 2.0  # re-read tokens per session, at most this times its length
+    # slow clients (uvicorn, `TimedH11Protocol`)
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 20.0
 
 
-@dataclass
+@dataclass(eq=False)
 class _Session:
     id: str
     verified: list[int]  # every verified token; the cache holds keys/values of verified[:cache length]
@@ -100,10 +146,44 @@ class _Session:
     request: CreateSessionRequest
     generator: torch.Generator | None
     last_used: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=time.monotonic)
+    reserved_tokens: int = 0  # prompt + max_new_tokens + drafts: verified + drafted tokens may not exceed it
+    reserved_bytes: int = 0  # what admission holds for it
+    registered: bool = False  # in the session table (its create finished for a client still there)
+    job: Job | None = None  # the call being verified now
+    job_key: tuple | None = None
+    last_key: tuple | None = None  # the last verify call and its answer: an identical repeat gets the same answer
+    last_result: VerifyResult | None = None
+    reread: int = 0  # context tokens sent again (context_from before the first new position), all calls
+
+
+class _ClientGone(Exception):
+    """The client of a create went away before its answer: the session is gone too."""
+
+
+def _kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of one token in the target's cache: layers x 2 (keys, values) x kv heads x head dim x dtype size (a
+    sliding-window layer holds fewer tokens: an upper bound)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers * 2 * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def default_memory_budget(device: torch.device) -> int:
+    """25% of the memory that holds the sessions' caches: the GPU's on CUDA, else the machine's RAM."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // 4
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (AttributeError, ValueError, OSError):  # not POSIX: assume a 32 GB machine
+        return 8 << 30
 
 
 class ServingState:
-    """The models, limits and live sessions of one server. All model work runs under one lock."""
+    """The models, limits and live sessions of one server. The model runs in the scheduler thread only; `lock`
+    guards the session table for the short bookkeeping of handlers and the scheduler (never held during a forward)."""
 
     def __init__(
         self,
@@ -119,30 +199,48 @@ class ServingState:
                 "Client-server drafting needs a drafter with target_layer_inference=0 (the client cannot run the "
                 f"target's last layers); this one has {drafter.config.target_layer_inference}."
             )
-        drafter.check_target(target, allow_other_target=allow_other_target)  # by weights (`target_fingerprint`)
+        name = drafter.check_target(target, allow_other_target=allow_other_target)  # by weights (fingerprint)
         self.target = target.eval()
         if drafter.dtype != target.dtype or drafter.device != target.device:  # a copy: leave the caller's as it is
             drafter = copy.deepcopy(drafter).to(device=target.device, dtype=target.dtype)
         self.drafter = drafter.eval()
+        if hasattr(drafter, "select_target"):  # a drafter serving several targets: this target's parts
+            drafter.select_target(name or PRIMARY_TARGET)
         self.tokenizer = tokenizer
-        self.limits = limits or ServerLimits()
+        self.limits = replace(limits or ServerLimits())
+        if self.limits.memory_budget_bytes is None:
+            self.limits.memory_budget_bytes = default_memory_budget(target.device)
         self.token = token
         self.vocab_size = int(target.get_output_embeddings().weight.shape[0])
         self.device = target.device
         self.fingerprint = lsa_fingerprint(self.drafter)
         self.target_fingerprint = target_fingerprint(self.target)
+        self.bytes_per_token = _kv_bytes_per_token(target.config, target.dtype)
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
         self.expired: deque[str] = deque(maxlen=1024)
         self.lock = threading.Lock()
+        self.closed = False
+        limits = self.limits
+        self.admission = Admission(
+            limits.max_sessions, limits.memory_budget_bytes, limits.max_queue, limits.admission_wait_s, self._usage
+        )
+        self.scheduler = Scheduler(
+            self.target,
+            max_batch=limits.max_batch,
+            prefill_chunk=limits.prefill_chunk,
+            on_idle=self._reap,
+            idle_every_s=min(1.0, max(0.05, limits.session_ttl_s / 4)),
+        )
         # What a client downloads, built once: its revision tells a client whether its cached copy is current.
         self._drafter_blob = encode_drafter(self.drafter, self.target)
+        self._drafter_digest = content_digest(self._drafter_blob)
         self._tokenizer_files = _saved_tokenizer_files(tokenizer) if tokenizer is not None else None
         files = tokenizer_file_bytes(self._tokenizer_files) if tokenizer is not None else None
         self.revision = download_revision(download_digests(self._drafter_blob, files))
         eos = target.generation_config.eos_token_id
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
 
-    # -- helpers --------------------------------------------------------------------------------------------------
+    # -- what the server tells ----------------------------------------------------------------------------------
     def info(self) -> dict:
         c = self.drafter.config
         return {
@@ -164,6 +262,19 @@ class ServingState:
             "limits": vars(self.limits).copy(),
         }
 
+    def health(self) -> dict:
+        """Liveness and load, read without waiting for anything (the scheduler may be mid-forward)."""
+        admission = self.admission
+        return {
+            "status": "draining" if admission.draining else "ok",
+            "sessions": admission.sessions,
+            "max_sessions": self.limits.max_sessions,
+            "queue_depth": admission.queue_depth,
+            "active_batch": self.scheduler.active_batch,
+            "memory_used_bytes": admission.used_bytes,
+            "memory_budget_bytes": admission.budget_bytes,
+        }
+
     def drafter_blob(self) -> bytes:
         return self._drafter_blob
 
@@ -171,12 +282,52 @@ class ServingState:
         """The tokenizer's saved files: {"files": {name: text}, "binary_files": {name: base64}}."""
         return self._tokenizer_files
 
-    def _sweep(self, now: float) -> None:
-        ttl = self.limits.session_ttl_s
-        for sid in [sid for sid, s in self.sessions.items() if now - s.last_used > ttl]:
-            del self.sessions[sid]
-            self.expired.append(sid)
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+    def set_draining(self, draining: bool) -> None:
+        """Shutting down (True): new sessions get 503 with Retry-After, the waiting ones too; False: serve again."""
+        if draining:
+            self.admission.drain()
+        else:
+            self.admission.draining = False
 
+    def close(self) -> None:
+        """Stop serving: refuse new sessions, stop the scheduler thread, drop every session."""
+        self.set_draining(True)
+        self.closed = True
+        self.scheduler.close()
+        with self.lock:
+            for sid in list(self.sessions):
+                self._drop(self.sessions[sid])
+
+    def __enter__(self) -> "ServingState":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- session table (callers hold `lock`) ------------------------------------------------------------------------
+    def _usage(self) -> tuple[int, int]:
+        """(sessions, reserved bytes) of the session table, for admission (a snapshot: no lock needed)."""
+        sessions = list(self.sessions.values())
+        return len(sessions), sum(s.reserved_bytes for s in sessions)
+
+    def _drop(self, session: _Session, expired: bool = False) -> None:
+        """Remove a session from the table (its memory is free for admission from now on)."""
+        if self.sessions.pop(session.id, None) is None:
+            return
+        session.registered = False
+        if expired:
+            self.expired.append(session.id)
+        self.admission.wake(time.monotonic() - session.created)
+
+    def _reap(self) -> None:
+        """Sessions idle for over `session_ttl_s` (no call running) expire (the scheduler calls this every second)."""
+        now, ttl = time.monotonic(), self.limits.session_ttl_s
+        with self.lock:
+            for session in [s for s in self.sessions.values() if s.job is None and now - s.last_used > ttl]:
+                self._drop(session, expired=True)
+
+    # -- checks -------------------------------------------------------------------------------------------------
     def _check_ids(self, name: str, ids: list[int]) -> None:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
@@ -219,94 +370,232 @@ class ServingState:
             if token not in dist.ids or dist.probs[dist.ids.index(token)] <= 0.0:
                 raise HTTPException(422, f"draft_probs[{i}] gives drafted token {token} no probability")
 
-    def _context_range(self, req, default_start: int, num_verified: int) -> int:
-        start = default_start if req.context_from is None else req.context_from
-        if start > num_verified:
-            raise HTTPException(422, f"context_from={start} is past the {num_verified} verified tokens")
-        return start
-
-    # -- endpoints --------------------------------------------------------------------------------------------------
-    def create(self, req: CreateSessionRequest) -> VerifyResult:
+    def _check_create(self, req: CreateSessionRequest) -> None:
         self._check_ids("input_ids", req.input_ids)
+        try:
+            check_sampling(req.temperature, req.top_p, req.top_k, req.do_sample, vocab_size=self.vocab_size)
+            if req.max_new_tokens is not None:
+                check_max_new_tokens(req.max_new_tokens, len(req.input_ids), self.limits.max_tokens_per_session)
+        except ValueError as err:
+            raise HTTPException(422, str(err)) from None
         self._check_drafts(req, len(req.input_ids) + len(req.draft_ids) + 1)
         self._check_probs(req.draft_ids, req.draft_probs, req.do_sample)
-        start = self._context_range(req, 0, len(req.input_ids))
-        with self.lock:
-            now = time.monotonic()
-            self._sweep(now)
-            if len(self.sessions) >= self.limits.max_sessions:
-                raise HTTPException(
-                    429,
-                    f"this server already runs {len(self.sessions)} sessions (--max-sessions "
-                    f"{self.limits.max_sessions}); retry later",
-                )
-            generator = None
-            if req.do_sample:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(req.seed if req.seed is not None else secrets.randbits(63))
-            session = _Session(
-                id=secrets.token_urlsafe(16),
-                verified=list(req.input_ids),
-                cache=DynamicCache(config=self.target.config),
-                request=req,
-                generator=generator,
-            )
-            # sliding-window layers keep the states a rejected draft needs until `crop` (as assisted generation does)
-            session.cache.activate_past_recording()
-            result = self._verify(session, req, start)
-            self.sessions[session.id] = session
-            return result
+        if req.context_from is not None and req.context_from > len(req.input_ids):
+            raise HTTPException(422, f"context_from={req.context_from} is past the {len(req.input_ids)} input_ids")
 
-    def verify(self, session_id: str, req: VerifyRequest) -> VerifyResult:
+    def _reservation(self, req: CreateSessionRequest) -> tuple[int, int]:
+        """(tokens, bytes) a new session reserves: its prompt, the tokens it will generate and one call's drafts."""
+        limits = self.limits
+        new = req.max_new_tokens if req.max_new_tokens is not None else limits.max_tokens_per_session
+        tokens = min(len(req.input_ids) + new, limits.max_tokens_per_session) + limits.max_draft_tokens
+        return tokens, tokens * self.bytes_per_token
+
+    def _verify_context_start(self, session: _Session, req: VerifyRequest, cached: int) -> tuple[int, int]:
+        """(first context position to send, tokens re-read before the first new one): `context_from` reaches back at
+        most `max_context_reply` tokens per call and `context_reread_factor` x the session's length in all."""
+        if req.context_from is not None and req.context_from > req.num_verified:
+            raise HTTPException(422, f"context_from={req.context_from} is past the {req.num_verified} verified tokens")
+        if not req.want_context:  # nothing is sent: context_from does not matter
+            return cached, 0
+        if req.context_from is None or req.context_from >= cached:
+            return (cached if req.context_from is None else req.context_from), 0
+        back = cached - req.context_from
+        limit = self.limits.max_context_reply
+        if back > limit:
+            raise HTTPException(
+                422,
+                f"context_from={req.context_from} reaches back {back} tokens, over this server's limit of {limit} per "
+                "call (--max-context-reply): create a new session (its answer carries the whole context)",
+            )
+        total = int(self.limits.context_reread_factor * req.num_verified)
+        if session.reread + back > total:
+            raise HTTPException(
+                422,
+                f"this session has re-read {session.reread} context tokens; {back} more would exceed its limit of "
+                f"{total} ({self.limits.context_reread_factor:g} x its {req.num_verified} tokens): create a new "
+                "session",
+            )
+        return req.context_from, back
+
+    # -- endpoints ------------------------------------------------------------------------------------------------
+    async def create(self, req: CreateSessionRequest, gone=None) -> VerifyResult:
+        """A new session from `req.input_ids` (admitted first: it may wait for room), verifying its drafts. `gone()`:
+        an awaitable that completes when the client disconnects: the create is then dropped with its session."""
+        self._check_create(req)
+        tokens, cost = self._reservation(req)
+        work = asyncio.ensure_future(self._create(req, tokens, cost))
+        if gone is None:
+            return await work
+        watch = asyncio.ensure_future(gone())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():  # the client went away (or this handler was cancelled): drop the create
+                work.cancel()
+                work.add_done_callback(_outcome_unread)
+        if not work.done():
+            raise _ClientGone("the client closed the connection before its session was created")
+        return work.result()
+
+    async def _create(self, req: CreateSessionRequest, tokens: int, cost: int) -> VerifyResult:
+        try:
+            await self.admission.acquire(cost)
+        except ValueError as err:  # larger than the whole budget
+            raise HTTPException(422, str(err)) from None
+        try:
+            job, session = self._submit_create(req, tokens, cost)
+        except BaseException:
+            self.admission.settle(cost)
+            raise
+        try:
+            return await asyncio.wrap_future(job.future)
+        except asyncio.CancelledError:  # the client went away
+            with self.lock:
+                job.abandon()
+                self._drop(session)
+            raise
+        except JobAbandoned:
+            raise _ClientGone("the client went away") from None
+
+    def _submit_create(self, req: CreateSessionRequest, tokens: int, cost: int) -> tuple[Job, _Session]:
+        generator = None
+        if req.do_sample:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(req.seed if req.seed is not None else secrets.randbits(63))
+        session = _Session(
+            id=secrets.token_urlsafe(16),
+            verified=list(req.input_ids),
+            cache=DynamicCache(config=self.target.config),
+            request=req,
+            generator=generator,
+            reserved_tokens=tokens,
+            reserved_bytes=cost,
+        )
+        # sliding-window layers keep the states a rejected draft needs until `crop` (as assisted generation does)
+        session.cache.activate_past_recording()
+        start = 0 if req.context_from is None else req.context_from
+        job = Job(session.id, session.cache, list(req.input_ids) + list(req.draft_ids), len(req.draft_ids) + 1, None)
+        job.finish = self._finisher(session, job, req, start, create=True)
+        self.scheduler.submit(job)
+        job.future.add_done_callback(lambda future: self.admission.settle(cost))  # registered (or failed) by then
+        return job, session
+
+    async def verify(self, session_id: str, req: VerifyRequest) -> VerifyResult:
         self._check_ids("last_token", [req.last_token])
+        if self.closed:
+            raise SchedulerClosed("the server is shutting down")
+        key = _call_key(req)
         with self.lock:
             now = time.monotonic()
-            self._sweep(now)
             session = self.sessions.get(session_id)
+            if session is not None and session.job is None and now - session.last_used > self.limits.session_ttl_s:
+                self._drop(session, expired=True)
+                session = None
             if session is None:
                 if session_id in self.expired:
                     raise HTTPException(
                         410,
-                        f"session {session_id} expired (idle over {self.limits.session_ttl_s} s);"
+                        f"session {session_id} expired (idle over {self.limits.session_ttl_s:g} s);"
                         " create a new one with the verified prefix",
                     )
                 raise HTTPException(404, f"unknown session {session_id}; create one with POST /v1/sessions")
-            n = len(session.verified)
-            if req.num_verified > n or session.verified[req.num_verified - 1] != req.last_token:
-                raise HTTPException(
-                    409,
-                    f"the client holds {req.num_verified} verified tokens ending in {req.last_token}, the "
-                    f"session {n}; create a new session with the client's verified prefix",
-                )
-            self._check_drafts(req, req.num_verified + len(req.draft_ids) + 1)
-            self._check_probs(req.draft_ids, req.draft_probs, session.request.do_sample)
-            if req.num_verified < n:  # an answer was lost on the way back: roll back to what the client holds
+            session.last_used = now
+            if session.job is not None:
+                if session.job_key != key:
+                    raise HTTPException(
+                        409,
+                        f"session {session_id} is verifying another call; wait for its answer (calls of a session "
+                        "are sequential)",
+                    )
+                job = session.job  # the same call again (the client timed out): the same answer
+            elif key == session.last_key and len(session.verified) == session.last_result.num_verified:
+                return session.last_result  # a repeat of the last call whose answer was lost: the same answer
+            else:
+                job = self._start_verify(session, req, key)
+        return await asyncio.shield(asyncio.wrap_future(job.future))
+
+    def _start_verify(self, session: _Session, req: VerifyRequest, key: tuple) -> Job:
+        """Check a verify call against its session and submit its job (caller holds `lock`)."""
+        n = len(session.verified)
+        if req.num_verified > n or session.verified[req.num_verified - 1] != req.last_token:
+            raise HTTPException(
+                409,
+                f"the client holds {req.num_verified} verified tokens ending in {req.last_token}, the "
+                f"session {n}; create a new session with the client's verified prefix",
+            )
+        self._check_drafts(req, req.num_verified + len(req.draft_ids) + 1)
+        if req.num_verified + len(req.draft_ids) > session.reserved_tokens:
+            raise HTTPException(
+                422,
+                f"the session would hold {req.num_verified + len(req.draft_ids) + 1} tokens, over the "
+                f"{session.reserved_tokens} it reserved (its prompt, max_new_tokens and --max-draft-tokens): create "
+                "the session with a larger max_new_tokens",
+            )
+        self._check_probs(req.draft_ids, req.draft_probs, session.request.do_sample)
+        cached = min(session.cache.get_seq_length(), req.num_verified - 1)  # after a rollback to the client's state
+        start, back = self._verify_context_start(session, req, cached)
+        tokens = session.verified[cached : req.num_verified] + list(req.draft_ids)
+        job = Job(session.id, session.cache, tokens, keep=len(req.draft_ids) + 1, finish=None)
+        if req.num_verified < n:  # an answer was lost on the way back: roll back to what the client holds
+
+            def rollback() -> None:
                 del session.verified[req.num_verified :]
                 _crop_to(session.cache, req.num_verified - 1)
-            start = self._context_range(req, session.cache.get_seq_length(), req.num_verified)
-            session.last_used = now
-            try:
-                return self._verify(session, req, start)
-            except Exception:
-                del self.sessions[session_id]  # its cache may be half-updated
-                raise
+
+            job.prepare = rollback
+        job.finish = self._finisher(session, job, req, start, key=key, reread=back)
+        session.job, session.job_key = job, key
+        job.future.add_done_callback(lambda future: self._verify_done(session, job))
+        try:
+            self.scheduler.submit(job)
+        except SchedulerClosed:
+            session.job = session.job_key = None
+            raise
+        return job
+
+    def _verify_done(self, session: _Session, job: Job) -> None:
+        """A verify's call ended (scheduler thread): a failed one drops its session (its cache may be half-updated)."""
+        with self.lock:
+            if session.job is job:
+                session.job = session.job_key = None
+            if not job.future.cancelled() and job.future.exception() is not None:
+                self._drop(session)
 
     def delete(self, session_id: str) -> bool:
         with self.lock:
-            return self.sessions.pop(session_id, None) is not None
+            session = self.sessions.get(session_id)
+            if session is None:
+                return False
+            self._drop(session)
+            return True
 
-    @torch.no_grad()
-    def _verify(self, session: _Session, req, context_start: int) -> VerifyResult:
-        """One target forward over the uncached verified tokens and the drafts; accept, crop, gather context."""
-        t0 = time.perf_counter()
+    # -- the model's side (scheduler thread) ------------------------------------------------------------------------
+    def _finisher(self, session: _Session, job: Job, req, context_start: int, create=False, key=None, reread=0):
+        submitted = time.perf_counter()
+
+        def finish(logits: torch.Tensor) -> VerifyResult:
+            result = self._accept_and_read(session, req, logits, context_start, submitted)
+            with self.lock:
+                session.last_used = time.monotonic()
+                if create:
+                    if job.abandoned:
+                        return result  # the client went away: the session is not kept
+                    session.registered = True
+                    self.sessions[session.id] = session
+                else:
+                    session.last_key, session.last_result = key, result
+                    session.reread += reread
+            return result
+
+        return finish
+
+    def _accept_and_read(self, session: _Session, req, logits: torch.Tensor, context_start: int, submitted: float):
+        """Accept the drafts on the target's logits [k+1, V] (after verified[-1], d_1, ..., d_k), crop the cache to
+        the verified tokens, read the context vectors of [context_start, new length)."""
         drafts = list(req.draft_ids)
-        k = len(drafts)
-        n = len(session.verified)
-        cached = session.cache.get_seq_length()
-        ids = torch.tensor([session.verified[cached:] + drafts], device=self.device)  # [1, n-cached+k]
-        out = self.target(input_ids=ids, past_key_values=session.cache, use_cache=True, logits_to_keep=k + 1)
-        logits = out.logits[0, -(k + 1) :].float()  # [k+1, V]: predictions after verified[-1], d_1, ..., d_k
         accepted, next_token = _accept(logits, drafts, req.draft_probs or [], session)
+        n = len(session.verified)
         new_len = n + accepted  # keys/values kept for verified + accepted drafts; next_token has none yet
         _crop_to(session.cache, new_len)
         session.verified.extend(drafts[:accepted] + [next_token])
@@ -321,10 +610,22 @@ class ServingState:
             accepted=accepted,
             next_token=next_token,
             context_start=context_start,
-            server_s=time.perf_counter() - t0,
+            server_s=time.perf_counter() - submitted,  # in the server: waiting for a batch, then the forward
             context=context,
             context_valid_from=valid_from,
         )
+
+
+def _outcome_unread(task: asyncio.Task) -> None:
+    """A dropped task's outcome, read so that asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _call_key(req: VerifyRequest) -> tuple:
+    """What makes two verify calls the same call (the answer's format aside)."""
+    probs = tuple((tuple(d.ids), tuple(d.probs)) for d in req.draft_probs) if req.draft_probs is not None else None
+    return (req.num_verified, req.last_token, tuple(req.draft_ids), probs, req.context_from, req.want_context)
 
 
 def _saved_tokenizer_files(tokenizer) -> dict[str, dict[str, str]]:
@@ -368,63 +669,9 @@ def _draft_q(dists: list[SparseDistribution], vocab_size: int, device) -> torch.
     return (q / q.sum(-1, keepdim=True)).to(device)
 
 
-class _BodyLimit:
-    """ASGI middleware: a 413 for request bodies over `max_bytes` (by Content-Length, or counted while reading)."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
-        if length is not None:
-            if not length.isdigit():
-                return await _send_json(send, 400, "Content-Length is not a number")
-            if int(length) > self.max_bytes:
-                return await _send_json(send, 413, self._message(int(length)))
-        chunks, total, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return await self.app(scope, _replay([message]), send)
-            chunks.append(message)
-            total += len(message.get("body", b""))
-            more = message.get("more_body", False)
-            if total > self.max_bytes:
-                return await _send_json(send, 413, self._message(total))
-        return await self.app(scope, _replay(chunks), send)
-
-    def _message(self, size: int) -> str:
-        return (
-            f"request body of {size} bytes exceeds this server's limit of {self.max_bytes} bytes (--max-request-bytes)"
-        )
-
-
-def _replay(messages: list):
-    queue = list(messages)
-
-    async def receive():
-        if queue:
-            return queue.pop(0)
-        return {"type": "http.disconnect"}
-
-    return receive
-
-
-async def _send_json(send, status: int, detail: str) -> None:
-    body = json.dumps({"detail": detail}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
+# ---------------------------------------------------------------------------------------------------------------------
+# The application
+# ---------------------------------------------------------------------------------------------------------------------
 def _bounded_models(vocab_size: int) -> tuple[type, type]:
     """Request models whose token ids are bounded by the vocabulary in the schema too (so the OpenAPI schema
     documents, and a fuzzer explores, the valid range)."""
@@ -448,19 +695,44 @@ def _bounded_models(vocab_size: int) -> tuple[type, type]:
     return create, verify
 
 
-def create_app(state: ServingState) -> FastAPI:
-    """The FastAPI application of one `ServingState` (OpenAPI schema at /openapi.json)."""
+def _blob_response(body: bytes, digest: str | None = None) -> Response:
+    return Response(body, media_type=_BINARY, headers={CONTENT_DIGEST_HEADER: digest or content_digest(body)})
+
+
+async def _answer(result: VerifyResult, fmt: str) -> Response:
+    """The safetensors answer of a create/verify call, encoded off the event loop (a long prompt's context is MBs)."""
+    body = await run_in_threadpool(encode_result, result, fmt)
+    return _blob_response(body)
+
+
+def create_app(state: ServingState, docs: bool = False) -> FastAPI:
+    """The FastAPI application of one `ServingState`. `docs`: serve /docs, /redoc and /openapi.json (behind the
+    token, as everything but /v1/health); off by default (`app.openapi()` still gives the schema)."""
     Create, Verify = _bounded_models(state.vocab_size)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state.set_draining(False)
+        state.scheduler.start()  # reaping runs from the start
+        yield
+        state.set_draining(True)  # (uvicorn's shutdown: new sessions get 503 + Retry-After)
+
     app = FastAPI(
         title="moa-hf verification server",
         version=str(PROTOCOL_VERSION),
         description="Client-server speculative decoding with a Mixture-of-Attentions drafter.",
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+        lifespan=lifespan,
     )
+    app.state.serving = state
     bearer = HTTPBearer(
-        auto_error=False, description=f"required when the server has a token (--token or ${TOKEN_ENV_VAR})"
+        auto_error=False, description=f"required when the server has a token (--token-file or ${TOKEN_ENV_VAR})"
     )
 
     def authorize(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+        """(The token gate checked it before the body was read: this declares it in the OpenAPI schema.)"""
         if state.token is None:
             return
         if credentials is None or credentials.scheme.lower() != "bearer":
@@ -483,18 +755,27 @@ def create_app(state: ServingState) -> FastAPI:
             parts.append(f"{where or 'body'}: {e.get('msg', 'invalid')}")
         return JSONResponse({"detail": "invalid request: " + "; ".join(parts)}, status_code=422)
 
+    @app.exception_handler(AdmissionRefused)
+    async def refused(request: Request, exc: AdmissionRefused) -> JSONResponse:
+        body = {"detail": exc.detail, "retry_after_s": exc.retry_after_s, "queue_depth": exc.queue_depth}
+        return JSONResponse(body, status_code=exc.status, headers={"Retry-After": str(exc.retry_after_s)})
+
+    @app.exception_handler(SchedulerClosed)
+    async def closing(request: Request, exc: SchedulerClosed) -> JSONResponse:
+        return await refused(request, AdmissionRefused(str(exc), 1, state.admission.queue_depth, status=503))
+
     auth = [Depends(authorize)]
 
-    @app.get("/v1/health", summary="liveness (no token needed)")
-    def health() -> dict:
-        return {"status": "ok"}
+    @app.get(HEALTH_PATH, summary="liveness and load (no token needed; never waits for the model)")
+    async def health() -> dict:
+        return state.health()
 
     @app.get("/v1/info", dependencies=auth, responses=_ERRORS, summary="target, drafter fingerprint and limits")
-    def info() -> dict:
+    async def info() -> dict:
         return state.info()
 
     @app.get("/v1/tokenizer", dependencies=auth, responses=_ERRORS, summary="the target's tokenizer files")
-    def tokenizer() -> dict:
+    async def tokenizer() -> dict:
         if state.tokenizer is None:
             raise HTTPException(404, "this server has no tokenizer; load one on the client (--tokenizer)")
         return state.tokenizer_files()
@@ -506,8 +787,8 @@ def create_app(state: ServingState) -> FastAPI:
         responses={**_ERRORS, **_BLOB},
         summary="the drafter (with its own embedding and LM head) as safetensors",
     )
-    def drafter() -> Response:
-        return Response(state.drafter_blob(), media_type=_BINARY)
+    async def drafter() -> Response:
+        return _blob_response(state.drafter_blob(), state._drafter_digest)
 
     @app.post(
         "/v1/sessions",
@@ -516,9 +797,16 @@ def create_app(state: ServingState) -> FastAPI:
         responses={**_ERRORS, **_BLOB},
         summary="create a session from verified tokens, verifying optional drafts",
     )
-    def create_session(req: Create) -> Response:
-        result = state.create(req)
-        return Response(encode_result(result, req.context_format), media_type=_BINARY)
+    async def create_session(request: Request, req: Create) -> Response:
+        try:
+            result = await state.create(req, gone=lambda: disconnected(request.receive))
+        except _ClientGone as err:
+            return JSONResponse({"detail": str(err)}, status_code=499)  # nobody reads it
+        except (HTTPException, AdmissionRefused, SchedulerClosed):
+            raise
+        except Exception as err:
+            return _model_failure(err)
+        return await _answer(result, req.context_format)
 
     @app.post(
         "/v1/sessions/{session_id}/verify",
@@ -527,9 +815,14 @@ def create_app(state: ServingState) -> FastAPI:
         responses={**_ERRORS, **_BLOB},
         summary="verify drafted tokens (one drafting cycle)",
     )
-    def verify(session_id: str, req: Verify) -> Response:
-        result = state.verify(session_id, req)
-        return Response(encode_result(result, req.context_format), media_type=_BINARY)
+    async def verify(session_id: str, req: Verify) -> Response:
+        try:
+            result = await state.verify(session_id, req)
+        except (HTTPException, AdmissionRefused, SchedulerClosed):
+            raise
+        except Exception as err:
+            return _model_failure(err)
+        return await _answer(result, req.context_format)
 
     @app.delete(
         "/v1/sessions/{session_id}",
@@ -539,66 +832,20 @@ def create_app(state: ServingState) -> FastAPI:
         responses=_ERRORS,
         summary="end a session",
     )
-    def delete_session(session_id: str) -> Response:
+    async def delete_session(session_id: str) -> Response:
         if not state.delete(session_id):
             raise HTTPException(404, f"unknown session {session_id}")
         return Response(status_code=204)
 
-    app.add_middleware(_BodyLimit, max_bytes=state.limits.max_request_bytes)
+    app.add_middleware(BodyLimit, max_bytes=state.limits.max_request_bytes)
+    app.add_middleware(TokenGate, token=state.token)  # outermost: before the body is read
     return app
 
 
-class ServerThread:
-    """A uvicorn server for `app` in a background thread on host:port (port 0: a free one); `stop()` ends it and
-    `start()` starts it again on the same port (for tests and benchmarks)."""
-
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        self.app, self.host, self.port, self.log_level = app, host, port, log_level
-        self._server = None
-        self._thread: threading.Thread | None = None
-        self._sock: socket.socket | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, app=None, timeout_s: float = 30.0) -> "ServerThread":
-        import uvicorn
-
-        if app is not None:
-            self.app = app
-        # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted sockets only then (else 40 ms per response)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level=self.log_level, timeout_graceful_shutdown=2, lifespan="off")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [sock]}, daemon=True, name=f"moa-serve-{self.port}"
-        )
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the server on {self.url} did not start within {timeout_s} s")
-            time.sleep(0.01)
-        self._sock = sock  # uvicorn serves on this socket object: keep it open until stop()
-        return self
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self._server is None:
-            return
-        self._server.should_exit = True
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            self._server.force_exit = True
-            self._thread.join(timeout_s)
-        self._sock.close()
-        self._server = self._thread = self._sock = None
-
-    def __enter__(self) -> "ServerThread":
-        return self if self._server is not None else self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+def _model_failure(err: Exception) -> JSONResponse:
+    logger.error("a verification failed: %s: %s", type(err).__name__, err)
+    return JSONResponse(
+        {"detail": f"the target failed on this call ({type(err).__name__}: {err}); its session was dropped: create "
+         "a new one"},
+        status_code=500,
+    )  # fmt: skip

@@ -21,6 +21,7 @@ this file imports only torch and transformers.
 
 import contextlib
 import functools
+import itertools
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -90,6 +91,7 @@ class EngineStats:
     lookup_tokens: int = 0  # drafted nodes proposed by prompt lookup only
     draft_time_s: float = 0.0  # the batch's times while this row was in it
     verify_time_s: float = 0.0
+    exit_counts: list[int] = field(default_factory=list)  # drafted nodes per drafter exit (prompt lookup's not in it)
 
     @property
     def target_calls(self) -> int:
@@ -209,7 +211,9 @@ def measure_costs(target, drafter, run: "_Run", verify_sizes=VERIFY_SIZES, step_
 class Tree:
     """Drafted nodes per row, parents before children. tokens/parents/depth: [B, N] (parent -1 = the root, the row's
     last verified token); score: [B, N] log of the path's drafter probability (for lookup nodes an estimate);
-    real: [B, N] False for fillers that only pad rows to one size; lookup: [B, N] proposed by prompt lookup only."""
+    real: [B, N] False for fillers that only pad rows to one size; lookup: [B, N] proposed by prompt lookup only;
+    exit: [B, N] the drafter exit (1-based) whose evaluation proposed the node (0 for lookup nodes and fillers;
+    None: all at exit 1)."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
@@ -217,6 +221,7 @@ class Tree:
     score: torch.Tensor
     real: torch.Tensor
     lookup: torch.Tensor
+    exit: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -236,7 +241,15 @@ class Tree:
             score=self.score.gather(1, keep),
             real=self.real.gather(1, keep),
             lookup=self.lookup.gather(1, keep),
+            exit=None if self.exit is None else self.exit.gather(1, keep),
         )
+
+    def exit_counts(self, num_exits: int) -> list:
+        """Per row, the real nodes the drafter's network proposed at each exit ([B][num_exits])."""
+        exit = torch.ones_like(self.tokens) if self.exit is None else self.exit
+        network = self.real & ~self.lookup  # [B, N]
+        counts = torch.nn.functional.one_hot(exit.clamp(0, num_exits), num_exits + 1)[..., 1:]  # [B, N, K]
+        return (counts * network[..., None]).sum(1).tolist()
 
 
 def _ancestors(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -273,6 +286,8 @@ def build_tree(
     score = gamma * score
     parts = {"tokens": [tokens], "parents": [torch.full_like(tokens, -1)], "depth": [torch.ones_like(tokens)]}
     parts["score"] = [score]
+    root_exits = getattr(state, "root_exits", None)  # a sorted drafter's exit per evaluation; else all exit 1
+    parts["exit"] = [torch.ones_like(tokens) if root_exits is None else root_exits[:, None].expand(B, k)]
     fed_number = [torch.full_like(tokens, -1)]  # per candidate: its number among the nodes fed to the drafter
     first, fed = 0, 0  # index of the newest depth's first candidate; nodes fed so far
     for d in range(1, max_depth):
@@ -299,6 +314,9 @@ def build_tree(
         parts["parents"].append(front_ids[..., None].expand(B, w, k).reshape(B, w * k))
         parts["depth"].append(torch.full((B, w * k), d + 1, dtype=torch.long, device=device))
         parts["score"].append((gamma * child_score + front_score[..., None]).reshape(B, w * k))
+        node_exits = getattr(state, "node_exits", None)  # [B, w]
+        exits = torch.ones_like(front) if node_exits is None else node_exits
+        parts["exit"].append(exits[..., None].expand(B, w, k).reshape(B, w * k))
         fed_number.append(torch.full((B, w * k), -1, dtype=torch.long, device=device))
     tree = {name: torch.cat(values, dim=1) for name, values in parts.items()}
     real = torch.ones_like(tree["tokens"], dtype=torch.bool)
@@ -313,8 +331,10 @@ def add_chain(tree: Tree, chains: list, log_prob: float) -> Tree:
     B = tree.tokens.shape[0]
     rows = []
     for b in range(B):
+        exits = torch.ones_like(tree.tokens) if tree.exit is None else tree.exit
         cols = [t[b].tolist() for t in (tree.tokens, tree.parents, tree.depth, tree.score, tree.real, tree.lookup)]
-        toks, pars, deps, scores, real, look = cols
+        cols.append(exits[b].tolist())
+        toks, pars, deps, scores, real, look, _ = cols
         chain = chains[b]
         if chain is not None and len(chain):
             child = {(p, t): i for i, (t, p) in reversed(list(enumerate(zip(toks, pars))))}
@@ -323,7 +343,7 @@ def add_chain(tree: Tree, chains: list, log_prob: float) -> Tree:
                 i = child.get((node, t))
                 if i is None:
                     i = len(toks)
-                    for col, value in zip(cols, (t, node, j, j * log_prob, True, True)):
+                    for col, value in zip(cols, (t, node, j, j * log_prob, True, True, 0)):
                         col.append(value)
                     child[(node, t)] = i
                 else:
@@ -332,10 +352,10 @@ def add_chain(tree: Tree, chains: list, log_prob: float) -> Tree:
         rows.append(cols)
     size = max(len(r[0]) for r in rows)
     for cols in rows:  # fillers: children of the root that are never accepted (real False) and never chosen
-        for col, value in zip(cols, (0, -1, 1, _NEG, False, False)):
+        for col, value in zip(cols, (0, -1, 1, _NEG, False, False, 0)):
             col.extend([value] * (size - len(col)))
     device = tree.tokens.device
-    dtypes = (torch.long, torch.long, torch.long, torch.float32, torch.bool, torch.bool)
+    dtypes = (torch.long, torch.long, torch.long, torch.float32, torch.bool, torch.bool, torch.long)
     tensors = [torch.tensor([r[i] for r in rows], dtype=dt, device=device) for i, dt in enumerate(dtypes)]
     return Tree(*tensors)
 
@@ -714,8 +734,10 @@ class _Run:
                 [self.slot_hidden, hidden.gather(1, keep[..., None].expand(-1, -1, hidden.shape[-1]))], 1
             )
         tokens_now = 0
+        exits = tree.exit_counts(getattr(self.drafter, "num_exits", 1))  # [B][K]: drafted nodes per exit
         for i, b in enumerate(self.rows):
             s = self.stats[b]
+            s.exit_counts = [x + y for x, y in itertools.zip_longest(s.exit_counts, exits[i], fillvalue=0)]
             s.tree_sizes.append(int(tree.real[i].sum()))
             s.drafted_tokens += int(tree.real[i].sum())
             s.lookup_tokens += int(tree.lookup[i].sum())
