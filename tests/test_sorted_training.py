@@ -228,6 +228,43 @@ def test_parts_only_training_leaves_every_other_weight_bit_identical(tmp_path, t
         )
 
 
+def test_freeze_blocks_grows_a_drafter_without_changing_its_first_exits(tmp_path, target, other_target):
+    """freeze_blocks=1: only blocks 2..K and the other target's parts train, so the primary target's exit 1 drafts
+    exactly as before; a drafter with no deeper block is refused."""
+    drafter = sorted_drafter(target, num_blocks=3)
+    drafter.add_target("alt", other_target, lora_rank=2)
+    names = {id(p): k for k, p in drafter.named_parameters()}
+    expected = {k for k in names.values() if k.startswith("blocks.")}
+    expected |= {names[id(p)] for p in drafter.target_part_parameters("alt")}
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    trainer = MoATrainer(
+        model=drafter,
+        target={"main": target, "alt": other_target},
+        args=tiny_training_args(tmp_path, freeze_blocks=1, max_steps=4, learning_rate=1e-2),
+        train_dataset={"main": random_dataset(8), "alt": random_dataset(8, seed=2)},
+    )
+    trainer.train()
+    trained = {names[id(p)] for g in trainer.optimizer.param_groups for p in g["params"]}
+    assert trained == expected
+    after = drafter.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert any(k.startswith("blocks.1.") for k in changed) and changed <= expected, changed - expected
+    with pytest.raises(ValueError, match="freeze 1..2 of them"):
+        MoATrainer(
+            model=drafter,
+            target=target,
+            args=tiny_training_args(tmp_path, freeze_blocks=3),
+            train_dataset=random_dataset(4),
+        )
+    with pytest.raises(ValueError, match="give one of them"):
+        MoATrainer(
+            model=drafter,
+            target={"alt": other_target},
+            args=tiny_training_args(tmp_path, freeze_blocks=1, train_target_parts="alt"),
+            train_dataset={"alt": random_dataset(4)},
+        )
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Evaluation per exit and per target
 # ---------------------------------------------------------------------------------------------------------------------

@@ -138,6 +138,15 @@ class MoATrainingArguments(TrainingArguments):
             "every other weight of the drafter stays frozen. The data must all be that target's.",
         },
     )
+    freeze_blocks: int = field(
+        default=0,
+        metadata={
+            "metavar": "M",
+            "help": "Sorted drafters: keep blocks 1..M frozen with everything the primary target's exits 1..M read "
+            "(embeddings, LSA, final norm, head), and train blocks M+1..K and the other targets' parts: exits 1..M "
+            "then draft for the primary target exactly as the --init-from drafter did (0: train everything).",
+        },
+    )
     target_lora_rank: int = field(
         default=0,
         metadata={

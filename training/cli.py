@@ -338,7 +338,13 @@ def _sorted_info(trainer, specs: dict[str, str], final: dict, trainable: int, dr
         "exit_loss_weights": args.exit_loss_weights,
         "targets": specs,
         "tokens_per_target": trainer.target_token_counts(),
-        "trained": f"the parts of target {args.train_target_parts}" if args.train_target_parts else "all weights",
+        "trained": (
+            f"the parts of target {args.train_target_parts}"
+            if args.train_target_parts
+            else f"blocks {args.freeze_blocks + 1}.. and the other targets' parts"
+            if args.freeze_blocks
+            else "all weights"
+        ),
         "trainable_parameters": trainable,
         "init_drafter": drafter_args.init_drafter,
         "acceptance_heldout_by_target": acceptance or None,

@@ -105,6 +105,13 @@ class DrafterAdapter:
         """Freeze every parameter of `drafter` except the per-target parts of target `name`; those parameters."""
         raise ValueError(f"A {type(drafter).__name__} has no per-target parts; train a MoA drafter.")
 
+    def train_deeper_blocks(
+        self, drafter: torch.nn.Module, frozen: int, others: list[str]
+    ) -> list[torch.nn.Parameter]:
+        """Freeze blocks 1..`frozen` and everything the primary target's first exits read; train the deeper blocks
+        and the parts of targets `others`. Those parameters."""
+        raise ValueError(f"A {type(drafter).__name__} has no blocks to grow; train a sorted MoA drafter.")
+
     def use_target(self, drafter: torch.nn.Module, target: PreTrainedModel) -> None:
         """Before a batch of `target`'s data: borrow that target's modules (embedding, head) where the drafter
         does."""
@@ -253,6 +260,20 @@ class MoAAdapter(_AttachingAdapter):
         params = list(drafter.target_part_parameters(name))
         if not params:
             raise ValueError(f"Target {name!r} of this drafter has no parameters of its own to train.")
+        drafter.requires_grad_(False)
+        for p in params:
+            p.requires_grad_(True)
+        return params
+
+    def train_deeper_blocks(self, drafter, frozen, others) -> list:
+        num_blocks = drafter.config.num_blocks
+        if not 1 <= frozen < num_blocks:
+            raise ValueError(
+                f"freeze_blocks={frozen}, but the drafter has {num_blocks} block(s): freeze 1..{num_blocks - 1} "
+                "of them (add blocks with --num-blocks)."
+            )
+        params = [p for block in drafter.blocks[frozen - 1 :] for p in block.parameters()]  # blocks holds 2..K
+        params += [p for name in others for p in drafter.target_part_parameters(name)]
         drafter.requires_grad_(False)
         for p in params:
             p.requires_grad_(True)

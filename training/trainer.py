@@ -431,7 +431,8 @@ class MoATrainer(Trainer):
         return {name: d for name, d in train_dataset.items()}
 
     def _prepare_targets(self, model, drafter, args: MoATrainingArguments, by_target) -> None:
-        """Parts for every target the drafter lacks; with `train_target_parts`, everything else frozen."""
+        """Parts for every target the drafter lacks; with `train_target_parts` (or `freeze_blocks`), everything else
+        (the first blocks and what they read) frozen."""
         missing = [n for n in self.targets if n != PRIMARY_TARGET and n not in getattr(drafter, "target_names", [n])]
         if missing and model is not drafter and hasattr(model, "get_base_model"):
             raise ValueError(
@@ -441,6 +442,17 @@ class MoATrainer(Trainer):
         added = self.adapter.add_targets(drafter, self.targets, lora_rank=args.target_lora_rank)
         if added:
             logger.info("Added parts for target(s) %s (LoRA rank %d).", added, args.target_lora_rank)
+        if args.freeze_blocks:
+            if args.train_target_parts is not None:
+                raise ValueError("freeze_blocks and train_target_parts both choose what trains: give one of them.")
+            others = [n for n in self.targets if n != PRIMARY_TARGET]
+            params = self.adapter.train_deeper_blocks(drafter, args.freeze_blocks, others)
+            logger.info(
+                "Blocks 1..%d frozen; training the deeper blocks and the parts of %s: %d parameters.",
+                args.freeze_blocks,
+                others,
+                sum(p.numel() for p in params),
+            )
         name = args.train_target_parts
         if name is None:
             return
