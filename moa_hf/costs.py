@@ -17,7 +17,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from .modeling import MoADrafterCache
+from .modeling import CACHE_NAME, MoADrafterCache
 
 __all__ = ["engine_costs", "exit_costs", "measure_costs"]
 
@@ -68,16 +68,16 @@ def measure_costs(target, drafter, input_ids: torch.Tensor, repeats: int = 20, g
     """Median timings on `input_ids` (one prompt) with the drafter attached to the target; `exits`: the drafting cost
     per token at each exit (`exit_costs`, minimum timings) and `exit1_over_full_depth`."""
     cache = DynamicCache(config=target.config)
-    target(input_ids[:, :-1], past_key_values=cache, use_cache=True)
+    target(input_ids[:, :-1], use_cache=True, **{CACHE_NAME: cache})
     n = input_ids.shape[1]
     last = input_ids[:, -1:]
 
     def target_step():
-        target(last, past_key_values=cache, use_cache=True)
+        target(last, use_cache=True, **{CACHE_NAME: cache})
         cache.crop(-1)
 
     def target_verify5():
-        target(input_ids[:, -5:].clone(), past_key_values=cache, use_cache=True)
+        target(input_ids[:, -5:].clone(), use_cache=True, **{CACHE_NAME: cache})
         cache.crop(-5)
 
     dcache = MoADrafterCache()

@@ -9,7 +9,7 @@ from .configuration_moa import (
     tli_unsupported_reason,
     unsupported_target_reason,
 )
-from .drafting import DrafterMixin, RollbackCache, SpeculationStats, target_fingerprint
+from .drafting import CACHE_NAME, DrafterMixin, RollbackCache, SpeculationStats, cache_argument, target_fingerprint
 from .lookup import LookupSettings, lookup_continuation
 from .modeling_eagle import EagleDrafterModel
 from .modeling_moa import (
@@ -28,6 +28,7 @@ from .modeling_moa import (
 )
 
 __all__ = [
+    "CACHE_NAME",
     "PRIMARY_TARGET",
     "DrafterMixin",
     "EagleDrafterConfig",
@@ -42,6 +43,7 @@ __all__ = [
     "MoATargetParts",
     "RollbackCache",
     "SpeculationStats",
+    "cache_argument",
     "cycle_starts_from_restarts",
     "fixed_exit_thresholds",
     "gather_target_kv",

@@ -43,7 +43,7 @@ class EagleDrafterConfig(PreTrainedConfig):
     """
 
     model_type = "moa_eagle_drafter"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
 
     # The target's signature.
     target_model_type: str | None = None

@@ -226,7 +226,7 @@ class MoADrafterConfig(PreTrainedConfig):
     """
 
     model_type = "moa_drafter"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
 
     # The target's signature.
     target_model_type: str | None = None

@@ -25,7 +25,20 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .configuration_moa import target_signature
 from .lookup import LookupSettings, pop_legacy_lookup_keys
 
+# transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache` (the old name works, with
+# a warning, until 6.0): calls pass the installed version's name (`model(**{CACHE_NAME: cache})`, `getattr(out,
+# CACHE_NAME)`), and what transformers passes is read under either name (`cache_argument`).
+CACHE_NAME = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+
+
+def cache_argument(kwargs: dict):
+    """The cache in the keyword arguments of a transformers call, under either name (None if neither is given)."""
+    cache = kwargs.get("cache")
+    return cache if cache is not None else kwargs.get("past_key_values")
+
+
 __all__ = [
+    "CACHE_NAME",
     "DrafterMixin",
     "DraftingSession",
     "LayerKV",
@@ -33,6 +46,7 @@ __all__ = [
     "SpeculationStats",
     "TargetTap",
     "TreeState",
+    "cache_argument",
     "decoder_of",
     "one_hot_scores",
     "register_hooks",
@@ -118,7 +132,7 @@ class TargetTap:
         self.on_new_session = on_new_session  # a target call with a new cache = a generate call the drafter missed
 
     def pre_hook(self, module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = cache_argument(kwargs)
         if cache is not None:
             if self.cache is not None and cache is not self.cache:
                 self.on_new_session()
@@ -545,6 +559,7 @@ class DrafterMixin:
         generation_config: GenerationConfig | None = None,
         logits_processor=None,
         past_key_values=None,
+        cache=None,
         max_new_tokens: int | None = None,
         min_new_tokens: int | None = None,
         **kwargs,
@@ -552,8 +567,10 @@ class DrafterMixin:
         """Draft tokens after `input_ids` (all verified). Called by transformers' `AssistedCandidateGenerator`.
 
         Returns the sequences, the processed scores of every drafted token (so speculative sampling is exact) and
-        the drafter's cache. A call without `past_key_values` starts a new session.
+        the drafter's cache. A call without a cache (`past_key_values`, or `cache` from transformers 5.24) starts a
+        new session.
         """
+        past_key_values = cache if cache is not None else past_key_values
         t0 = time.perf_counter()
         if input_ids.shape[0] != 1:
             raise ValueError(
@@ -589,7 +606,7 @@ class DrafterMixin:
         if session is not None:
             session.drafted_tokens += len(scores)
             session.draft_time_s += time.perf_counter() - t0
-        return GenerateDecoderOnlyOutput(sequences=ids, scores=tuple(scores), past_key_values=past_key_values)
+        return GenerateDecoderOnlyOutput(sequences=ids, scores=tuple(scores), **{CACHE_NAME: past_key_values})
 
     def _draft_with_network(
         self, input_ids, cache, gc, processors, eos, threshold, max_new_tokens: int, min_new_tokens: int

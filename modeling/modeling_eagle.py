@@ -27,6 +27,7 @@ from .drafting import (
     RollbackCache,
     TargetTap,
     TreeState,
+    cache_argument,
     decoder_of,
     register_hooks,
 )
@@ -110,7 +111,7 @@ class _FeatureTap:
         return 0 if self.features is None else self.features.shape[1]
 
     def pre_hook(self, module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = cache_argument(kwargs)
         self._start = cache.get_seq_length() if cache is not None else 0
 
     def post_hook(self, module, args, kwargs, output):

@@ -50,6 +50,7 @@ from .configuration_moa import (
     unsupported_target_reason,
 )
 from .drafting import (
+    CACHE_NAME,
     DrafterMixin,
     DraftingSession,
     LayerKV,
@@ -1017,9 +1018,9 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
                 x,
                 attention_mask=mask,
                 position_ids=position_ids,
-                past_key_values=tli_cache,
                 use_cache=True,
                 position_embeddings=cos_sin,
+                **{CACHE_NAME: tli_cache},
             )
             x = x[0] if isinstance(x, tuple) else x
         return att.final_norm(x).to(h.dtype)

@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerFast
 import moa_hf
 from moa_hf import bench
 from moa_hf.cli import main
+from moa_hf.modeling import cache_argument
 
 from factory import make_independent, make_target
 
@@ -174,7 +175,7 @@ def _cache_corrupting_method() -> bench.BenchMethod:
     @contextlib.contextmanager
     def context(target):
         def hook(module, args, kwargs, output):
-            cache = kwargs.get("past_key_values")
+            cache = cache_argument(kwargs)
             if cache is not None:
                 values = cache.layers[0].values  # [B, Hkv, T, hd]
                 values.copy_(values.flip(-2))

@@ -12,7 +12,8 @@ from transformers import AutoModel, DynamicCache, GenerationConfig
 
 import moa_hf
 from moa_hf import MoADrafterCache, MoADrafterConfig, MoADrafterModel
-from moa_hf.modeling import gather_target_kv
+from moa_hf.modeling import CACHE_NAME, gather_target_kv
+from moa_hf.modeling.drafting import TargetTap
 
 from factory import make_target
 
@@ -80,16 +81,20 @@ def test_incremental_equals_parallel(tli):
             torch.testing.assert_close(logits, ref[:, i], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("tli", [0, 1])
-def test_generate_uses_verified_context_only(tli):
-    """The drafting call of assisted generation sees exactly the target's state of verified tokens 0..n-2."""
+@pytest.mark.parametrize("tli,cache_name", [(0, "past_key_values"), (1, "cache")])
+def test_generate_uses_verified_context_only(tli, cache_name):
+    """The drafting call of assisted generation sees exactly the target's state of verified tokens 0..n-2; the
+    drafter's cache comes back under the installed transformers' name, whichever name it was passed under (5.24
+    renamed `past_key_values` to `cache`), and the hook reads the target's cache under the installed name."""
     target = make_target("qwen2")
     drafter = moa_hf.build_drafter(target, target_layer_inference=tli).eval().attach(target)
     n, k = 9, 4
     ids = torch.randint(3, 128, (1, n))
-    target(ids[:, :-1], use_cache=True, past_key_values=DynamicCache(config=target.config))  # hook captures it
+    target(ids[:, :-1], use_cache=True, **{CACHE_NAME: DynamicCache(config=target.config)})  # hook captures it
     gc = GenerationConfig(do_sample=False, assistant_confidence_threshold=0.0)
-    out = drafter.generate(ids, generation_config=gc, past_key_values=MoADrafterCache(), max_new_tokens=k)
+    cache = MoADrafterCache()
+    out = drafter.generate(ids, generation_config=gc, max_new_tokens=k, **{cache_name: cache})
+    assert getattr(out, CACHE_NAME) is cache and cache.get_seq_length() > 0
     full = out.sequences
     assert full.shape[1] == n + k
     target_kv, tcache = _target_kv(target, full)
@@ -317,3 +322,19 @@ def test_invalid_lookup_settings_are_refused(fields, message):
         setattr(drafter.config, key, value)
     with pytest.raises(ValueError, match=message):
         drafter.lookup_proposal(torch.tensor([[5, 6, 5]]), 4, 0, torch.tensor([], dtype=torch.long))
+
+
+@pytest.mark.parametrize("name", ["past_key_values", "cache"])
+def test_target_tap_reads_the_cache_under_either_name(name):
+    """transformers up to 5.23 calls the target with `past_key_values=`, 5.24 on with `cache=`: the hook reads both,
+    and a call with another cache object starts a new drafting session."""
+    sessions = []
+    tap = TargetTap(on_new_session=lambda: sessions.append(1))
+    first, second = DynamicCache(), DynamicCache()
+    tap.pre_hook(None, (), {name: first})
+    tap.pre_hook(None, (), {name: first, "use_cache": True})
+    assert tap.cache is first and tap.calls == 2 and not sessions
+    tap.pre_hook(None, (), {name: second})
+    assert tap.cache is second and sessions == [1]
+    tap.pre_hook(None, (), {})  # no cache: counted, nothing else changes
+    assert tap.cache is second and tap.calls == 4

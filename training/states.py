@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import DynamicCache, PreTrainedModel
 
-from ..modeling import gather_target_kv, target_fingerprint, target_signature
+from ..modeling import CACHE_NAME, gather_target_kv, target_fingerprint, target_signature
 
 __all__ = ["TargetStates", "TargetStatesDataset", "cache_target_states", "load_target_states"]
 
@@ -109,9 +109,9 @@ def cache_target_states(
     cfg = target.config.get_text_config()
     device = target.device
     probe_ids = torch.tensor([[0]], device=device)
-    probe = target(input_ids=probe_ids, use_cache=True, past_key_values=DynamicCache())  # cache layout (L, W)
-    width = gather_target_kv(probe.past_key_values, 0, 1).shape[-1]
-    num_layers = len(probe.past_key_values.layers)
+    probe = target(input_ids=probe_ids, use_cache=True, **{CACHE_NAME: DynamicCache()})  # cache layout (L, W)
+    width = gather_target_kv(getattr(probe, CACHE_NAME), 0, 1).shape[-1]
+    num_layers = len(getattr(probe, CACHE_NAME).layers)
     kv = np.lib.format.open_memmap(out / (_KV + ".npy"), mode="w+", dtype=np.uint16, shape=(total, num_layers, width))
     hid = np.lib.format.open_memmap(
         out / (_HIDDEN + ".npy"), mode="w+", dtype=np.uint16, shape=(total, cfg.hidden_size)
@@ -140,12 +140,12 @@ def cache_target_states(
         o = target(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
-            past_key_values=DynamicCache(),  # every layer keeps every position (sliding-window ones too)
             use_cache=True,
             output_hidden_states=True,
             logits_to_keep=1,
+            **{CACHE_NAME: DynamicCache()},  # every layer keeps every position (sliding-window ones too)
         )
-        states = gather_target_kv(o.past_key_values, 0, T)  # [B, T, L, W]
+        states = gather_target_kv(getattr(o, CACHE_NAME), 0, T)  # [B, T, L, W]
         final = o.hidden_states[-1]  # [B, T, d] post-norm
         if tli is not None:  # hidden_states[L-n] for n = 1..M: [B, T, M, d]
             before_last = torch.stack([o.hidden_states[num_layers - n] for n in range(1, tli_layers + 1)], dim=2)

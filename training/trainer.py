@@ -28,6 +28,7 @@ from torch.utils.data import ConcatDataset, Dataset, Sampler
 from transformers import DynamicCache, PreTrainedModel, Trainer
 
 from moa_hf.modeling import (
+    CACHE_NAME,
     PRIMARY_TARGET,
     cycle_starts_from_restarts,
     gather_target_kv,
@@ -261,12 +262,12 @@ def run_target(
     out = target(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        past_key_values=DynamicCache(),
         use_cache=True,
         output_hidden_states=True,
+        **{CACHE_NAME: DynamicCache()},
         **kwargs,
     )
-    cache, hidden = out.past_key_values, out.hidden_states  # hidden: L+1 x [B, T, d]
+    cache, hidden = getattr(out, CACHE_NAME), out.hidden_states  # hidden: L+1 x [B, T, d]
     T = input_ids.shape[1]
     n = target_layer_inference
     num_layers = len(hidden) - 1

@@ -34,6 +34,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from ..modeling import CACHE_NAME
 from ..modeling.custom_generate.engine import _layer_windows, tree_attention_mask
 
 __all__ = [
@@ -141,7 +142,7 @@ def _forward_one(target, cache, tokens: list[int], keep: int) -> torch.Tensor | 
     """A single row: the target over `tokens` on its own cache (no padding, no mask); logits [keep, V] or None."""
     device = target.device
     ids = torch.tensor([tokens], device=device)  # [1, q]
-    out = target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=max(1, keep))
+    out = target(input_ids=ids, use_cache=True, logits_to_keep=max(1, keep), **{CACHE_NAME: cache})
     return out.logits[0, -keep:].float() if keep else None  # [keep, V]
 
 
@@ -189,9 +190,9 @@ def batched_forward(target, caches: list, inputs: list[list[int]], keep: list[in
         input_ids=ids,
         attention_mask=attention_mask,
         position_ids=q_pos,
-        past_key_values=temp,
         use_cache=True,
         logits_to_keep=max(1, max(keep)),
+        **{CACHE_NAME: temp},
     )
     width = out.logits.shape[1]
     return [out.logits[b, width - k :].float() if k else None for b, k in enumerate(keep)]  # [k, V] per row

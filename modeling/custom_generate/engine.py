@@ -47,6 +47,9 @@ __all__ = [
 ]
 
 _NEG = -float("inf")
+# transformers 5.24 renamed the cache argument `past_key_values` to `cache` (see `CACHE_NAME` in drafting.py; this
+# file stands alone as custom_generate code, so it reads the installed name itself).
+_CACHE_NAME = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -546,10 +549,10 @@ class _Run:
             input_ids=ids,
             attention_mask=attention_mask,
             position_ids=q_pos,
-            past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,
             output_hidden_states=self.needs_hidden,
+            **{_CACHE_NAME: self.cache},
         )
 
     def prefill(self) -> None:
@@ -900,9 +903,9 @@ def _decode(
     for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
         if getattr(gc, flag, False):
             raise ValueError(f"The speculative engine does not return `{flag}`; call `target.generate` without it.")
-    cache = model_kwargs.get("past_key_values")
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is not None and cache.get_seq_length() > 0:
-        raise ValueError("The speculative engine builds its own cache: do not pass a filled `past_key_values`.")
+        raise ValueError("The speculative engine builds its own cache: do not pass a filled cache.")
     run = _Run(
         model,
         engine_drafter,
