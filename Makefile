@@ -4,7 +4,7 @@ PIP := .venv/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 TEST_WORKERS ?= 2  # pytest-xdist processes (the tests run one torch thread each)
 
-.PHONY: demo test test-all lint format setup data drafters bench hub
+.PHONY: demo test test-all lint format setup data drafters sorted bench hub
 
 .venv/.installed: pyproject.toml
 	python3 -m venv .venv
@@ -57,6 +57,23 @@ drafters: .venv/.installed  ## MoA, EAGLE-style and independent drafters: same d
 	for kind in eagle independent; do $(PY) -m moa_hf.cli tune --target default --dtype bfloat16 \
 		--drafter $(RUNS)/$$kind --num-prompts 6 --max-new-tokens 64 --num-assistant-tokens 2,3,4,5,6 \
 		--thresholds 0,0.2,0.4 --write; done
+
+SORTED_FROM ?= $(RUNS)/moa  # the single-block drafter grown into the shipped sorted one (`default`: the shipped one)
+S2D := --dtype float32 --batch-size 8 --lr 1e-3 --warmup-steps 10 --min-cycle 2 --max-cycle 8 --eval-num-prompts 8 \
+	--eval-max-new-tokens 64 --save-steps 1000 --save-total-limit 1
+
+sorted: .venv/.installed  ## S2D: grow SORTED_FROM to 3 exits serving SmolLM2 and its pydoc fine-tune (the shipped one)
+	$(PY) -m moa_hf.cli data --target default --prompts default --num-prompts 400 --max-new-tokens 192 \
+		--dtype float32 --output $(RUNS)/s2d/data_main
+	$(PY) -m moa_hf.cli data --target default:pydoc --prompts pydoc --num-prompts 256 --max-new-tokens 192 \
+		--dtype float32 --output $(RUNS)/s2d/data_pydoc
+	$(PY) -m moa_hf.cli train $(S2D) --target main=default --target pydoc=default:pydoc \
+		--data main=$(RUNS)/s2d/data_main --data pydoc=$(RUNS)/s2d/data_pydoc \
+		--states main=$(RUNS)/s2d/states_main --states pydoc=$(RUNS)/s2d/states_pydoc \
+		--eval-prompts main=default:validation --eval-prompts pydoc=pydoc:heldout --init-from $(SORTED_FROM) \
+		--num-blocks 3 --freeze-blocks 1 --target-lora-rank 8 --max-steps 80 --eval-steps 80 --output $(RUNS)/sorted
+	$(PY) -m moa_hf.cli tune --target default=default:validation --target default:pydoc=pydoc:heldout \
+		--drafter $(RUNS)/sorted --dtype bfloat16 --num-prompts 4 --max-new-tokens 64 --tune exits --exit-rounds 1 --write
 
 bench: .venv/.installed  ## Spec-Bench (needs ../shared/data/spec_bench or QUESTIONS=path)
 	$(PY) -m moa_hf.cli bench $(if $(QUESTIONS),--questions $(QUESTIONS)) --moa $(or $(MOA),default) \

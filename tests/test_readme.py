@@ -1,5 +1,6 @@
 """The README's quickstart runs as written: its first ```python block, in a fresh interpreter, offline."""
 
+import ast
 import importlib.util
 import os
 import re
@@ -72,11 +73,14 @@ def test_readme_engine_example_runs(tmp_path):
 @pytest.mark.slow
 @needs_default_target
 def test_readme_sorted_drafter_example_runs(tmp_path):
-    """The sorted-drafter example (third block) runs after the quickstart: a fine-tune variant attached by weights."""
+    """The sorted-drafter example (third block) runs after the quickstart: the default drafter serves the shipped
+    fine-tune with that target's parts, attached by weights."""
     blocks = python_blocks(README.read_text(encoding="utf-8"))
-    assert len(blocks) >= 3 and "add_target(" in blocks[2]
-    shown = "\nprint(sorted_drafter.active_target, out.shape[1] - inputs['input_ids'].shape[1])\n"
-    code = blocks[0] + blocks[2] + shown
-    result = run_offline(code, tmp_path)
+    assert len(blocks) >= 3 and 'variant="pydoc"' in blocks[2]
+    result = run_offline(blocks[0] + blocks[2], tmp_path)
     assert result.returncode == 0, f"README sorted-drafter example failed:\n{result.stdout}\n{result.stderr}"
-    assert result.stdout.strip().splitlines()[-1] == "pydoc 16"
+    lines = result.stdout.strip().splitlines()
+    assert lines[-2] == "['main', 'pydoc'] 3"
+    name, counts = lines[-1].split(" ", 1)
+    counts = ast.literal_eval(counts)
+    assert name == "pydoc" and len(counts) == 3 and sum(counts) > 0
