@@ -639,6 +639,7 @@ def _targets_values(arch: dict, bench: dict | None, target_benches: dict, info: 
         "several": len(targets) > 1,
         "thresholds": None if thresholds is None else format_exit_setting({"exit_thresholds": thresholds}),
         "thresholds_list": None if thresholds is None else [float(t) for t in thresholds],
+        "first_exit_only": thresholds is not None and float(thresholds[0]) <= 0.0,
         "rows": rows,
         "exit_rows": exit_rows,
         "exit_header": " / ".join(str(k) for k in range(1, num_blocks + 1)),

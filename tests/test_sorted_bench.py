@@ -292,7 +292,10 @@ def test_card_lists_both_targets_and_exits(two_targets):
         exit2 = measured["methods"]["moa_exit2"]["overall"]
         row = next(line for line in text.splitlines() if line.startswith(f"| `{name}` | `moa_exit2` |"))
         assert "fixed exit 2" in row and "0 / 40 / 0" in row and f"{exit2['tokens_per_s']:.1f}" in row
-    assert "| `pydoc` | exit1 | 1.42 |" in text and "[0.7, 0.9]" in text
+    assert "| `pydoc` | exit1 | 1.42 |" in text and "[0.7, 0.9]" in text and "easy tokens take the cheap exits" in text
+    drafter.config.exit_thresholds = [0.0, 2.0]  # tuned to leave every token at exit 1: the card says so
+    text = hub_cards.render_card(drafter, main_bench, info, repo_id=REPO_ID).text
+    assert "every token leaves at exit 1" in text and "easy tokens" not in text
     assert "rank-2 LoRA deltas" in text
     with pytest.raises(ValueError, match="fingerprint"):  # a benchmark of another model
         hub_cards.render_card(drafter, main_bench, repo_id=REPO_ID, target_benchmarks={"pydoc": main_bench})
