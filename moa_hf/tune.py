@@ -360,9 +360,15 @@ def _exit_start(exit: int, num_blocks: int) -> list[float]:
 
 def _exit_candidates(current: list[float], i: int, grid: Sequence[float]) -> list[list[float]]:
     """`current` with threshold `i` (0-based) set to each value of the grid, 0 (always leave at exit i + 1), NEVER
-    and its current value (measured again among its rivals, under the same noise)."""
+    and its current value (measured again among its rivals, under the same noise). Where `current` lets no token
+    reach exit i + 2 (threshold i is 0), the tokens that threshold i would now send deeper also get the next exit as
+    their fallback (threshold i + 1 at 0), not only the exit `current` happens to name beyond it."""
     values = sorted({*map(float, grid), 0.0, NEVER, float(current[i])})
-    return [[*current[:i], v, *current[i + 1 :]] for v in values]
+    candidates = [[*current[:i], v, *current[i + 1 :]] for v in values]
+    if i + 1 < len(current) and float(current[i]) == 0.0 and float(current[i + 1]) != 0.0:
+        nxt = [*current[: i + 1], 0.0, *current[i + 2 :]]
+        candidates += [[*nxt[:i], v, *nxt[i + 1 :]] for v in values if v not in (0.0, NEVER)]
+    return candidates
 
 
 def tune_exit_thresholds(

@@ -18,7 +18,7 @@ from moa_hf import bench, hub_cards
 from moa_hf.cli import main
 from moa_hf.hub import build_repo_folder
 from moa_hf.modeling import PRIMARY_TARGET, fixed_exit_thresholds, target_fingerprint
-from moa_hf.tune import NEVER, format_exit_tuning_markdown, tune_exit_thresholds
+from moa_hf.tune import NEVER, _exit_candidates, format_exit_tuning_markdown, tune_exit_thresholds
 
 from factory import make_target
 
@@ -381,3 +381,12 @@ def test_publish_sorted_two_target_drafter_loads_without_moa_hf(two_targets, tmp
             assert run["exit_counts"][0] == run["drafted"]
         if "[2.0, 2.0]" in key:
             assert run["exit_counts"][-1] == run["drafted"]
+
+
+def test_exit_candidates_also_fall_back_to_the_next_exit():
+    """From "always exit 1" ([0, never]) the exit-1 round tries each grid threshold with the unsure tokens going to
+    exit 3 (the current fallback) and to exit 2 (the next exit); elsewhere only threshold i moves."""
+    got = _exit_candidates([0.0, NEVER], 0, (0.5,))
+    assert got == [[0.0, NEVER], [0.5, NEVER], [NEVER, NEVER], [0.5, 0.0]]
+    assert _exit_candidates([0.5, NEVER], 0, (0.5,)) == [[0.0, NEVER], [0.5, NEVER], [NEVER, NEVER]]
+    assert _exit_candidates([0.0, NEVER], 1, (0.5,)) == [[0.0, 0.0], [0.0, 0.5], [0.0, NEVER]]
