@@ -211,6 +211,14 @@ class _AttachingAdapter(DrafterAdapter):
                 drafter.config.exit_thresholds = thresholds
 
 
+def _train_only(drafter: torch.nn.Module, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """Freeze every parameter of `drafter` but `params`; returns `params`."""
+    drafter.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
 class MoAAdapter(_AttachingAdapter):
     """`MoADrafterModel`: reads the target's keys/values of every layer through simulated drafting cycles."""
 
@@ -260,10 +268,7 @@ class MoAAdapter(_AttachingAdapter):
         params = list(drafter.target_part_parameters(name))
         if not params:
             raise ValueError(f"Target {name!r} of this drafter has no parameters of its own to train.")
-        drafter.requires_grad_(False)
-        for p in params:
-            p.requires_grad_(True)
-        return params
+        return _train_only(drafter, params)
 
     def train_deeper_blocks(self, drafter, frozen, others) -> list:
         num_blocks = drafter.config.num_blocks
@@ -274,10 +279,7 @@ class MoAAdapter(_AttachingAdapter):
             )
         params = [p for block in drafter.blocks[frozen - 1 :] for p in block.parameters()]  # blocks holds 2..K
         params += [p for name in others for p in drafter.target_part_parameters(name)]
-        drafter.requires_grad_(False)
-        for p in params:
-            p.requires_grad_(True)
-        return params
+        return _train_only(drafter, params)
 
     def training_forward(
         self, model, inputs, states, cycle_starts=None, sa_mask=None, feature_noise=0.0, target_name=None
