@@ -214,13 +214,15 @@ def _fmt_duration(seconds: float) -> str:
 
 
 def _target_list(config: MoADrafterConfig) -> list[dict]:
-    """The targets the drafter serves, the primary one first: name, model (name or path), fingerprint, LoRA rank."""
+    """The targets the drafter serves, the primary one first: name, model (name or path), fingerprint, LoRA rank and
+    the exit thresholds it drafts with (its own, else the primary's)."""
     targets = [
         {
             "name": PRIMARY_TARGET,
             "name_or_path": config.target_name_or_path,
             "fingerprint": getattr(config, "target_fingerprint", None),
             "lora_rank": 0,
+            "exit_thresholds": getattr(config, "exit_thresholds", None),
         }
     ]
     for name, entry in (getattr(config, "extra_targets", None) or {}).items():
@@ -230,6 +232,7 @@ def _target_list(config: MoADrafterConfig) -> list[dict]:
                 "name_or_path": entry.get("target_name_or_path"),
                 "fingerprint": entry.get("target_fingerprint"),
                 "lora_rank": int(entry.get("lora_rank") or 0),
+                "exit_thresholds": entry.get("exit_thresholds") or getattr(config, "exit_thresholds", None),
             }
         )
     return targets
@@ -589,7 +592,6 @@ def _exit_rows(name: str, bench: dict | None) -> list[dict]:
 
 def _targets_values(arch: dict, bench: dict | None, target_benches: dict, info: dict | None) -> dict | None:
     """The targets and exits section of a sorted or multi-target drafter (None for a one-block, one-target one)."""
-    from moa_hf.bench import format_exit_setting
 
     targets = arch["targets"]
     names = [t["name"] for t in targets]
@@ -632,14 +634,20 @@ def _targets_values(arch: dict, bench: dict | None, target_benches: dict, info: 
                 training_exit_rows.append(
                     {"target": target["name"], "exit": match[1], "acceptance_length": f"{value:.2f}"}
                 )
-    thresholds = arch["exit_thresholds"]
     num_blocks = arch["num_blocks"]
+    tuned = [t for t in targets if t["exit_thresholds"] is not None]
+    same = len({tuple(t["exit_thresholds"]) for t in tuned}) <= 1 and len(tuned) == len(targets)
     return {
         "num_blocks": num_blocks,
         "several": len(targets) > 1,
-        "thresholds": None if thresholds is None else format_exit_setting({"exit_thresholds": thresholds}),
-        "thresholds_list": None if thresholds is None else [float(t) for t in thresholds],
-        "first_exit_only": thresholds is not None and float(thresholds[0]) <= 0.0,
+        "threshold_rows": [  # one row when every target drafts with the same thresholds
+            {
+                "name": None if same else t["name"],
+                "list": [float(v) for v in t["exit_thresholds"]],
+                "first_exit_only": float(t["exit_thresholds"][0]) <= 0.0,
+            }
+            for t in (tuned[:1] if same else tuned)
+        ],
         "rows": rows,
         "exit_rows": exit_rows,
         "exit_header": " / ".join(str(k) for k in range(1, num_blocks + 1)),

@@ -288,11 +288,12 @@ def drafter_method(name: str, drafter, allow_other_target: bool = False, info: d
 
 
 def _exit_info(drafter) -> dict:
-    """A sorted drafter's depth and exit thresholds as read now (empty for drafters without exits)."""
+    """A sorted drafter's depth and the exit thresholds it drafts with now (those of the active target, or an
+    override; empty for drafters without exits)."""
     config = drafter.config
     if not hasattr(config, "num_blocks"):
         return {}
-    thresholds = getattr(config, "exit_thresholds", None)
+    thresholds = drafter.exit_thresholds_for() if hasattr(drafter, "exit_thresholds_for") else None
     return {"num_blocks": int(config.num_blocks), "exit_thresholds": None if thresholds is None else list(thresholds)}
 
 
@@ -309,6 +310,7 @@ def _record_active_target(info: dict, drafter) -> None:
     name = getattr(drafter, "active_target", None)
     if name is not None:
         info["drafter_target"] = name
+    info.update(_exit_info(drafter))  # the thresholds of the target it served
 
 
 def independent_method(assistant, info: dict | None = None) -> BenchMethod:
@@ -413,17 +415,19 @@ def _sorted_config(path: str | None) -> tuple[int, list[float] | None]:
     if folder is None or not (folder / "config.json").is_file():
         return 1, None
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    return int(config.get("num_blocks") or 1), config.get("exit_thresholds")
+    own = [spec.get("exit_thresholds") for spec in (config.get("extra_targets") or {}).values()]
+    return int(config.get("num_blocks") or 1), config.get("exit_thresholds") or next((t for t in own if t), None)
 
 
-def _set_exit(name: str, drafter, exit: int | None) -> None:
-    """Make `drafter` draft as method `name` does: always at `exit` (its config's `exit_thresholds` set with
-    `fixed_exit_thresholds`; read at every drafting step) or, for None, adaptively with the thresholds it has."""
+def _set_exit(name: str, drafter, exit: int | None, target) -> None:
+    """Make `drafter` draft as method `name` does: always at `exit` (`override_exit_thresholds` with
+    `fixed_exit_thresholds`; read at every drafting step) or, for None, adaptively with the thresholds it has for
+    `target` (its own, or the drafter's shared ones)."""
     from .modeling import fixed_exit_thresholds
 
     num_blocks = int(getattr(drafter.config, "num_blocks", 1) or 1)
     if exit is None:
-        if num_blocks < 2 or getattr(drafter.config, "exit_thresholds", None) is None:
+        if num_blocks < 2 or drafter.exit_thresholds_for(drafter.target_for(target)) is None:
             raise BenchError(
                 f"'{name}' drafts with the drafter's tuned exit thresholds, but it has "
                 f"{'a single block (num_blocks 1)' if num_blocks < 2 else 'none (exit_thresholds is null)'}. Tune "
@@ -435,7 +439,8 @@ def _set_exit(name: str, drafter, exit: int | None) -> None:
         raise BenchError(
             f"'{name}': the drafter has {num_blocks} exit(s) (num_blocks {num_blocks}); use exits 1 to {num_blocks}."
         )
-    drafter.config.exit_thresholds = fixed_exit_thresholds(exit, num_blocks) if num_blocks > 1 else None
+    if num_blocks > 1:
+        drafter.override_exit_thresholds(fixed_exit_thresholds(exit, num_blocks))  # this fresh drafter's, for good
 
 
 def _requested_names(methods: str | None, moa_path: str | None) -> list[str]:
@@ -553,7 +558,7 @@ def build_methods(
         elif (parsed := exit_methods_of(name)) is not None:  # a sorted drafter at one exit, or adaptive
             base, exit = parsed
             drafter, path = _checked_drafter(name, "moa", moa, target, allow_other_target, engine=base == "moa_tree")
-            _set_exit(name, drafter, exit)
+            _set_exit(name, drafter, exit, target)
             info = {"drafter": str(path), "exit": "adaptive" if exit is None else exit}
             if base == "moa_tree":  # the engine as `moa_tree` runs it: its chosen tree settings, lookup as configured
                 methods.append(engine_method(name, drafter, ENGINE_METHODS["moa_tree"], allow_other_target, info))

@@ -46,16 +46,13 @@ def exit_costs(drafter, draft_token, step_ms: float, repeats: int = 20) -> list[
     from .modeling import fixed_exit_thresholds
 
     num_blocks = int(getattr(drafter.config, "num_blocks", 1) or 1)
-    own = getattr(drafter.config, "exit_thresholds", None)
     rows = []
-    try:
-        for k in range(1, num_blocks + 1):
-            if num_blocks > 1:
-                drafter.config.exit_thresholds = fixed_exit_thresholds(k, num_blocks)  # read at every drafting step
-            rows.append({"exit": k, "drafter_token_ms": _times_ms(draft_token, repeats)[0]})
-    finally:
+    for k in range(1, num_blocks + 1):
         if num_blocks > 1:
-            drafter.config.exit_thresholds = own
+            with drafter.override_exit_thresholds(fixed_exit_thresholds(k, num_blocks)):  # read at every step
+                rows.append({"exit": k, "drafter_token_ms": _times_ms(draft_token, repeats)[0]})
+        else:
+            rows.append({"exit": k, "drafter_token_ms": _times_ms(draft_token, repeats)[0]})
     full = rows[-1]["drafter_token_ms"]
     for row in rows:
         row["over_target_step"] = row["drafter_token_ms"] / step_ms

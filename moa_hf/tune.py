@@ -13,8 +13,9 @@ A sorted MoA drafter (`num_blocks` K > 1) also has per-exit confidence threshold
 its config.json: a drafted token leaves at the first exit whose top probability reaches that exit's threshold).
 `tune_exit_thresholds` measures every fixed exit, then searches the thresholds one exit at a time (coordinate search
 over a small grid, from the fastest fixed exit); `--write` stores the fastest in config.json, where the lookup settings
-live too. Several targets (`--target` given more than once, each with its own prompts) are measured in the same run
-and pooled, so one set of settings serves a drafter's several targets.
+live too. Several targets (`--target` given more than once, each with its own prompts) are measured in the same run:
+the speculation settings are pooled (one set serves them all), the exit thresholds are tuned per target the drafter
+serves (the primary's in `exit_thresholds`, another's in its `extra_targets` entry; `--pooled-exits`: one set).
 """
 
 from __future__ import annotations
@@ -96,12 +97,14 @@ def _speculation_config(drafter, setting: dict | None) -> Iterator[None]:
         if key in setting:
             setattr(gc, key, setting[key])
     fields = _config_values(drafter, setting)
+    exits = fields.pop("exit_thresholds", None)
     own_fields = {key: getattr(drafter.config, key) for key in fields}
     drafter.generation_config = gc  # a "heuristic" schedule writes its final draft length back into this copy
     try:
         for key, value in fields.items():
             setattr(drafter.config, key, value)
-        yield
+        with drafter.override_exit_thresholds(exits) if exits is not None else contextlib.nullcontext():
+            yield
     finally:
         drafter.generation_config = original
         for key, value in own_fields.items():
@@ -553,10 +556,27 @@ def write_best_setting(path: str | Path, setting: dict, fallback: GenerationConf
         fields.update(_lookup_values(setting))
     if "exit_thresholds" in setting:
         fields["exit_thresholds"] = [float(t) for t in setting["exit_thresholds"]]
+    by_target = dict(setting.get("exit_thresholds_by_target") or {})
     gc._from_model_config = False  # our own settings: else transformers re-derives them from the model config
     gc.save_pretrained(str(path))
     config_file = Path(path) / "config.json"
     config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    if by_target:  # per-target thresholds: the primary's are `exit_thresholds`, the others' in `extra_targets`
+        from .modeling import PRIMARY_TARGET
+
+        if PRIMARY_TARGET in by_target:
+            fields["exit_thresholds"] = [float(t) for t in by_target.pop(PRIMARY_TARGET)]
+        extra = {name: dict(spec) for name, spec in (config.get("extra_targets") or {}).items()}
+        for name, thresholds in by_target.items():
+            if name not in extra:
+                raise TuneError(f"The drafter at {path} serves no target named {name!r}; it serves {sorted(extra)}.")
+            extra[name]["exit_thresholds"] = [float(t) for t in thresholds]
+        fields["extra_targets"] = extra
+    elif "exit_thresholds" in fields and config.get("extra_targets"):  # one set for all: drop per-target ones
+        extra = {
+            n: {k: v for k, v in spec.items() if k != "exit_thresholds"} for n, spec in config["extra_targets"].items()
+        }
+        fields["extra_targets"] = extra
     if fields and config.get("model_type") == MoADrafterConfig.model_type:  # the MoA drafter's own fields
         config_file.write_text(json.dumps({**config, **fields}, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return gc
@@ -609,6 +629,21 @@ def _load_prompts(sources: Sequence[str], args: argparse.Namespace) -> list[str]
     ]
 
 
+def _exit_groups(drafter, jobs: list[tuple], pooled: bool) -> dict[str | None, list[tuple]]:
+    """The jobs whose exit thresholds are tuned together: {drafter target name: its jobs} (the drafter's part chosen
+    by each model's fingerprint, the primary's for other models), or {None: all} when `pooled` or a single drafter
+    target is involved and it is the primary (one set then serves every target, `config.exit_thresholds`)."""
+    from .modeling import PRIMARY_TARGET
+
+    groups: dict[str | None, list[tuple]] = {}
+    for model, ids in jobs:
+        name = drafter.target_for(model) if getattr(drafter.config, "extra_targets", None) else None
+        groups.setdefault(name or PRIMARY_TARGET, []).append((model, ids))
+    if pooled or list(groups) == [PRIMARY_TARGET]:
+        return {None: jobs}
+    return groups
+
+
 def _mode(requested: str, drafter) -> str:
     """What to tune: `auto` is the exit thresholds for a sorted MoA drafter (num_blocks > 1), else the speculation
     settings."""
@@ -654,11 +689,25 @@ def run_tune(args: argparse.Namespace) -> int:
     }
     best: dict = {}
     if mode in ("exits", "both"):
-        exits = tune_exit_thresholds(target, drafter, jobs, grid=args.exit_grid, rounds=args.exit_rounds, **common)
-        result["exits"] = exits
-        best["exit_thresholds"] = exits["best"]["exit_thresholds"]
-        drafter.config.exit_thresholds = best["exit_thresholds"]  # the speculation grid below runs with them
-        print(format_exit_tuning_markdown(exits))
+        groups = _exit_groups(drafter, jobs, pooled=args.pooled_exits)
+        tuned = {}
+        for name, group in groups.items():
+            exits = tune_exit_thresholds(
+                target, drafter, group, grid=args.exit_grid, rounds=args.exit_rounds, **common
+            )
+            tuned[name] = exits["best"]["exit_thresholds"]
+            result.setdefault("exits_by_target", {})[name] = exits
+            print(f"\n### target {name!r}\n" if name is not None else "", format_exit_tuning_markdown(exits), sep="")
+        if None in tuned:  # pooled: one set for every target
+            result["exits"] = result.pop("exits_by_target")[None]
+            best["exit_thresholds"] = tuned[None]
+            drafter.set_exit_thresholds(tuned[None])
+            for name in drafter.target_names[1:]:
+                drafter.set_exit_thresholds(None, target=name)  # the shared ones serve every target
+        else:
+            best["exit_thresholds_by_target"] = tuned
+            for name, thresholds in tuned.items():
+                drafter.set_exit_thresholds(thresholds, target=name)  # the speculation grid below runs with them
     if mode in ("speculation", "both"):
         speculation = tune_speculation(
             target,
@@ -788,6 +837,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--exit-rounds", type=int, default=1, help="passes of the exit-threshold search over the exits (default: 1)"
+    )
+    p.add_argument(
+        "--pooled-exits",
+        action="store_true",
+        help="several --target: tune one set of exit thresholds on all their prompts together (default: each target "
+        "the drafter serves gets its own, chosen on its prompts)",
     )
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (more: less timing noise)")
     p.add_argument(

@@ -218,11 +218,12 @@ class MoADrafterConfig(PreTrainedConfig):
             1..k and the shared head). 1: the paper's drafter.
         exit_thresholds: K-1 confidences. While drafting, a token leaves at the first exit k < K whose top draft
             probability is >= `exit_thresholds[k-1]`, else at exit K (0: always leave there; > 1: never). None:
-            always exit K. See `fixed_exit_thresholds` for a fixed exit.
+            always exit K. See `fixed_exit_thresholds` for a fixed exit. Serves every target without its own.
         extra_targets: targets served besides the primary one (`target_name_or_path` / `target_fingerprint`, named
-            `PRIMARY_TARGET`): {name: {"target_name_or_path", "target_fingerprint", "lora_rank"}}. Each has its own
-            LSA input projection and, with `lora_rank` > 0, low-rank deltas on the linear layers of every block;
-            `attach` picks the parts of the target whose fingerprint it recognises.
+            `PRIMARY_TARGET`): {name: {"target_name_or_path", "target_fingerprint", "lora_rank"}} and optionally
+            "exit_thresholds" (that target's own, as tuned by `moa tune` on it). Each has its own LSA input
+            projection and, with `lora_rank` > 0, low-rank deltas on the linear layers of every block; `attach` picks
+            the parts of the target whose fingerprint it recognises.
     """
 
     model_type = "moa_drafter"
@@ -312,6 +313,8 @@ class MoADrafterConfig(PreTrainedConfig):
                     f"extra_targets[{name!r}] must be a dict with 'target_name_or_path', 'target_fingerprint' and an "
                     f"integer 'lora_rank' >= 0 (0: no low-rank deltas), got {spec!r}."
                 )
+            if spec.get("exit_thresholds") is not None:  # this target's own; else `exit_thresholds` serves it too
+                spec["exit_thresholds"] = check_exit_thresholds(spec["exit_thresholds"], self.num_blocks)
 
     def validate_lookup(self):
         LookupSettings.from_config(self)  # raises a ValueError naming the field for invalid settings

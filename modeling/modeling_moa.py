@@ -722,6 +722,7 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
                 {name: self._new_parts(int(spec.get("lora_rank", 0))) for name, spec in c.extra_targets.items()}
             )
         self._active_target = PRIMARY_TARGET
+        self._exit_override: list[float] | None = None  # `override_exit_thresholds`
         self._attachment: _Attachment | None = None
         self._session: DraftingSession | None = None
         self.post_init()
@@ -1271,11 +1272,53 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         return logits, exit_of
 
     def _exit_thresholds(self) -> list[float]:
-        """`config.exit_thresholds` (read at every drafting step), or never leaving before the last exit (None)."""
-        thresholds = self.config.exit_thresholds
+        """`exit_thresholds_for` the active target (read at every drafting step); None: never leave before exit K."""
+        thresholds = self.exit_thresholds_for()
         if thresholds is None:
             return [2.0] * (self.config.num_blocks - 1)
         return check_exit_thresholds(thresholds, self.config.num_blocks)
+
+    def exit_thresholds_for(self, name: str | None = None) -> list[float] | None:
+        """The exit thresholds drafting for target `name` (None: the active one) uses: those of
+        `override_exit_thresholds` while it holds, else the target's own (`extra_targets[name]["exit_thresholds"]`),
+        else `config.exit_thresholds` (None: every token leaves at the last exit)."""
+        if self._exit_override is not None:
+            return self._exit_override
+        name = self._active_target if name is None else name
+        self._check_target_name(name)
+        own = (self.config.extra_targets or {}).get(name, {}).get("exit_thresholds")
+        return own if own is not None else self.config.exit_thresholds
+
+    def set_exit_thresholds(self, thresholds: list[float] | None, target: str = PRIMARY_TARGET) -> None:
+        """Store tuned thresholds for `target`: the primary's are `config.exit_thresholds` (they also serve every
+        target without its own), another target's go into its `extra_targets` entry (None: it uses the primary's
+        again)."""
+        self._check_target_name(target)
+        if thresholds is not None:
+            thresholds = check_exit_thresholds(thresholds, self.config.num_blocks)
+        if target == PRIMARY_TARGET:
+            self.config.exit_thresholds = thresholds
+            return
+        spec = {k: v for k, v in self.config.extra_targets[target].items() if k != "exit_thresholds"}
+        if thresholds is not None:
+            spec["exit_thresholds"] = thresholds
+        self.config.extra_targets = {**self.config.extra_targets, target: spec}
+
+    def override_exit_thresholds(self, thresholds: list[float] | None) -> contextlib.AbstractContextManager:
+        """Draft every target with `thresholds` (e.g. `fixed_exit_thresholds(k, K)`: always exit k) instead of the
+        stored ones; None lifts the override. Lasts until the next call, or used as `with drafter.override_exit_
+        thresholds(t):` until the block ends (the previous override restored)."""
+        previous = self._exit_override
+        self._exit_override = None if thresholds is None else check_exit_thresholds(thresholds, self.config.num_blocks)
+
+        @contextlib.contextmanager
+        def restore():
+            try:
+                yield self
+            finally:
+                self._exit_override = previous
+
+        return restore()
 
     def new_cache(self) -> MoADrafterCache:
         cache = MoADrafterCache()

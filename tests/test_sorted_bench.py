@@ -199,18 +199,32 @@ def test_cli_tune_writes_exit_thresholds_for_two_targets(tmp_path, capsys):
         "--prompts", str(tmp_path / "main.txt"), "--drafter", str(folder), "--device", "cpu", "--max-new-tokens", "6",
         "--exit-grid", "0.5", "--quiet", "--write",
     ]  # fmt: skip
-    assert main(argv) == 0
-    assert "## moa tune: exit thresholds of a 3-block drafter, 3 prompts" in capsys.readouterr().out
+    assert main(argv) == 0  # each target its own thresholds, on its own prompts
+    out = capsys.readouterr().out
+    assert "### target 'main'" in out and "### target 'pydoc'" in out
+    assert "## moa tune: exit thresholds of a 3-block drafter, 2 prompts" in out
     tuning = json.loads((folder / "tuning.json").read_text())
     assert tuning["tuned"] == "exits" and tuning["num_prompts"] == 3 and tuning["written"] is True
     assert [t["prompts"] for t in tuning["targets"]] == [[str(tmp_path / "main.txt")], [str(tmp_path / "pydoc.txt")]]
+    by_target = {name: r["best"]["exit_thresholds"] for name, r in tuning["exits_by_target"].items()}
+    assert [r["num_prompts"] for r in tuning["exits_by_target"].values()] == [2, 1] and "exits" not in tuning
     config = json.loads((folder / "config.json").read_text())
-    assert (
-        config["exit_thresholds"] == tuning["exits"]["best"]["exit_thresholds"] and len(config["exit_thresholds"]) == 2
-    )
+    assert config["exit_thresholds"] == by_target["main"] and len(config["exit_thresholds"]) == 2
+    assert config["extra_targets"]["pydoc"]["exit_thresholds"] == by_target["pydoc"]
+    assert config["extra_targets"]["pydoc"]["target_fingerprint"] == target_fingerprint(second)  # the rest kept
     assert (folder / "generation_config.json").read_text() == gc_before  # exits only: the speculation setting stays
     reloaded = moa_hf.load_drafter(folder)
-    assert reloaded.config.exit_thresholds == config["exit_thresholds"] and reloaded.target_names == ["main", "pydoc"]
+    assert reloaded.target_names == ["main", "pydoc"]
+    assert [reloaded.exit_thresholds_for(n) for n in ("main", "pydoc")] == [by_target["main"], by_target["pydoc"]]
+
+    assert main([*argv, "--pooled-exits"]) == 0  # one set for both: the per-target ones go
+    assert "## moa tune: exit thresholds of a 3-block drafter, 3 prompts" in capsys.readouterr().out
+    tuning = json.loads((folder / "tuning.json").read_text())
+    config = json.loads((folder / "config.json").read_text())
+    assert config["exit_thresholds"] == tuning["exits"]["best"]["exit_thresholds"]
+    assert "exit_thresholds" not in config["extra_targets"]["pydoc"]
+    reloaded = moa_hf.load_drafter(folder)
+    assert reloaded.exit_thresholds_for("pydoc") == reloaded.exit_thresholds_for("main") == config["exit_thresholds"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -296,6 +310,10 @@ def test_card_lists_both_targets_and_exits(two_targets):
     drafter.config.exit_thresholds = [0.0, 2.0]  # tuned to leave every token at exit 1: the card says so
     text = hub_cards.render_card(drafter, main_bench, info, repo_id=REPO_ID).text
     assert "every token leaves at exit 1" in text and "easy tokens" not in text
+    drafter.set_exit_thresholds([0.4, 0.0], target="pydoc")  # per-target thresholds: one line each
+    text = hub_cards.render_card(drafter, main_bench, info, repo_id=REPO_ID).text
+    assert "on each target's prompts" in text and "`main`: `[0.0, 2.0]`, so every token leaves at exit 1" in text
+    assert "`pydoc`: `[0.4, 0.0]`, so easy tokens take the cheap exits." in text
     assert "rank-2 LoRA deltas" in text
     with pytest.raises(ValueError, match="fingerprint"):  # a benchmark of another model
         hub_cards.render_card(drafter, main_bench, repo_id=REPO_ID, target_benchmarks={"pydoc": main_bench})

@@ -341,6 +341,40 @@ def test_save_load_round_trip_with_targets(tmp_path):
         torch.testing.assert_close(loaded(ids, target_kv=target_kv).logits, drafter(ids, target_kv=target_kv).logits)
 
 
+def test_per_target_exit_thresholds(tmp_path):
+    """Each target drafts with its own thresholds when it has them (else the primary's); an override wins over both
+    while it holds; they survive save/load and are validated."""
+    target = make_target("llama")
+    tuned = _perturbed(target)
+    drafter = _two_target_drafter(target, tuned)
+    assert drafter.exit_thresholds_for("tuned") is None  # nothing tuned yet: the last exit
+    drafter.set_exit_thresholds(fixed_exit_thresholds(1, K))
+    assert drafter.exit_thresholds_for("tuned") == fixed_exit_thresholds(1, K)  # the primary's serve it
+    drafter.set_exit_thresholds(fixed_exit_thresholds(3, K), target="tuned")
+    assert drafter.config.extra_targets["tuned"]["exit_thresholds"] == [2.0, 2.0]
+    with pytest.raises(ValueError, match="num_blocks - 1 = 2"):
+        drafter.set_exit_thresholds([0.5], target="tuned")
+    with pytest.raises(ValueError, match="Unknown target 'nope'"):
+        drafter.set_exit_thresholds([0.5, 0.5], target="nope")
+    for model, exit in ((target, 1), (tuned, 3)):  # attach picks the target, and with it its thresholds
+        with drafter.attached(model), torch.no_grad():
+            records, context = _simulate_chain(drafter, model, seed=exit, T=12)
+            _check_chain(drafter, records, context, exit=exit)
+            with drafter.override_exit_thresholds(fixed_exit_thresholds(2, K)):
+                records, context = _simulate_chain(drafter, model, seed=exit, T=12)
+                _check_chain(drafter, records, context, exit=2)
+            assert drafter.exit_thresholds_for() == fixed_exit_thresholds(exit, K)  # the override lifted
+    drafter.save_pretrained(tmp_path)
+    loaded = AutoModel.from_pretrained(tmp_path)
+    assert loaded.exit_thresholds_for("tuned") == [2.0, 2.0] and loaded.exit_thresholds_for("main") == [0.0, 0.0]
+    loaded.set_exit_thresholds(None, target="tuned")  # back to the primary's
+    assert "exit_thresholds" not in loaded.config.extra_targets["tuned"]
+    assert loaded.exit_thresholds_for("tuned") == [0.0, 0.0]
+    bad = {**drafter.config.extra_targets["tuned"], "exit_thresholds": [0.1]}
+    with pytest.raises(ValueError, match="num_blocks - 1 = 2"):
+        moa_hf.build_drafter(target, num_blocks=K, extra_targets={"tuned": bad})
+
+
 # ---------------------------------------------------------------------------------------------- lossless drafting
 def _lossless_setup():
     target = make_target("llama")

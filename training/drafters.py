@@ -195,20 +195,17 @@ class _AttachingAdapter(DrafterAdapter):
         self.select_target(drafter, target_name)
         own = getattr(drafter, "generation_config", None)
         lookup = drafter.config.lookup_num_tokens if drafter.supports_prompt_lookup else 0
-        thresholds = getattr(drafter.config, "exit_thresholds", None)
         drafter.generation_config = drafter.default_generation_config(copy.deepcopy(own))
         if lookup:
             drafter.config.lookup_num_tokens = 0  # the network alone: no prompt lookup
-        if exit is not None and num_exits > 1:
-            drafter.config.exit_thresholds = fixed_exit_thresholds(exit, num_exits)  # always that exit
+        fixed = fixed_exit_thresholds(exit, num_exits) if exit is not None and num_exits > 1 else None
         try:
-            yield
+            with drafter.override_exit_thresholds(fixed) if fixed is not None else contextlib.nullcontext():
+                yield  # always exit `exit`, or the target's own thresholds
         finally:
             drafter.generation_config = own
             if lookup:
                 drafter.config.lookup_num_tokens = lookup
-            if num_exits > 1:
-                drafter.config.exit_thresholds = thresholds
 
 
 def _train_only(drafter: torch.nn.Module, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:

@@ -85,13 +85,13 @@ def measure_acceptance_by_exit(
     *,
     target_name: str | None = None,
 ) -> dict[str, dict[str, float]]:
-    """`measure_acceptance` for every fixed exit (``"exit1"`` ... ``"exitK"``) and, when the drafter has
-    `exit_thresholds`, for adaptive depth (``"adaptive"``)."""
+    """`measure_acceptance` for every fixed exit (``"exit1"`` ... ``"exitK"``) and, when the drafter has exit
+    thresholds for the target (`exit_thresholds_for`), for adaptive depth (``"adaptive"``)."""
     base = unwrap_model(drafter)
     num_exits = adapter_for(base).num_exits(base)
     run = functools.partial(measure_acceptance, target, base, prompt_ids, max_new_tokens, target_name=target_name)
     results = {f"exit{i}": run(exit=i) for i in range(1, num_exits + 1)}
-    if getattr(base.config, "exit_thresholds", None) is not None:
+    if num_exits > 1 and base.exit_thresholds_for(target_name) is not None:  # that target's own, or the shared ones
         results["adaptive"] = run(exit=None)
     return results
 
