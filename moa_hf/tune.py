@@ -371,7 +371,16 @@ def _exit_candidates(current: list[float], i: int, grid: Sequence[float]) -> lis
     if i + 1 < len(current) and float(current[i]) == 0.0 and float(current[i + 1]) != 0.0:
         nxt = [*current[: i + 1], 0.0, *current[i + 2 :]]
         candidates += [[*nxt[:i], v, *nxt[i + 1 :]] for v in values if v not in (0.0, NEVER)]
-    return candidates
+    unique = {tuple(_canonical(c)): None for c in candidates}  # settings that draft alike are measured once
+    return [list(c) for c in unique]
+
+
+def _canonical(thresholds: Sequence[float]) -> list[float]:
+    """`thresholds` with those after the first 0 set to NEVER: no token gets past an exit whose threshold is 0, so
+    the later ones change nothing ([0.0, 0.8] drafts as [0.0, NEVER])."""
+    values = [float(t) for t in thresholds]
+    first = next((j for j, t in enumerate(values) if t == 0.0), len(values))
+    return values[: first + 1] + [NEVER] * (len(values) - first - 1)
 
 
 def tune_exit_thresholds(
@@ -389,7 +398,9 @@ def tune_exit_thresholds(
     """Per-exit confidence thresholds of a sorted MoA drafter (`num_blocks` K > 1) by coordinate search on tokens/s.
 
     First every fixed exit (`fixed_exit_thresholds`); from the fastest, exit 1's threshold takes every value of `grid`
-    plus 0 and NEVER (2.0) with the others kept, the fastest stays, then exit 2's, ... exit K-1's (`rounds` passes). A
+    plus 0 and NEVER (2.0) with the others kept, the fastest stays, then exit 2's, ... exit K-1's (`rounds` passes;
+    exit k's is skipped while an earlier threshold is 0, as no token reaches exit k then; settings that draft alike
+    are measured once, thresholds after a 0 written as NEVER). A
     step is one `_measure` (its candidates and the target alone, interleaved, on the same prompts), so a whole search
     costs (K + rounds (K - 1)(len(grid) + 3)) generations per prompt at most. `prompt_ids`: as `tune_speculation`.
     Returns ``{"num_blocks", "grid", "steps": [{"step", "baseline", "rows"}], "best", "best_fixed", ...}``; a row has
@@ -426,6 +437,8 @@ def tune_exit_thresholds(
     current = _exit_start(best_fixed["exit"], num_blocks)
     best = best_fixed
     for round_, i in itertools.product(range(rounds), range(num_blocks - 1)):
+        if 0.0 in current[:i]:  # every token leaves before exit i + 1: its threshold changes nothing
+            continue
         settings = [{"exit_thresholds": c, "exit": None} for c in _exit_candidates(current, i, grid)]
         baseline, rows = run(settings, warmup=False, desc=f"moa tune: exit {i + 1} threshold")
         steps.append({"step": f"exit {i + 1} threshold (round {round_ + 1})", "baseline": baseline, "rows": rows})

@@ -18,7 +18,7 @@ from moa_hf import bench, hub_cards
 from moa_hf.cli import main
 from moa_hf.hub import build_repo_folder
 from moa_hf.modeling import PRIMARY_TARGET, fixed_exit_thresholds, target_fingerprint
-from moa_hf.tune import NEVER, _exit_candidates, format_exit_tuning_markdown, tune_exit_thresholds
+from moa_hf.tune import NEVER, _exit_candidates, _rank, format_exit_tuning_markdown, tune_exit_thresholds
 
 from factory import make_target
 
@@ -163,8 +163,10 @@ def test_exit_threshold_search():
     prompts = [[5, 6, 7, 8, 9, 5, 6, 7], [20, 21, 22, 23]]
     result = tune_exit_thresholds(target, drafter, prompts, grid=(0.5,), max_new_tokens=8, progress=False)
     assert drafter.config.exit_thresholds == [0.3, 0.3] and _no_hooks(target)  # put back
+    exit1_best = max(result["steps"][1]["rows"], key=_rank)
+    skipped = exit1_best["exit_thresholds"][0] == 0.0  # no token reaches exit 2: its threshold is not searched
     assert [step["step"] for step in result["steps"]] == [
-        "fixed exits", "exit 1 threshold (round 1)", "exit 2 threshold (round 1)"
+        "fixed exits", "exit 1 threshold (round 1)", *([] if skipped else ["exit 2 threshold (round 1)"])
     ]  # fmt: skip
     fixed = result["steps"][0]["rows"]
     assert [row["exit"] for row in fixed] == [1, 2, 3]
@@ -407,4 +409,5 @@ def test_exit_candidates_also_fall_back_to_the_next_exit():
     got = _exit_candidates([0.0, NEVER], 0, (0.5,))
     assert got == [[0.0, NEVER], [0.5, NEVER], [NEVER, NEVER], [0.5, 0.0]]
     assert _exit_candidates([0.5, NEVER], 0, (0.5,)) == [[0.0, NEVER], [0.5, NEVER], [NEVER, NEVER]]
-    assert _exit_candidates([0.0, NEVER], 1, (0.5,)) == [[0.0, 0.0], [0.0, 0.5], [0.0, NEVER]]
+    assert _exit_candidates([0.0, NEVER], 1, (0.5,)) == [[0.0, NEVER]]  # exit 2 unreachable: one setting
+    assert _exit_candidates([0.5, NEVER], 1, (0.5,)) == [[0.5, 0.0], [0.5, 0.5], [0.5, NEVER]]
