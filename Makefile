@@ -71,9 +71,15 @@ sorted: .venv/.installed  ## S2D: grow SORTED_FROM to 3 exits serving SmolLM2 an
 		--data main=$(RUNS)/s2d/data_main --data pydoc=$(RUNS)/s2d/data_pydoc \
 		--states main=$(RUNS)/s2d/states_main --states pydoc=$(RUNS)/s2d/states_pydoc \
 		--eval-prompts main=default:validation --eval-prompts pydoc=pydoc:heldout --init-from $(SORTED_FROM) \
-		--num-blocks 3 --freeze-blocks 1 --target-lora-rank 8 --max-steps 80 --eval-steps 80 --output $(RUNS)/sorted
+		--num-blocks 3 --freeze-blocks 1 --target-lora-rank 8 --max-steps 80 --eval-steps 80 --output $(RUNS)/sorted_80
+	$(PY) -m moa_hf.cli train $(S2D) --target main=default --target pydoc=default:pydoc \
+		--data main=$(RUNS)/s2d/data_main --data pydoc=$(RUNS)/s2d/data_pydoc \
+		--states main=$(RUNS)/s2d/states_main --states pydoc=$(RUNS)/s2d/states_pydoc \
+		--eval-prompts main=default:validation --eval-prompts pydoc=pydoc:heldout --init-from $(RUNS)/sorted_80 \
+		--num-blocks 3 --freeze-blocks 1 --target-lora-rank 8 --exit-loss-weights 1,1,2 --max-steps 240 \
+		--eval-steps 240 --output $(RUNS)/sorted
 	$(PY) -m moa_hf.cli tune --target default=default:validation --target default:pydoc=pydoc:heldout \
-		--drafter $(RUNS)/sorted --dtype bfloat16 --num-prompts 4 --max-new-tokens 64 --tune exits --exit-rounds 1 --write
+		--drafter $(RUNS)/sorted --dtype bfloat16 --num-prompts 8 --max-new-tokens 96 --seed 1 --tune exits --write
 
 bench: .venv/.installed  ## Spec-Bench (needs ../shared/data/spec_bench or QUESTIONS=path)
 	$(PY) -m moa_hf.cli bench $(if $(QUESTIONS),--questions $(QUESTIONS)) --moa $(or $(MOA),default) \
