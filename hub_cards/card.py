@@ -222,7 +222,7 @@ def _target_list(config: MoADrafterConfig) -> list[dict]:
             "name_or_path": config.target_name_or_path,
             "fingerprint": getattr(config, "target_fingerprint", None),
             "lora_rank": 0,
-            "exit_thresholds": getattr(config, "exit_thresholds", None),
+            "exit_thresholds": config.target_exit_thresholds(PRIMARY_TARGET),
         }
     ]
     for name, entry in (getattr(config, "extra_targets", None) or {}).items():
@@ -232,7 +232,7 @@ def _target_list(config: MoADrafterConfig) -> list[dict]:
                 "name_or_path": entry.get("target_name_or_path"),
                 "fingerprint": entry.get("target_fingerprint"),
                 "lora_rank": int(entry.get("lora_rank") or 0),
-                "exit_thresholds": entry.get("exit_thresholds") or getattr(config, "exit_thresholds", None),
+                "exit_thresholds": config.target_exit_thresholds(name),
             }
         )
     return targets
@@ -287,7 +287,6 @@ def _architecture(drafter_or_config: MoADrafterModel | MoADrafterConfig) -> tupl
         "confidence_threshold": getattr(gen, "assistant_confidence_threshold", None),
         "lookup": model.lookup_settings,  # `LookupSettings` from the config's `lookup_*` fields, None when off
         "num_blocks": int(getattr(config, "num_blocks", 1) or 1),
-        "exit_thresholds": getattr(config, "exit_thresholds", None),
         "targets": _target_list(config),
     }
     return config, arch

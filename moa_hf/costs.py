@@ -12,6 +12,7 @@ chain's `draft_step`, batch 1, the minimum of the repeats: the least disturbed t
 decode step and over the full depth (the issue's target: exit 1 at most 0.6 x the full depth).
 """
 
+import contextlib
 import time
 
 import torch
@@ -48,10 +49,12 @@ def exit_costs(drafter, draft_token, step_ms: float, repeats: int = 20) -> list[
     num_blocks = int(getattr(drafter.config, "num_blocks", 1) or 1)
     rows = []
     for k in range(1, num_blocks + 1):
-        if num_blocks > 1:
-            with drafter.override_exit_thresholds(fixed_exit_thresholds(k, num_blocks)):  # read at every step
-                rows.append({"exit": k, "drafter_token_ms": _times_ms(draft_token, repeats)[0]})
-        else:
+        exit_k = (  # read at every drafting step
+            drafter.override_exit_thresholds(fixed_exit_thresholds(k, num_blocks))
+            if num_blocks > 1
+            else contextlib.nullcontext()
+        )
+        with exit_k:
             rows.append({"exit": k, "drafter_token_ms": _times_ms(draft_token, repeats)[0]})
     full = rows[-1]["drafter_token_ms"]
     for row in rows:

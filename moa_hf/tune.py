@@ -648,10 +648,11 @@ def _exit_groups(drafter, jobs: list[tuple], pooled: bool) -> dict[str | None, l
     target is involved and it is the primary (one set then serves every target, `config.exit_thresholds`)."""
     from .modeling import PRIMARY_TARGET
 
+    several = bool(getattr(drafter.config, "extra_targets", None))
+    names = {id(m): (drafter.target_for(m) if several else None) or PRIMARY_TARGET for m, _ in jobs}  # once a model
     groups: dict[str | None, list[tuple]] = {}
     for model, ids in jobs:
-        name = drafter.target_for(model) if getattr(drafter.config, "extra_targets", None) else None
-        groups.setdefault(name or PRIMARY_TARGET, []).append((model, ids))
+        groups.setdefault(names[id(model)], []).append((model, ids))
     if pooled or list(groups) == [PRIMARY_TARGET]:
         return {None: jobs}
     return groups

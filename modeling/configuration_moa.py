@@ -352,6 +352,12 @@ class MoADrafterConfig(PreTrainedConfig):
         """Size of one target layer's key and value for one token, joined per KV head."""
         return 2 * self.target_num_key_value_heads * self.target_head_dim
 
+    def target_exit_thresholds(self, name: str) -> list[float] | None:
+        """The exit thresholds target `name` drafts with: its own (`extra_targets[name]["exit_thresholds"]`), else
+        `exit_thresholds` (None: every token leaves at the last exit)."""
+        own = (self.extra_targets or {}).get(name, {}).get("exit_thresholds")
+        return own if own is not None else self.exit_thresholds
+
     def signature(self) -> dict:
         return {key: getattr(self, key) for key in _SIGNATURE_KEYS}
 

@@ -1280,14 +1280,15 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
 
     def exit_thresholds_for(self, name: str | None = None) -> list[float] | None:
         """The exit thresholds drafting for target `name` (None: the active one) uses: those of
-        `override_exit_thresholds` while it holds, else the target's own (`extra_targets[name]["exit_thresholds"]`),
-        else `config.exit_thresholds` (None: every token leaves at the last exit)."""
+        `override_exit_thresholds` while it holds, else `config.target_exit_thresholds(name)`: the target's own, else
+        `config.exit_thresholds` (None: every token leaves at the last exit)."""
         if self._exit_override is not None:
             return self._exit_override
-        name = self._active_target if name is None else name
-        self._check_target_name(name)
-        own = (self.config.extra_targets or {}).get(name, {}).get("exit_thresholds")
-        return own if own is not None else self.config.exit_thresholds
+        if name is None:  # the drafting step's case: the active target is a known one
+            name = self._active_target
+        else:
+            self._check_target_name(name)
+        return self.config.target_exit_thresholds(name)
 
     def set_exit_thresholds(self, thresholds: list[float] | None, target: str = PRIMARY_TARGET) -> None:
         """Store tuned thresholds for `target`: the primary's are `config.exit_thresholds` (they also serve every
