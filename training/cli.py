@@ -281,6 +281,7 @@ def run_train(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - t0
     measuring = _acceptance_time(trainer)  # part of `wall`: the periodic acceptance measurements
     final = trainer.evaluate() if eval_prompts or eval_data is not None else {}
+    tokens_per_target = trainer.target_token_counts()  # a collective under DDP: every process calls it
     if trainer.is_world_process_zero():
         out = Path(training.output_dir)
         drafter = merge_lora(trainer.model) if drafter_args.lora_r else trainer.drafter
@@ -308,7 +309,7 @@ def run_train(args: argparse.Namespace) -> int:
             "acceptance_length_heldout": final.get("eval_acceptance_length"),
             "top1_heldout": final.get("eval_top1"),  # with --eval-data: top-1 agreement with the target
             "top1_first_heldout": final.get("eval_top1_first"),
-            **_sorted_info(trainer, specs, final, trainable, drafter_args),
+            **_sorted_info(trainer, specs, final, trainable, drafter_args, tokens_per_target),
             "learning_curve": _learning_curve(trainer, info_from=info_from),
         }
         info.update(_totals(info, info_from=info_from))
@@ -317,9 +318,12 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sorted_info(trainer, specs: dict[str, str], final: dict, trainable: int, drafter_args) -> dict:
+def _sorted_info(
+    trainer, specs: dict[str, str], final: dict, trainable: int, drafter_args, tokens_per_target: dict[str, int]
+) -> dict:
     """What training_info.json records of the drafter's depth and targets: blocks, exit loss weights, the targets
-    (name -> spec) and their tokens, what was trained, and the held-out acceptance per target and exit."""
+    (name -> spec) and their tokens (`MoATrainer.target_token_counts`), what was trained, and the held-out
+    acceptance per target and exit."""
     args = trainer.args
     names = list(specs)
     named = len(names) > 1 or names != [PRIMARY_TARGET]
@@ -337,7 +341,7 @@ def _sorted_info(trainer, specs: dict[str, str], final: dict, trainable: int, dr
         "num_blocks": len(trainer.exit_weights),
         "exit_loss_weights": args.exit_loss_weights,
         "targets": specs,
-        "tokens_per_target": trainer.target_token_counts(),
+        "tokens_per_target": tokens_per_target,
         "trained": (
             f"the parts of target {args.train_target_parts}"
             if args.train_target_parts
