@@ -53,6 +53,8 @@ __all__ = [
     "NEVER",
     "SETTING_KEYS",
     "TuneError",
+    "exit_agreement",
+    "format_exit_agreement_markdown",
     "format_exit_tuning_markdown",
     "format_tuning_markdown",
     "register",
@@ -383,6 +385,93 @@ def _canonical(thresholds: Sequence[float]) -> list[float]:
     return values[: first + 1] + [NEVER] * (len(values) - first - 1)
 
 
+def _reachable_tokens(records: list[dict], output: Sequence[int]) -> list[tuple[float, list[bool]]]:
+    """(exit-1 top probability, right at each exit) of the reachable drafted tokens of one batch-1 generation:
+    those whose earlier tokens in the same drafting cycle were all right at the exit they left at. `records`: from
+    `recording_exit_tops`, in drafting order; `output`: the generated sequence (prompt included), the truth."""
+    tokens, cycle, alive = [], None, True
+    for record in records:
+        if record["cycle"] != cycle:  # a new drafting cycle starts from verified tokens
+            cycle, alive = record["cycle"], True
+        p = record["position"]
+        if p >= len(output):  # drafted past the end of the generation: no truth
+            alive = False
+            continue
+        top1 = record["top1"][0].tolist()  # [K]
+        if alive:
+            tokens.append((float(record["confidence"][0, 0]), [t == output[p] for t in top1]))
+        alive = alive and top1[int(record["exit"][0]) - 1] == output[p]
+    return tokens
+
+
+def exit_agreement(
+    target: PreTrainedModel,
+    drafter,
+    prompt_ids: Sequence,
+    exit: int = 1,
+    thresholds: Sequence[float] = EXIT_GRID,
+    max_new_tokens: int = 64,
+    progress: bool = True,
+    allow_other_target: bool = False,
+) -> dict:
+    """How often each exit of a sorted MoA drafter proposes the target's own next token: what a deeper exit has to
+    offer for its cost. Greedy batch-1 generations of every prompt with the drafter drafting at `exit`, every exit's
+    top-1 recorded at every drafted token (`recording_exit_tops`; the target's output is the truth). Counted: the
+    reachable tokens (every earlier token of their drafting cycle right), the ones that can lengthen an accepted
+    draft. `prompt_ids`: as `tune_exit_thresholds`.
+
+    Returns ``{"drafting_exit", "tokens", "accepted_draft_tokens", "top1_by_exit": [K], "any_exit", "below": [{
+    "threshold", "share", "tokens", "top1_by_exit"}]}``: the share of reachable tokens whose top-1 is right at each
+    exit (at any exit), overall and among those whose exit-1 top probability is below each threshold (the tokens
+    that threshold sends past exit 1). `accepted_draft_tokens` (from the target's calls) equals the reachable
+    tokens right at `exit`."""
+    from .modeling import fixed_exit_thresholds
+
+    num_blocks = int(getattr(drafter.config, "num_blocks", 1) or 1)
+    if num_blocks < 2 or not hasattr(drafter, "recording_exit_tops"):
+        raise TuneError(
+            f"Exit agreement compares the exits of a sorted MoA drafter; {type(drafter).__name__} has {num_blocks} "
+            "block(s). Train one with `moa train --num-blocks 3`."
+        )
+    if not 1 <= exit <= num_blocks:
+        raise TuneError(f"The drafter has exits 1 to {num_blocks}; got exit={exit}.")
+    from tqdm.auto import tqdm
+
+    jobs = _jobs(target, prompt_ids)
+    setting = {"exit_thresholds": fixed_exit_thresholds(exit, num_blocks), "lookup_num_tokens": 0}  # the network
+    method = _setting_method(drafter, setting, allow_other_target)
+    tokens, accepted = [], 0
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        for model, ids in tqdm(jobs, desc="moa tune: exit agreement", unit="gen", disable=not progress):
+            with drafter.recording_exit_tops() as records:
+                record, out = generate_once(model, method, _inputs(ids, model.device), max_new_tokens)
+            tokens += _reachable_tokens(records, out[0].tolist())
+            accepted += record["new_tokens"] - record["target_calls"]  # each target call adds one token of its own
+    finally:
+        drafter.train(was_training)
+
+    def shares(rows: list) -> list[float | None]:
+        return [sum(right[k] for _, right in rows) / len(rows) if rows else None for k in range(num_blocks)]
+
+    below = []
+    for t in sorted({float(t) for t in thresholds}):
+        rows = [row for row in tokens if row[0] < t]
+        share = len(rows) / len(tokens) if tokens else None
+        below.append({"threshold": t, "share": share, "tokens": len(rows), "top1_by_exit": shares(rows)})
+    return {
+        "drafting_exit": exit,
+        "tokens": len(tokens),
+        "accepted_draft_tokens": accepted,
+        "top1_by_exit": shares(tokens),
+        "any_exit": sum(any(right) for _, right in tokens) / len(tokens) if tokens else None,
+        "below": below,
+        "num_prompts": len(jobs),
+        "max_new_tokens": max_new_tokens,
+    }
+
+
 def tune_exit_thresholds(
     target: PreTrainedModel,
     drafter,
@@ -403,9 +492,11 @@ def tune_exit_thresholds(
     are measured once, thresholds after a 0 written as NEVER). A
     step is one `_measure` (its candidates and the target alone, interleaved, on the same prompts), so a whole search
     costs (K + rounds (K - 1)(len(grid) + 3)) generations per prompt at most. `prompt_ids`: as `tune_speculation`.
-    Returns ``{"num_blocks", "grid", "steps": [{"step", "baseline", "rows"}], "best", "best_fixed", ...}``; a row has
-    ``exit_thresholds``, ``exit`` (k for a fixed exit, else None), the summary (with ``exit_counts``), ``speedup`` and
-    ``identical_outputs``; best by speedup (ties: acceptance length). The drafter's config is left as it was.
+    Returns ``{"num_blocks", "grid", "steps": [{"step", "baseline", "rows"}], "best", "best_fixed", "agreement",
+    ...}``; a row has ``exit_thresholds``, ``exit`` (k for a fixed exit, else None), the summary (with
+    ``exit_counts``), ``speedup`` and ``identical_outputs``; best by speedup (ties: acceptance length); ``agreement``:
+    `exit_agreement` drafting at exit 1 (untimed), why the search finds what it finds. The drafter's config is left as
+    it was.
     """
     num_blocks = int(getattr(drafter.config, "num_blocks", 1) or 1)
     if num_blocks < 2:
@@ -433,6 +524,15 @@ def tune_exit_thresholds(
     fixed = [{"exit_thresholds": fixed_exit_thresholds(k, num_blocks), "exit": k} for k in range(1, num_blocks + 1)]
     baseline, rows = run(fixed, warmup=warmup, desc="moa tune: fixed exits")
     steps = [{"step": "fixed exits", "baseline": baseline, "rows": rows}]
+    agreement = exit_agreement(
+        target,
+        drafter,
+        jobs,
+        thresholds=grid,
+        max_new_tokens=max_new_tokens,
+        progress=progress,
+        allow_other_target=allow_other_target,
+    )
     best_fixed = max(rows, key=_rank)
     current = _exit_start(best_fixed["exit"], num_blocks)
     best = best_fixed
@@ -451,6 +551,7 @@ def tune_exit_thresholds(
         "steps": steps,
         "best": best,
         "best_fixed": best_fixed,
+        "agreement": agreement,
         "num_prompts": len(jobs),
         "max_new_tokens": max_new_tokens,
         "repeats": repeats,
@@ -546,6 +647,31 @@ def format_exit_tuning_markdown(result: dict) -> str:
         f"{format_value(best['acceptance_length'])}); fastest fixed exit: {fixed['exit']} "
         f"({format_value(fixed['speedup'], 2, 'x')}, acceptance length {format_value(fixed['acceptance_length'])}).",
     ]
+    if result.get("agreement"):
+        lines += ["", format_exit_agreement_markdown(result["agreement"])]
+    return "\n".join(lines)
+
+
+def format_exit_agreement_markdown(agreement: dict) -> str:
+    """`exit_agreement` as a Markdown table: the share of reachable drafted tokens right at each exit, overall and
+    below each exit-1 confidence."""
+    exits = range(1, len(agreement["top1_by_exit"]) + 1)
+
+    def cells(values: list) -> str:
+        return " | ".join(format_value(v, 3) for v in values)
+
+    lines = [
+        f"Top-1 agreement with the target, drafting at exit {agreement['drafting_exit']}: {agreement['tokens']} "
+        f"reachable drafted tokens (every earlier token of their cycle right), right at any exit "
+        f"{format_value(agreement['any_exit'], 3)}. A deeper exit can only pay where it is right more often than "
+        "exit 1 on the tokens a threshold sends to it.",
+        "",
+        "| exit-1 top probability | share of tokens | " + " | ".join(f"right at exit {k}" for k in exits) + " |",
+        "|---|---:|" + "---:|" * len(exits),
+        f"| any | 1.000 | {cells(agreement['top1_by_exit'])} |",
+    ]
+    for row in agreement["below"]:
+        lines.append(f"| < {row['threshold']:g} | {format_value(row['share'], 3)} | {cells(row['top1_by_exit'])} |")
     return "\n".join(lines)
 
 

@@ -730,6 +730,7 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
             )
         self._active_target = PRIMARY_TARGET
         self._exit_override: list[float] | None = None  # `override_exit_thresholds`
+        self._exit_tops: list[dict] | None = None  # `recording_exit_tops`
         self._attachment: _Attachment | None = None
         self._session: DraftingSession | None = None
         self.post_init()
@@ -1218,9 +1219,20 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         slots = torch.arange(past + T, device=h.device)  # [past+T]
         sa_mask = slots[None, :] <= slots[past:, None]  # [T, past+T] causal
         first = _Pending(h, sa_mask[None, None], cos, sin, ca_mask)
-        logits, exit_of = self._adaptive_exits(first, self._deep_blocks(cache))  # [B, 1, V], [B, 1]
+        tops = None if self._exit_tops is None else []
+        logits, exit_of = self._adaptive_exits(first, self._deep_blocks(cache), record=tops)  # [B, 1, V], [B, 1]
         if self._session is not None:
             self.record_exits(torch.bincount(exit_of.flatten() - 1, minlength=self.config.num_blocks).tolist())
+        if tops is not None:
+            self._exit_tops.append(
+                {
+                    "position": past + T,
+                    "cycle": len(self._session.calls) if self._session is not None else None,
+                    "top1": torch.cat([top1 for top1, _ in tops], dim=-1),  # [B, K]
+                    "confidence": torch.cat([conf for _, conf in tops], dim=-1),  # [B, K]
+                    "exit": exit_of[:, -1],  # [B]
+                }
+            )
         return logits[:, -1]  # [B, V]
 
     def _deep_blocks(self, state) -> list[_DeepBlock]:
@@ -1246,9 +1258,13 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         x = ca(x, cos, sin, block.ca_keys, block.ca_values, mask=ca_mask)
         return _Pending(x, sa_mask, cos, sin, ca_mask)
 
-    def _adaptive_exits(self, x: _Pending, deep: list[_DeepBlock], m: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    def _adaptive_exits(
+        self, x: _Pending, deep: list[_DeepBlock], m: int = 1, record: list | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """S2D's adaptive depth for the last `m` slots of block 1's output `x` ([B, n, d] with what deeper blocks need
-        to run these n slots): the logits [B, m, V] of each slot's exit and that exit [B, m] (1-based).
+        to run these n slots): the logits [B, m, V] of each slot's exit and that exit [B, m] (1-based). With a
+        `record` list, every block and every exit's head run, and each exit appends its (top-1 [B, m], top
+        probability [B, m]); the drafted logits and exits stay those of the thresholds.
 
         A slot leaves at the first exit k < K whose top probability clears `exit_thresholds[k-1]`, else at exit K.
         Block k runs when any slot still needs it (every row of the chain, every node of the tree's frontier: one
@@ -1262,9 +1278,13 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
                 deep[k - 2].pending.append(x)
                 x = self._run_pending(deep[k - 2], *self.block_layers()[k - 1])
             t = thresholds[k - 1]
-            if t > 1.0:  # no token leaves here: no head needed
+            if t > 1.0 and record is None:  # no token leaves here: no head needed
                 continue
-            exit_logits, top = self._exit_logits(x.x[:, -m:], confidence=t > 0.0)  # [B, m, V], [B, m] or None
+            exit_logits, top = self._exit_logits(x.x[:, -m:], confidence=t > 0.0 or record is not None)
+            if record is not None:  # exit_logits [B, m, V], top [B, m] or None
+                record.append((exit_logits.argmax(-1), top))
+                if t > 1.0:
+                    continue
             leave = (
                 torch.ones(exit_logits.shape[:-1], dtype=torch.bool, device=x.x.device) if top is None else top >= t
             )
@@ -1272,7 +1292,7 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
                 leave = leave & (exit_of == 0)
             logits = exit_logits if logits is None else torch.where(leave[..., None], exit_logits, logits)
             exit_of = torch.where(leave, k, 0 if exit_of is None else exit_of)  # [B, m]
-            if bool((exit_of > 0).all()):
+            if record is None and bool((exit_of > 0).all()):
                 break
         if k < K:  # the slots block k+1 has not run on
             deep[k - 1].pending.append(x)
@@ -1327,6 +1347,25 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
                 self._exit_override = previous
 
         return restore()
+
+    @contextlib.contextmanager
+    def recording_exit_tops(self):
+        """Inside the block, every chain drafting step (`draft_step`, assisted generation) of a sorted drafter runs
+        all K exits and appends to the yielded list {"position": p, "cycle": c, "top1": [B, K], "confidence":
+        [B, K], "exit": [B]}: for the token drafted at sequence position p (0-based) in drafting cycle c (the
+        session's drafting calls so far), each exit's top-1 (full-vocabulary id) and top probability, and the exit
+        the token left at. The drafter still drafts with its thresholds, so the tokens stay the same; every step
+        costs the full depth. For analysis (`moa tune`'s exit agreement), not for serving."""
+        if self.config.num_blocks < 2:
+            raise ValueError(
+                f"recording_exit_tops compares the exits of a sorted drafter; this one has num_blocks "
+                f"{self.config.num_blocks}. Use a drafter with num_blocks > 1 (`moa train --num-blocks 3`)."
+            )
+        previous, self._exit_tops = self._exit_tops, []
+        try:
+            yield self._exit_tops
+        finally:
+            self._exit_tops = previous
 
     def new_cache(self) -> MoADrafterCache:
         cache = MoADrafterCache()

@@ -18,9 +18,18 @@ from moa_hf import bench, hub_cards
 from moa_hf.cli import main
 from moa_hf.hub import build_repo_folder
 from moa_hf.modeling import PRIMARY_TARGET, fixed_exit_thresholds, target_fingerprint
-from moa_hf.tune import NEVER, _exit_candidates, _rank, format_exit_tuning_markdown, tune_exit_thresholds
+from moa_hf.tune import (
+    NEVER,
+    _exit_candidates,
+    _rank,
+    exit_agreement,
+    format_exit_agreement_markdown,
+    format_exit_tuning_markdown,
+    tune_exit_thresholds,
+)
 
 from factory import make_target
+from factory import sorted_drafter as random_sorted_drafter
 
 K = 3
 TARGET_ID = "moa-test/tiny-random-llama"
@@ -181,10 +190,50 @@ def test_exit_threshold_search():
     best = result["best"]
     assert best in result["steps"][-1]["rows"] and len(best["exit_thresholds"]) == K - 1
     assert result["best_fixed"] in fixed
+    assert result["agreement"]["drafting_exit"] == 1 and len(result["agreement"]["top1_by_exit"]) == K
     text = format_exit_tuning_markdown(result)
     assert "**" in text and "fixed exit 3" in text and "never" in text and "Best: exit_thresholds=" in text
+    assert "Top-1 agreement with the target, drafting at exit 1" in text
     with pytest.raises(ValueError, match="num_blocks > 1"):
         tune_exit_thresholds(target, moa_hf.build_drafter(target), prompts, progress=False)
+
+
+def _two_token_target():
+    """A target whose greedy token is always 40 or 41 (its LM head: +v, -v, zeros), so that a random drafter with the
+    borrowed head is often right."""
+    target = make_target()
+    with torch.no_grad():
+        v = target.lm_head.weight[40].clone()
+        target.lm_head.weight.zero_()
+        target.lm_head.weight[40], target.lm_head.weight[41] = v, -v
+    return target
+
+
+@pytest.mark.parametrize("exit", [1, 2, 3])
+def test_exit_agreement_lines_up_with_the_accepted_tokens(exit):
+    """The reachable tokens right at the drafting exit are exactly the draft tokens the target accepted (so positions,
+    cycles and truths line up); shares are consistent and the drafter is left as it was."""
+    target = _two_token_target()
+    drafter = random_sorted_drafter(target, scale=0.5, exit_thresholds=[0.3, 0.3])  # exits that disagree
+    drafter.generation_config.num_assistant_tokens = 6
+    drafter.generation_config.assistant_confidence_threshold = 0.0
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7], [20, 21, 22, 23], [30, 31]]
+    result = exit_agreement(
+        target, drafter, prompts, exit=exit, thresholds=(0.6, 0.9), max_new_tokens=24, progress=False
+    )
+    assert drafter.config.exit_thresholds == [0.3, 0.3] and drafter.exit_thresholds_for() == [0.3, 0.3]
+    assert drafter._exit_tops is None and _no_hooks(target)
+    n, shares = result["tokens"], result["top1_by_exit"]
+    assert n > 0 and result["accepted_draft_tokens"] > 0
+    assert round(shares[exit - 1] * n) == result["accepted_draft_tokens"]
+    assert max(shares) <= result["any_exit"] <= 1.0 and len(set(shares)) > 1  # each exit counted on its own
+    below = result["below"]
+    assert [row["threshold"] for row in below] == [0.6, 0.9]
+    assert below[0]["tokens"] <= below[1]["tokens"] <= n and below[1]["share"] == below[1]["tokens"] / n
+    text = format_exit_agreement_markdown(result)
+    assert f"drafting at exit {exit}: {n} reachable" in text and "| < 0.6 |" in text and "right at exit 3" in text
+    with pytest.raises(ValueError, match="num-blocks 3"):
+        exit_agreement(target, moa_hf.build_drafter(target), prompts, progress=False)
 
 
 def test_cli_tune_writes_exit_thresholds_for_two_targets(tmp_path, capsys):

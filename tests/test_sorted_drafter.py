@@ -202,6 +202,37 @@ def test_chain_adaptive_equals_forward_at_each_exit(seed):
     assert {r[4] for r in records} == {1, 2, 3}, [r[4] for r in records]
 
 
+def test_recording_exit_tops_keeps_the_drafts_and_matches_every_exit():
+    """While recording, each drafting step also gives every exit's top-1 and top probability (those of the parallel
+    forward at that exit), the exit the token left at, and the same drafted logits as without recording."""
+    target = make_target("qwen2")
+    drafter = sorted_drafter(target, K, seed=0)
+    with drafter.attached(target), torch.no_grad():
+        drafter.config.exit_thresholds = _median_thresholds(drafter, target, 0)
+        torch.manual_seed(10)  # the wrong tokens fed
+        plain, _ = _simulate_chain(drafter, target, seed=10)
+        torch.manual_seed(10)
+        with drafter.recording_exit_tops() as tops:
+            recorded, context = _simulate_chain(drafter, target, seed=10)
+        assert drafter._exit_tops is None  # recording stops with the block
+        assert len(tops) == len(recorded) == len(plain)
+        for (p, logits, tokens, starts, left), (_, plain_logits, *_), top in zip(recorded, plain, tops):
+            torch.testing.assert_close(logits, plain_logits, atol=1e-5, rtol=1e-5)
+            assert top["position"] == p + 1 and int(top["exit"][0]) == left
+            assert top["top1"].shape == top["confidence"].shape == (1, K)
+            out = drafter(
+                tokens[:, : p + 1], context=context[:, : p + 1], cycle_starts=torch.tensor([starts[: p + 1]])
+            )
+            for k in range(K):
+                exit_logits = out.exit_logits[k][0, p]  # [V]
+                assert int(top["top1"][0, k]) == int(exit_logits.argmax())
+                torch.testing.assert_close(top["confidence"][0, k], _top(exit_logits), atol=1e-4, rtol=1e-4)
+    assert {int(t["exit"][0]) for t in tops} == {1, 2, 3}
+    with pytest.raises(ValueError, match="num_blocks > 1"):
+        with moa_hf.build_drafter(target).recording_exit_tops():
+            pass
+
+
 def test_none_thresholds_draft_with_the_last_exit():
     target = make_target("llama")
     drafter = sorted_drafter(target, K)
