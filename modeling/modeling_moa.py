@@ -1283,8 +1283,8 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
             exit_logits, top = self._exit_logits(x.x[:, -m:], confidence=t > 0.0 or record is not None)
             if record is not None:  # exit_logits [B, m, V], top [B, m] or None
                 record.append((exit_logits.argmax(-1), top))
-                if t > 1.0:
-                    continue
+            if t > 1.0:  # recorded only: no token leaves here
+                continue
             leave = (
                 torch.ones(exit_logits.shape[:-1], dtype=torch.bool, device=x.x.device) if top is None else top >= t
             )
