@@ -194,6 +194,17 @@ def _drafter_folder(spec: str | os.PathLike) -> Path:
             )
         return folder
     folder = Path(spec).expanduser()
+    if not folder.exists() and str(spec).count("/") == 1:  # a Hub repo id: the copy in the local Hub cache
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            folder = Path(snapshot_download(str(spec), local_files_only=True))
+        except LocalEntryNotFoundError as err:
+            raise FileNotFoundError(
+                f"The drafter {spec} is neither a folder nor a Hub repo in the local Hub cache (moa-hf never "
+                f"downloads drafters while loading): run `huggingface-cli download {spec}` first."
+            ) from err
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
             f"The drafter {spec} is not a saved drafter folder (no config.json there); {_TRAIN_HINT}."

@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -194,6 +195,17 @@ class LayerKV:
         if self.keys is not None:
             self.keys, self.values = self.keys[rows], self.values[rows]
 
+    @staticmethod
+    def concat(layers: list["LayerKV"]) -> "LayerKV":
+        """The rows of `layers` (each with keys of the same width) in one."""
+        out = LayerKV()
+        if all(layer.keys is not None for layer in layers):
+            out.keys = torch.cat([layer.keys for layer in layers], dim=0)
+            out.values = torch.cat([layer.values for layer in layers], dim=0)
+        elif any(layer.keys is not None for layer in layers):
+            raise ValueError("Cannot join drafting states with and without self-attention keys/values.")
+        return out
+
 
 @dataclass
 class TreeState:
@@ -270,6 +282,73 @@ class TreeState:
                 setattr(self, f.name, value[rows])
         for layer in self.layers:
             layer.select_rows(rows)
+
+    # Continuous batching (vLLM's proposer): rows join and leave between cycles, so slots are re-laid per row.
+    def map_slots(self, fn: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
+        """Replace every per-verified-slot tensor t by fn(t, slot_dim): `valid` [B, V] (dim 1) and every layer's
+        keys/values [B, Hkv, V, hd] (dim 2); subclasses add theirs. Tree nodes must have been dropped (`end_tree`)."""
+        if self.num_nodes:
+            raise RuntimeError("map_slots needs a state without tree nodes: call end_tree first.")
+        self.valid = fn(self.valid, 1)
+        for layer in self.layers:
+            if layer.keys is not None:
+                layer.keys, layer.values = fn(layer.keys, 2), fn(layer.values, 2)
+
+    def pad_left(self, width: int) -> None:
+        """Add invalid slots at the left of every row until it has `width` verified slots."""
+        n = width - self.num_verified
+
+        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            shape = list(t.shape)
+            shape[dim] = n
+            return torch.cat([t.new_zeros(shape), t], dim=dim)  # zeros: False for the validity masks
+
+        if n > 0:
+            self.map_slots(pad)
+
+    def compact(self) -> None:
+        """Move each row's valid slots to the right end, in order, and drop the slots that no row needs any more
+        (left by padding and by rows that verified fewer tokens than others). Attention sees the same slots."""
+        counts = self.valid.sum(1)  # [B]
+        width = int(counts.max()) if counts.numel() else 0
+        order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)  # [B, V] valid slots first, in order
+        B, V = self.valid.shape
+        dest = torch.arange(width, device=self.valid.device)[None, :] - (width - counts)[:, None]  # [B, width]
+        keep = dest >= 0  # [B, width] False: padding at the left
+        index = order.gather(1, dest.clamp(min=0, max=max(V - 1, 0))) if V else dest.clamp(min=0)  # [B, width]
+
+        def gather(t: torch.Tensor, dim: int) -> torch.Tensor:
+            idx = index.view(B, *([1] * (dim - 1)), width, *([1] * (t.ndim - dim - 1))).expand(
+                *t.shape[:dim], width, *t.shape[dim + 1 :]
+            )
+            out = t.gather(dim, idx)
+            if t.dtype == torch.bool:
+                out = out & keep.view(B, *([1] * (dim - 1)), width, *([1] * (t.ndim - dim - 1)))
+            return out
+
+        self.map_slots(gather)
+
+    @classmethod
+    def concat_rows(cls, states: list["TreeState"]) -> "TreeState":
+        """One state holding the rows of `states` in order (each padded on the left to the widest)."""
+        width = max(s.num_verified for s in states)
+        for s in states:
+            s.pad_left(width)
+        first = states[0]
+        fields = {}
+        for f in dataclasses.fields(first):
+            values = [getattr(s, f.name) for s in states]
+            if isinstance(values[0], torch.Tensor):
+                fields[f.name] = torch.cat(values, dim=0)
+            elif f.name == "layers":
+                fields[f.name] = [LayerKV.concat([s.layers[i] for s in states]) for i in range(len(first.layers))]
+            else:
+                fields[f.name] = cls._concat_field(f.name, values)
+        return type(first)(**fields)
+
+    @staticmethod
+    def _concat_field(name: str, values: list):
+        raise ValueError(f"Cannot join drafting states: unknown field {name!r}.")
 
 
 def decoder_of(target: nn.Module) -> nn.Module:

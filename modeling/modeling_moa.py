@@ -585,6 +585,24 @@ class MoATreeState(TreeState):
         super().end_tree()
         _crop_deep(self.deep, self.num_verified, self.num_verified)
 
+    def map_slots(self, fn) -> None:
+        if self.deep:
+            raise ValueError("Re-laying the slots of a sorted drafter's deeper blocks is not supported: use exit 1.")
+        super().map_slots(fn)
+        self.ca_keys, self.ca_values, self.ca_valid = fn(self.ca_keys, 2), fn(self.ca_values, 2), fn(self.ca_valid, 1)
+
+    @classmethod
+    def concat_rows(cls, states: list["MoATreeState"]) -> "MoATreeState":
+        for s in states:
+            s.node_exits = s.node_exits[:, :0]  # [B, 0]: the exits of the last tree step are not carried over
+        return super().concat_rows(states)
+
+    @staticmethod
+    def _concat_field(name: str, values: list):
+        if name == "deep" and not any(values):
+            return []
+        return TreeState._concat_field(name, values)
+
     def select_rows(self, rows: torch.Tensor) -> None:
         super().select_rows(rows)
         rows = rows.to(self.valid.device)
@@ -743,6 +761,18 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         """(SA, CA) of blocks 1..K: block 1 is `self_attention` + `cross_attention`, then `blocks`."""
         deeper = [(b.self_attention, b.cross_attention) for b in getattr(self, "blocks", None) or ()]
         return [(self.self_attention, self.cross_attention), *deeper]
+
+    def keep_first_block(self) -> "MoADrafterModel":
+        """Drop blocks 2..K of a sorted drafter: it then drafts every token at exit 1, exactly as the full drafter
+        does with thresholds that leave every token there (block 1 keeps the one-block drafter's modules). For
+        engines that draft at one exit only (vLLM's proposer)."""
+        if self.config.num_blocks > 1:
+            del self.blocks
+            self.config.num_blocks = 1
+            self.config.exit_thresholds = None
+            for spec in (self.config.extra_targets or {}).values():
+                spec.pop("exit_thresholds", None)
+        return self
 
     def _shared_linears(self) -> dict[str, MoALinear]:
         """The linear layers of the SA/CA blocks, which an extra target's low-rank deltas adapt."""
@@ -1432,14 +1462,15 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
     ) -> torch.Tensor:
         """Feed newly verified `tokens` [B, n] (right-aligned; `valid` [B, n] False on left padding; `positions`
         [B, n] real positions). CA memory: the context (LSA) of the target's keys/values at `prev_slots` [B, n]
-        (the token at position-1; -1: none) of `target_cache`, with RoPE at position-1. Returns float32 logits
-        [B, V] of the token after each row's last one (the tree root's children), from the exit each row's root
-        leaves at; the deeper blocks run on these tokens when a later token first needs them."""
+        (the token at position-1; -1: none) of `target_cache` (a transformers cache, or a function reading another
+        engine's cache: slots [B, m] -> [B, m, L, 2*Hkv*hd], as `moa_hf.vllm` reads vLLM's), with RoPE at
+        position-1. Returns float32 logits [B, V] of the token after each row's last one (the tree root's children),
+        from the exit each row's root leaves at; the deeper blocks run on these tokens when a later token first
+        needs them."""
         state.end_tree()
-        context = torch.cat(
-            self._context_chunks(lambda s, e: gather_target_kv_at(target_cache, prev_slots[:, s:e]), tokens.shape[1]),
-            dim=1,
-        )  # [B, n, d]
+        # a transformers cache, or a reader of another engine's cache (vLLM's paged one): slots -> [B, m, L, W]
+        read = target_cache if callable(target_cache) else functools.partial(gather_target_kv_at, target_cache)
+        context = torch.cat(self._context_chunks(lambda s, e: read(prev_slots[:, s:e]), tokens.shape[1]), dim=1)
         cos, sin = self.rotary_emb(positions - 1, context.dtype)  # [B, n, hd]: the context is position-1's
         k, v = self.cross_attention.context_keys_values(context, cos, sin)  # [B, Hkv, n, hd]
         state.append_context(k, v, valid & (prev_slots >= 0))

@@ -1,0 +1,408 @@
+"""`MoAProposer`: a MoA drafter as a vLLM proposer (`speculative_config={"method": "custom_class", ...}`).
+
+vLLM calls `propose` once per engine step, right after the target verified every row's draft and wrote its
+keys/values into the paged cache. One step, for all rows at once:
+
+1. **Rows**: each row's verified tokens (`token_ids_cpu[row, :num_tokens_no_spec[row]]`) are matched with the drafter
+   state of the row whose fed tokens they extend (rows move, join and leave between steps; a row preempted,
+   recomputed or served from the prefix cache matches the same way); a row with no match starts a fresh state.
+2. **Draft length** k for the step, from measured step costs at this batch size (`DraftLengthPolicy`); k = 0 skips
+   the drafter entirely (rows catch up lazily when drafting resumes).
+3. **Lookup**: the drafter's prompt lookup proposes per row; when every row has a proposal no network runs.
+4. **Catch-up**: the newly verified tokens of every row, context read from vLLM's paged cache at each token's
+   previous position (`PagedKVReader`), in one `tree_catch_up` for the continuing rows and one for the new rows,
+   joined into one batched state (`MoATreeState.concat_rows`).
+5. **Draft**: a chain of k tokens per row, one drafter forward per position for all rows (`tree_step`, parents =
+   the previous position), greedy, stopping a row at EOS or below the drafter's confidence threshold.
+
+Drafts are token ids: vLLM's rejection sampler verifies them as one-hot proposals, so greedy and sampled outputs
+are exactly the target's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+import torch
+
+from ..loading import load_drafter
+from . import CONFIG_KEY, TESTED_VLLM_VERSIONS
+from .kv_cache import PagedKVReader, UnsupportedCacheError, layout_for, slots_of
+from .policy import DraftLengthPolicy
+from .target import StepTap, TargetView
+
+__all__ = ["MoAProposer", "MoAVllmOptions"]
+
+logger = logging.getLogger("vllm.moa_hf")  # under vLLM's logger: shown with its output
+
+
+@dataclass
+class MoAVllmOptions:
+    """What travels in vLLM's `additional_config["moa_hf"]` (`moa_hf.vllm.engine_args` writes it)."""
+
+    drafter: str = "default"  # "default", a saved drafter folder, or a Hub repo id in the local Hub cache
+    draft_length: int | None = None  # a fixed draft length; None: chosen per step from measured costs
+    lookup: bool = True  # the drafter's own prompt lookup (its config's `lookup_*`), as in the transformers path
+    allow_other_target: bool = False  # serve a target whose weights differ from the drafter's recorded ones
+    allow_untested_vllm: bool = False  # run on a vLLM version moa-hf was not tested with
+
+    @classmethod
+    def from_vllm(cls, vllm_config) -> MoAVllmOptions:
+        extra = vllm_config.additional_config or {}
+        given = dict(extra.get(CONFIG_KEY) or {}) if isinstance(extra, dict) else {}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(f"Unknown moa_hf option(s) {unknown} in additional_config; known: {sorted(known)}.")
+        return cls(**given)
+
+
+def unsupported_reason(vllm_config, options: MoAVllmOptions) -> str | None:
+    """Why moa-hf cannot run inside this vLLM configuration (a sentence), or None."""
+    import vllm
+
+    version = vllm.__version__.split("+")[0]
+    if version not in TESTED_VLLM_VERSIONS and not options.allow_untested_vllm:
+        return (
+            f"moa-hf's vLLM proposer is tested with vLLM {', '.join(TESTED_VLLM_VERSIONS)}, not {vllm.__version__}: "
+            "it reads vLLM's paged cache and attention metadata, which change between releases. Install a tested "
+            'version (`pip install "moa-hf[vllm]"`) or pass allow_untested_vllm=True to try (the cache layout is '
+            "still checked at start)."
+        )
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        return (
+            f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size}: the MoA drafter reads every layer's keys/values of all KV heads, "
+            "which tensor parallelism splits across ranks (and pipeline parallelism splits the layers). It would "
+            "take gathering the new tokens' K/V heads (and layers) onto one rank each step. Serve with both = 1."
+        )
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", None):
+        return (
+            f"kv_cache_dtype={cache_dtype!r}: the drafter's LSA was trained on the target's unquantised keys/values "
+            "and reads them from vLLM's cache. Serve without --kv-cache-dtype."
+        )
+    return None
+
+
+@dataclass
+class _Row:
+    """A row of the drafter's batched state: the verified tokens fed to it (SA and CA) and its latest draft."""
+
+    fed: np.ndarray
+    draft: list = field(default_factory=list)
+
+
+class MoAProposer:
+    """vLLM's `custom_class` proposer for MoA drafters. Built by vLLM with its `VllmConfig`; reads its options from
+    `additional_config["moa_hf"]` (see `MoAVllmOptions`, `moa_hf.vllm.engine_args`)."""
+
+    def __init__(self, vllm_config):
+        self.vllm_config = vllm_config
+        self.options = MoAVllmOptions.from_vllm(vllm_config)
+        reason = unsupported_reason(vllm_config, self.options)
+        if reason is not None:
+            raise ValueError(f"MoA cannot run in this vLLM engine: {reason}")
+        self.max_tokens = vllm_config.speculative_config.num_speculative_tokens
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.policy = DraftLengthPolicy(self.max_tokens, fixed=self.options.draft_length)
+        self.drafter = None
+        self.reader: PagedKVReader | None = None
+        self.tap = StepTap()
+        self._hooks = contextlib.ExitStack()
+        self.state = None  # MoATreeState of `rows`
+        self.rows: list[_Row] = []
+        self._last_step: tuple[int, int, float] | None = None  # (rows, draft length, perf_counter) of the last step
+        self.stats = {
+            "steps": 0,
+            "drafted_steps": 0,
+            "lookup_rows": 0,
+            "network_rows": 0,
+            "rebuilt_rows": 0,
+            "propose_s": 0.0,
+        }
+
+    # -- vLLM's calls -------------------------------------------------------------------------------------------------
+    def load_model(self, target_model) -> None:
+        """Load the drafter, attach it to a transformers-shaped view of vLLM's target (signature and weights
+        fingerprint checked as `attach` does) and hook the target's forward to record each step's block tables."""
+        model_config = self.vllm_config.model_config
+        drafter = load_drafter(self.options.drafter, dtype=model_config.dtype, device="cpu", kind="moa")
+        if drafter.config.target_layer_inference > 0:
+            raise ValueError(
+                f"This drafter uses Target Layer Inference (N={drafter.config.target_layer_inference}): it runs the "
+                "target's last layers on every drafted token, which inside vLLM would need the target's own layers "
+                "and paged cache for drafted positions. Use a drafter with target_layer_inference=0 in vLLM."
+            )
+        view = TargetView(target_model, model_config.hf_config, model_config.model)
+        drafter.attach(view, allow_other_target=self.options.allow_other_target)
+        if drafter.config.num_blocks > 1:
+            thresholds = drafter.exit_thresholds_for(drafter.active_target)
+            if thresholds is None or thresholds[0] > 0:
+                raise ValueError(
+                    f"This sorted drafter drafts adaptively across exits (thresholds {thresholds}); vLLM's proposer "
+                    "drafts at exit 1 only. Set the thresholds to exit 1 (`drafter.set_exit_thresholds("
+                    "fixed_exit_thresholds(1, num_blocks))`, then save it) to serve it in vLLM."
+                )
+            drafter.keep_first_block()  # every token leaves at exit 1: block 1 alone drafts the same tokens
+        self.drafter = drafter.to(device=view.device).eval()
+        self._hooks.enter_context(self.tap.installed(target_model))
+        gc = drafter.generation_config
+        self.threshold = float(getattr(gc, "assistant_confidence_threshold", 0.0) or 0.0)
+        eos = drafter.config.eos_token_id if gc.eos_token_id is None else gc.eos_token_id
+        self.eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), dtype=torch.long)
+        self.lookup = drafter.lookup_settings if self.options.lookup else None
+
+    def dummy_run(self, *args, **kwargs) -> None:  # vLLM's warm-up: nothing to warm
+        return None
+
+    def close(self) -> None:
+        """Remove the hook from vLLM's target."""
+        self._hooks.close()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self._hooks.close()
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_) -> list:
+        """Draft token ids for every row of vLLM's input batch: `list[list[int]]` (empty: no draft)."""
+        t0 = time.perf_counter()
+        drafts = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, t0)
+        self.stats["propose_s"] += time.perf_counter() - t0
+        if self.stats["steps"] % 500 == 0:
+            logger.info("MoA proposer: %s; %s", self.stats, self.policy.as_dict())
+        return drafts
+
+    @torch.inference_mode()
+    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, now: float) -> list:
+        B = len(sampled_token_ids)
+        meta = self.tap.metadata
+        active = [j for j in range(B) if sampled_token_ids[j] and num_tokens_no_spec[j] < self.max_model_len]
+        histories = {j: np.asarray(token_ids_cpu[j, : int(num_tokens_no_spec[j])]) for j in active}
+        self._record_step(now, len(active), meta)
+        for j in active:  # the draft of the last step: how much of it the target accepted
+            row = self._match(histories[j], prefer=j)
+            if row is not None and row.draft:
+                self.policy.record_acceptance(len(row.draft), len(sampled_token_ids[j]) - 1)
+        k = self.policy.choose(len(active)) if active else 0
+        logger.debug("MoA proposer: %d rows, draft length %d", len(active), k)
+        self.stats["steps"] += 1
+        self._last_step = (len(active), k, now)
+        drafts = [[] for _ in range(B)]
+        if k == 0:
+            for row in self.rows:
+                row.draft = []
+            return drafts
+        self.stats["drafted_steps"] += 1
+        limits = {j: min(k, self.max_model_len - len(histories[j]) - 1) for j in active}
+        lookup = {j: self._lookup(histories[j], limits[j]) for j in active}
+        network = [j for j in active if lookup[j] is None and limits[j] > 0]
+        if network:
+            chains = self._draft(active, histories, meta, k)
+            for j, chain in zip(active, chains):
+                if lookup[j] is None:
+                    drafts[j] = chain[: max(limits[j], 0)]
+        for j in active:
+            if lookup[j] is not None:
+                drafts[j] = lookup[j]
+        self.stats["lookup_rows"] += sum(v is not None for v in lookup.values())
+        self.stats["network_rows"] += len(network)
+        self._remember_drafts(active, histories, drafts)
+        return drafts
+
+    # -- rows and their drafter state ---------------------------------------------------------------------------------
+    def _match_index(self, history: np.ndarray, prefer: int, taken: set = frozenset()) -> int | None:
+        """The index of the state row whose fed tokens `history` extends by at least one token (index `prefer`
+        first; none of `taken`); a row with nothing new starts afresh."""
+        order = [prefer] if prefer < len(self.rows) else []
+        order += [i for i in range(len(self.rows)) if i != prefer]
+        for i in order:
+            fed = self.rows[i].fed
+            if i not in taken and len(fed) < len(history) and np.array_equal(history[: len(fed)], fed):
+                return i
+        return None
+
+    def _match(self, history: np.ndarray, prefer: int) -> _Row | None:
+        index = self._match_index(history, prefer)
+        return None if index is None else self.rows[index]
+
+    def _remember_drafts(self, active: list, histories: dict, drafts: list) -> None:
+        """Record each active row's draft on its state row (matched again by history)."""
+        for row in self.rows:
+            row.draft = []
+        for j in active:
+            row = self._match(histories[j], prefer=j)
+            if row is not None:
+                row.draft = list(drafts[j])
+
+    def _record_step(self, now: float, num_rows: int, meta) -> None:
+        """Time the step that just ran (from the last `propose`), when it was a plain decoding/verification step of
+        the same rows: every row's query at most 1 + the draft length (no prefill chunk in it)."""
+        if self._last_step is None or meta is None:
+            return
+        rows, k, started = self._last_step
+        if rows == 0 or rows != num_rows:
+            return
+        query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+        if int(query_lens.max()) <= k + 1:
+            self.policy.record_step(rows, k, now - started)
+
+    def _read_kv(self) -> PagedKVReader:
+        """The reader of the target's paged cache, built at the first draft (caches are bound after load_model);
+        its layout is checked by writing known keys/values with vLLM's own op and reading them back."""
+        if self.reader is None:
+            layers = _target_attention_layers(self.vllm_config)
+            first = layers[0]
+            backend = first.attn_backend.get_name()
+            layout = layout_for(backend, getattr(first, "isa", None), str(getattr(first, "kv_cache_dtype", "auto")))
+            for layer in layers:
+                if getattr(getattr(layer, "impl", None), "sliding_window", None) not in (None, -1, (-1, -1)):
+                    raise UnsupportedCacheError(
+                        f"{layer.layer_name} is a sliding-window layer: vLLM frees its blocks outside the window, "
+                        "which moa-hf's vLLM reader does not track yet. Serve this target with transformers "
+                        "(`moa_hf.generate`), whose caches the drafter reads window-aware."
+                    )
+            _check_layout(layout, first, backend)
+            self.reader = PagedKVReader([layer.kv_cache for layer in layers], layout, dtype=self.drafter.dtype)
+        return self.reader
+
+    def _draft(self, active: list, histories: dict, meta, k: int) -> list[list[int]]:
+        """Catch every active row up and draft a chain of up to k tokens per row, batched."""
+        drafter, reader = self.drafter, self._read_kv()
+        if meta is None:
+            raise RuntimeError("No attention metadata was recorded for this step (the target's forward hook).")
+        table = meta.block_table[: len(meta.seq_lens)]  # [B, max_blocks]: this step's rows, in vLLM's order
+        kept, fresh = [], []  # (active position, old state row or None)
+        taken = set()
+        for pos, j in enumerate(active):
+            index = self._match_index(histories[j], prefer=j, taken=taken)  # rows with one history: one state each
+            if index is not None:
+                taken.add(index)
+            (kept if index is not None else fresh).append((pos, index))
+        parts, root_logits, order = [], [], []
+        if kept:
+            self.state.select_rows(torch.tensor([i for _, i in kept]))
+            old = [self.rows[i].fed for _, i in kept]
+            rows = [active[p] for p, _ in kept]
+            root_logits.append(self._catch_up(self.state, rows, old, histories, table, reader))
+            parts.append(self.state)
+            order += [p for p, _ in kept]
+        if fresh:
+            self.stats["rebuilt_rows"] += len(fresh)
+            state = drafter.tree_start(len(fresh))
+            rows = [active[p] for p, _ in fresh]
+            empty = [np.zeros(0, dtype=np.int64)] * len(fresh)
+            root_logits.append(self._catch_up(state, rows, empty, histories, table, reader))
+            parts.append(state)
+            order += [p for p, _ in fresh]
+        self.state = parts[0] if len(parts) == 1 else type(parts[0]).concat_rows(parts)
+        perm = torch.tensor(np.argsort(order))  # back to vLLM's row order
+        self.state.select_rows(perm)
+        logits = torch.cat(root_logits)[perm]  # [B, V]
+        self.rows = [_Row(fed=histories[j]) for j in active]
+        if self.state.num_verified > 2 * int(self.state.valid.sum(1).max()) + 64:
+            self.state.compact()  # padding and short catch-ups of some rows left many unused slots
+        positions = torch.tensor([len(histories[j]) for j in active])  # [B] position of the first drafted token
+        return self._chain(logits, positions, k)
+
+    def _catch_up(self, state, rows: list, fed: list, histories: dict, table, reader) -> torch.Tensor:
+        """Feed each row's verified tokens after its `fed` ones (right-aligned, left-padded); root logits [b, V]."""
+        new = [histories[j][len(f) :] for j, f in zip(rows, fed)]
+        n = max(len(t) for t in new)
+        tokens = torch.zeros(len(rows), n, dtype=torch.long)
+        positions = torch.zeros(len(rows), n, dtype=torch.long)
+        valid = torch.zeros(len(rows), n, dtype=torch.bool)
+        for b, (t, f) in enumerate(zip(new, fed)):
+            tokens[b, n - len(t) :] = torch.from_numpy(t.astype(np.int64))
+            positions[b, n - len(t) :] = torch.arange(len(f), len(f) + len(t))
+            valid[b, n - len(t) :] = True
+        prev = torch.where(valid, positions - 1, -1)  # [b, n] the context of token p is the target's state at p-1
+        prev_slots = slots_of(table[rows], prev, reader.block_size)
+        device = self.drafter.device
+        return self.drafter.tree_catch_up(
+            state, tokens.to(device), positions.to(device), valid.to(device), prev_slots.to(device), reader
+        )
+
+    def _chain(self, logits: torch.Tensor, positions: torch.Tensor, k: int) -> list[list[int]]:
+        """Greedy chains of up to k tokens from root logits [B, V]: one `tree_step` per position for all rows."""
+        B = logits.shape[0]
+        out = torch.zeros(B, k, dtype=torch.long)
+        live = torch.ones(B, dtype=torch.bool)
+        lengths = torch.zeros(B, dtype=torch.long)
+        for d in range(k):
+            probs = logits.float().softmax(-1)  # [B, V]
+            top, token = probs.max(-1)  # [B]
+            out[:, d] = token.cpu()
+            lengths += live.long()
+            live &= ~torch.isin(token.cpu(), self.eos)
+            if self.threshold > 0:
+                live &= top.cpu() >= self.threshold
+            if d + 1 == k or not bool(live.any()):
+                break
+            parents = torch.full((B, 1), d - 1, dtype=torch.long)  # the previous drafted token (-1: the root)
+            step_pos = (positions + d)[:, None]  # [B, 1]
+            logits = self.drafter.tree_step(
+                self.state, token[:, None], step_pos.to(token.device), parents.to(token.device)
+            )[:, -1]
+        return [out[b, : int(lengths[b])].tolist() for b in range(B)]
+
+    def _lookup(self, history: np.ndarray, limit: int) -> list[int] | None:
+        if self.lookup is None or limit <= 0:
+            return None
+        proposal = self.lookup.propose(torch.from_numpy(history.astype(np.int64)), limit, 0, self.eos)
+        return None if proposal is None or proposal.numel() == 0 else proposal.tolist()
+
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def _target_attention_layers(vllm_config) -> list:
+    """vLLM's attention layers of the target (not of a draft model), by layer index, with their bound caches."""
+    context = vllm_config.compilation_config.static_forward_context
+    layers = []
+    for name, layer in context.items():
+        match = _LAYER_INDEX.search(name)
+        cache = getattr(layer, "kv_cache", None)
+        if match is None or not isinstance(cache, torch.Tensor) or cache.numel() == 0:
+            continue
+        layers.append((int(match.group(1)), layer))
+    if not layers:
+        raise UnsupportedCacheError("vLLM has bound no KV cache to the target's attention layers.")
+    return [layer for _, layer in sorted(layers, key=lambda item: item[0])]
+
+
+def _check_layout(layout, layer, backend: str) -> None:
+    """Write known keys/values into a scratch cache shaped like `layer`'s with vLLM's own cache-writing op and read
+    them back through `layout`; raise `UnsupportedCacheError` when they differ (a layout moa-hf would misread)."""
+    from vllm import _custom_ops as ops
+
+    cache = layer.kv_cache
+    _, H, bs, hd2 = cache.shape
+    hd = hd2 // 2
+    scratch = torch.zeros(2, H, bs, hd2, dtype=cache.dtype, device=cache.device)  # [2 blocks, H, bs, 2*hd]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    n = min(2 * bs, 37)
+    key = torch.randn(n, H, hd, generator=gen).to(cache)
+    value = torch.randn(n, H, hd, generator=gen).to(cache)
+    slots = torch.randperm(2 * bs, generator=gen)[:n].to(cache.device)
+    if backend == "CPU_ATTN":
+        kv = scratch.view(2, H, 2 * bs, hd)
+        key_cache, value_cache = kv.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, layer.isa)
+    else:  # FlashAttention / Triton: the same op their `do_kv_cache_update` calls
+        key_cache, value_cache = scratch.transpose(1, 2).split(hd, dim=-1)
+        one = torch.ones((), dtype=torch.float32, device=cache.device)
+        ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slots, "auto", one, one)
+    read = layout.read(scratch, slots // bs, slots % bs)  # [n, H*2*hd]
+    expected = torch.cat([key, value], dim=-1).reshape(n, H * hd2)
+    if not torch.equal(read, expected):
+        raise UnsupportedCacheError(
+            f"vLLM's {backend} cache (ISA {getattr(layer, 'isa', None)}) did not read back as the {layout.name} "
+            "layout: keys/values written by vLLM's own op came back different, so moa-hf refuses to draft from it."
+        )

@@ -1,0 +1,147 @@
+"""The target side of the vLLM route, without patching vLLM: a transformers-shaped view of vLLM's model (so the
+drafter attaches, and checks the target's signature and weights fingerprint, exactly as with transformers), and a
+forward hook that records each step's attention metadata (the rows' block tables)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+__all__ = ["StepTap", "TargetView"]
+
+
+def _live_weight(module: nn.Module | None) -> torch.Tensor | None:
+    """A vLLM module's weight when it holds one (vLLM's CPU backend packs linear weights for oneDNN and empties
+    `weight`; embeddings keep theirs)."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.numel() > 0:
+        return weight
+    return None
+
+
+class _Checkpoint:
+    """Tensors of the target's safetensors checkpoint, read by name (only those asked for are read)."""
+
+    def __init__(self, folder: str):
+        path = Path(folder)
+        if not path.is_dir():  # a Hub id: vLLM loaded it from the local Hub cache
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(folder, local_files_only=True, allow_patterns=["*.safetensors", "*.json"]))
+        self.files: dict[str, Path] = {}
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                self.files.update({name: file for name in f.keys()})  # noqa: SIM118 (safe_open has no iteration)
+
+    def get(self, name: str) -> torch.Tensor | None:
+        file = self.files.get(name)
+        if file is None:
+            return None
+        with safe_open(str(file), framework="pt") as f:
+            return f.get_tensor(name)
+
+
+class TargetView(nn.Module):
+    """vLLM's target seen as transformers would hold it, for `MoADrafterModel.attach`: `config` (the Hugging Face
+    config vLLM read), `get_input_embeddings()` / `get_output_embeddings()` (vLLM's own weights, no copy, or the
+    checkpoint's where vLLM keeps none) and `model.layers`, of which the layers the weights fingerprint samples
+    (first, middle, last) hold their checkpoint weights under transformers' names and order (vLLM fuses and, on a
+    CPU, repacks them). The drafter borrows the embedding and head and checks the target's signature and weights
+    fingerprint as with a transformers target. Never run as a model."""
+
+    def __init__(self, vllm_model: nn.Module, hf_config, checkpoint: str):
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        self.config = cfg
+        ckpt = _Checkpoint(checkpoint)
+        with torch.device("meta"):  # transformers' module tree, for its parameter names and order: no memory
+            skeleton = AutoModelForCausalLM.from_config(cfg)
+        vocab = cfg.vocab_size
+        decoder = getattr(vllm_model, "model", None)
+        embed = _live_weight(getattr(decoder, "embed_tokens", None))
+        embed = embed[:vocab] if embed is not None else ckpt.get("model.embed_tokens.weight")
+        if embed is None:
+            raise ValueError(
+                f"Cannot find the target's input embedding in {type(vllm_model).__name__} or its checkpoint "
+                f"{checkpoint}: moa-hf serves Llama-family targets (Llama, Qwen2, Qwen3, Mistral) in vLLM."
+            )
+        self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
+        head = _live_weight(getattr(vllm_model, "lm_head", None))
+        if head is None and not getattr(cfg, "tie_word_embeddings", False):
+            head = ckpt.get("lm_head.weight")
+        self.lm_head = nn.Linear(embed.shape[1], vocab, bias=False, device="meta")
+        self.lm_head.weight = nn.Parameter(head[:vocab] if head is not None else embed, requires_grad=False)
+        layers = skeleton.get_decoder().layers
+        sampled = {0, len(layers) // 2, len(layers) - 1}  # what `target_fingerprint` reads
+        kept = nn.ModuleList()
+        for i, layer in enumerate(layers):
+            if i not in sampled:
+                kept.append(nn.Module())
+                continue
+            for name, _ in list(layer.named_parameters()):
+                tensor = ckpt.get(f"model.layers.{i}.{name}")
+                if tensor is None:  # not in the checkpoint: left on "meta", so no fingerprint (the name is checked)
+                    continue
+                module_name, _, attr = name.rpartition(".")
+                setattr(layer.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
+            kept.append(layer)
+        self.model = nn.Module()
+        self.model.layers = kept
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def get_decoder(self) -> nn.Module:
+        return self.model
+
+
+class StepTap:
+    """Records the attention metadata of the target's latest forward call (vLLM's `ForwardContext`), which holds
+    what the proposer needs and vLLM does not pass it: each scheduled row's block table and query length.
+
+    `with tap.installed(model):` registers one forward hook on vLLM's model and removes it on leaving."""
+
+    def __init__(self):
+        self.metadata = None
+        self.calls = 0
+
+    def _hook(self, module, args, output) -> None:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not is_forward_context_available():
+            return
+        metadata = get_forward_context().attn_metadata
+        if isinstance(metadata, list):  # micro-batching: one dict per micro-batch
+            raise RuntimeError(
+                "vLLM ran the target in micro-batches (dual-batch overlap); moa-hf's proposer reads one batch per "
+                "step. Turn micro-batching off to use MoA."
+            )
+        if metadata:  # None during profiling and warm-up runs
+            self.metadata = next(iter(metadata.values()))  # one KV cache group: every layer shares it
+            self.calls += 1
+
+    @contextlib.contextmanager
+    def installed(self, model: nn.Module) -> Iterator[StepTap]:
+        handle = model.register_forward_hook(self._hook)
+        try:
+            yield self
+        finally:
+            handle.remove()

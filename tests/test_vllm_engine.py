@@ -1,0 +1,235 @@
+"""MoA inside vLLM, end to end on the default target (SmolLM2-135M-Instruct) in float32: exactness against vLLM
+alone, the paged-cache reader against transformers' cache, the OpenAI server, the refusals.
+
+Runs where vLLM is installed (`make test` runs this file in `.venv-vllm`; the main suite skips it). Engines start
+in subprocesses through the benchmark's worker (`moa_hf.vllm.bench.run_worker`), once per scenario and module."""
+
+import importlib.metadata
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from moa_hf.vllm import engine_args, serve_args  # noqa: E402
+from moa_hf.vllm.bench import run_worker  # noqa: E402
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+# mixed lengths: short questions, longer ones, one repeated (served from the prefix cache the second time)
+QUESTIONS = [
+    "What is the capital of France? Answer in one word.",
+    "Explain speculative decoding in two sentences.",
+    "Write a Python function that reverses a string, with a docstring.",
+    "List three uses of a hash map and explain each briefly.",
+    "Summarise the plot of Moby-Dick in a short paragraph.",
+    "Translate to French: The weather is nice today and we will go to the park.",
+    "What is 17 times 23? Show your steps.",
+    "Give me a haiku about autumn leaves.",
+    "Explain speculative decoding in two sentences.",
+    "Describe how a binary search works and give its time complexity.",
+    "Why is the sky blue? Keep it short.",
+    "Write a SQL query that counts the orders per customer in a table orders(customer_id, id).",
+    "Name four planets of the solar system.",
+    "What does the Python keyword yield do?",
+    "Write a limerick about a cat that codes.",
+    "Explain the difference between a list and a tuple in Python.",
+]
+LONG = "Read this text and answer the question at the end.\n" + " ".join(
+    f"Sentence {i}: the river flows past the old mill and the miller counts his sacks of grain." for i in range(40)
+)  # ~800 tokens: several prefill chunks of 256
+
+
+@pytest.fixture(scope="module")
+def target() -> str:
+    from moa_hf.default_target import default_target_path
+
+    return str(default_target_path())
+
+
+def _run(target, method: str, tmp_path_factory, **spec) -> dict:
+    base = {
+        "target": target,
+        "dtype": "float32",
+        "drafter": "default",
+        "k": 3,
+        "draft_length": None,
+        "max_tokens": 48,
+        "method": method,
+    }
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    try:
+        return run_worker({**base, **spec}, log)
+    except RuntimeError:
+        print(log.read_text()[-6000:])
+        raise
+
+
+@pytest.fixture(scope="module")
+def batched(target, tmp_path_factory) -> dict:
+    """vLLM alone and with MoA: batches of 1, 4 and 16 requests at once (max_num_seqs=16), prefills in chunks of
+    256 tokens (the long prompt takes several steps), prefix caching on (vLLM's default)."""
+    spec = {"batches": [1, 4, 16], "prompts": QUESTIONS, "engine": {"max_num_batched_tokens": 256}}
+    return {m: _run(target, m, tmp_path_factory, **spec) for m in ("vllm", "moa")}
+
+
+@pytest.fixture(scope="module")
+def squeezed(target, tmp_path_factory) -> dict:
+    """16 requests of mixed lengths and a long prompt through max_num_seqs=4: rows join, leave and wait."""
+    spec = {
+        "batches": [17],
+        "prompts": [LONG, *QUESTIONS],
+        "engine": {"max_num_seqs": 4, "max_num_batched_tokens": 256},
+    }
+    return {m: _run(target, m, tmp_path_factory, **spec) for m in ("vllm", "moa")}
+
+
+def test_float32_greedy_outputs_identical_to_vllm_alone(batched):
+    for alone, moa in zip(batched["vllm"]["rows"], batched["moa"]["rows"]):
+        assert alone["batch"] == moa["batch"]
+        assert moa["outputs"] == alone["outputs"], f"batch {moa['batch']}"
+        assert moa["drafts"] > 0  # MoA did draft (and vLLM verified) at this batch size
+
+
+def test_float32_identical_through_four_seqs_with_a_long_chunked_prompt(squeezed):
+    alone, moa = squeezed["vllm"]["rows"][0], squeezed["moa"]["rows"][0]
+    assert moa["outputs"] == alone["outputs"]
+    assert len(moa["outputs"]) == 17 and moa["accepted_tokens"] > 0
+
+
+def test_drafts_are_accepted(batched):
+    row = batched["moa"]["rows"][0]  # batch 1
+    assert row["tokens_per_verify_step"] > 1.2, row
+    assert len(row["acceptance_by_position"]) == 3
+
+
+@pytest.fixture(scope="module")
+def inproc(target):
+    """One MoA engine in this process (no engine subprocess), to reach its proposer."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        from vllm import LLM
+
+        llm = LLM(model=target, dtype="float32", max_num_seqs=2, seed=0, **engine_args("default", 3, draft_length=3))
+    finally:
+        del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    yield llm, runner
+    runner.drafter.close()
+
+
+def test_paged_reader_matches_transformers_cache(inproc, target):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+    from vllm import SamplingParams
+
+    from moa_hf.modeling import gather_target_kv
+    from moa_hf.vllm.kv_cache import LAYOUTS, PagedKVReader, slots_of
+
+    llm, runner = inproc
+    tok = AutoTokenizer.from_pretrained(target)
+    messages = [{"role": "user", "content": QUESTIONS[3]}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    proposer = runner.drafter
+    table = proposer.tap.metadata.block_table[:1]  # the prompt's block table (its blocks stay in the prefix cache)
+    reader = proposer.reader or proposer._read_kv()
+    positions = torch.arange(len(ids))[None]
+    paged = reader(slots_of(table, positions, reader.block_size))[0].float()  # [T, L, W]
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    reference = gather_target_kv(cache, 0, len(ids))[0]  # [T, L, W]
+    L = reference.shape[1]
+    for layer in (0, L // 2, L - 1):
+        err = (paged[:, layer] - reference[:, layer]).norm() / reference[:, layer].norm()
+        assert err < 0.02, f"layer {layer}: relative error {err:.4f}"
+    wrong = PagedKVReader(reader.caches, LAYOUTS["head_major"])(slots_of(table, positions, reader.block_size))[0]
+    err = (wrong.float()[:, 0] - reference[:, 0]).norm() / reference[:, 0].norm()
+    assert err > 0.5, "reading the CPU cache with the GPU layout must not pass the parity check"
+
+
+def test_proposer_refuses_what_it_cannot_do(inproc):
+    from moa_hf.vllm.proposer import MoAVllmOptions, unsupported_reason
+
+    _, runner = inproc
+    config = runner.vllm_config
+    assert unsupported_reason(config, MoAVllmOptions()) is None
+    config.parallel_config.tensor_parallel_size = 2
+    try:
+        assert "K/V heads" in unsupported_reason(config, MoAVllmOptions())
+    finally:
+        config.parallel_config.tensor_parallel_size = 1
+    config.cache_config.cache_dtype = "fp8"
+    try:
+        assert "kv_cache_dtype" in unsupported_reason(config, MoAVllmOptions())
+    finally:
+        config.cache_config.cache_dtype = "auto"
+    import vllm
+
+    real = vllm.__version__
+    vllm.__version__ = "0.99.0"
+    try:
+        assert "tested with vLLM" in unsupported_reason(config, MoAVllmOptions())
+        assert unsupported_reason(config, MoAVllmOptions(allow_untested_vllm=True)) is None
+    finally:
+        vllm.__version__ = real
+
+
+def test_no_vllm_plugin_is_installed():
+    """moa-hf changes nothing in a vLLM process that does not ask for the MoA proposer: it registers no plugin."""
+    plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert not [ep for ep in plugins if ep.value.startswith("moa_hf")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_openai_server_is_lossless(target, batched, tmp_path):
+    from transformers import AutoTokenizer
+
+    port = _free_port()
+    vllm_bin = Path(sys.executable).with_name("vllm")
+    cmd = [str(vllm_bin), "serve", target, "--dtype", "float32", "--port", str(port), "--host", "127.0.0.1"]
+    cmd += ["--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--seed", "0", *serve_args("default", 3)]
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
+                time.sleep(2)
+        tok = AutoTokenizer.from_pretrained(target)
+        reference = batched["vllm"]["rows"][0]["outputs"]  # batch 1, vLLM alone
+        for i in (1, 2, 3):
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": QUESTIONS[i]}], add_generation_prompt=True, tokenize=False
+            )
+            body = {"model": target, "prompt": text, "max_tokens": 48, "temperature": 0}
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            answer = json.loads(urllib.request.urlopen(request, timeout=120).read())["choices"][0]["text"]
+            assert answer == tok.decode(reference[i]), f"prompt {i}"
+    finally:
+        server.terminate()
+        server.wait(timeout=60)

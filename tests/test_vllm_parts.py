@@ -1,0 +1,630 @@
+"""The parts of `moa_hf.vllm` that run without vLLM: the paged KV cache readers (`kv_cache`), the draft length policy
+(`policy`), the engine/serve argument helpers (`moa_hf.vllm`), and the re-laying of drafter tree states that the
+proposer's continuous batching needs (`TreeState.compact` / `pad_left` / `concat_rows`, `MoATreeState`'s overrides,
+`tree_catch_up` with a reader function in place of a transformers cache)."""
+
+import ast
+import copy
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import moa_hf
+import moa_hf.vllm
+from moa_hf.modeling.drafting import CACHE_NAME
+from moa_hf.modeling.modeling_moa import MoATreeState, gather_target_kv_at
+from moa_hf.vllm.kv_cache import (
+    LAYOUTS,
+    PagedKVReader,
+    PagedLayout,
+    UnsupportedCacheError,
+    layout_for,
+    slots_of,
+)
+from moa_hf.vllm.policy import DraftLengthPolicy, batch_bucket
+
+from factory import make_target, sorted_drafter
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Synthetic paged caches: [num_blocks, Hkv, block_size, 2*hd], written as each backend writes them
+# ---------------------------------------------------------------------------------------------------------------------
+NB, H, BS, HD = 7, 3, 4, 5  # all different, so that a transposed or swapped axis shows
+
+
+def _write_cpu_vec(cache: torch.Tensor, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """vLLM's CPU layout written element by element into the flat memory: per (block, head) a region of 2*bs*hd
+    numbers, the key's element d of offset o at d*bs + o (keys transposed, [hd, bs]), then the value's at
+    bs*hd + o*hd + d ([bs, hd])."""
+    nb, h, bs, hd2 = cache.shape
+    hd = hd2 // 2
+    flat = cache.view(-1)
+    block, o = divmod(slot, bs)
+    for head in range(h):
+        base = (block * h + head) * 2 * bs * hd
+        for d in range(hd):
+            flat[base + d * bs + o] = k[head, d]
+            flat[base + bs * hd + o * hd + d] = v[head, d]
+
+
+def _write_head_major(cache: torch.Tensor, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """FlashAttention/Triton: cache[block, head, offset] = [key, value] (through the logical view)."""
+    hd = cache.shape[-1] // 2
+    block, o = divmod(slot, cache.shape[2])
+    cache[block, :, o, :hd] = k
+    cache[block, :, o, hd:] = v
+
+
+WRITERS = {"cpu_vec": _write_cpu_vec, "head_major": _write_head_major}
+
+
+def _tokens(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, H, HD, generator=g), torch.randn(n, H, HD, generator=g)  # keys, values [n, H, hd]
+
+
+def _filled(layout: str, n: int = 12, seed: int = 0, cache: torch.Tensor | None = None):
+    """A cache (random garbage elsewhere) with n tokens' keys/values written at random distinct slots."""
+    g = torch.Generator().manual_seed(seed + 100)
+    if cache is None:
+        cache = torch.randn(NB, H, BS, 2 * HD, generator=g)
+    slots = torch.randperm(NB * BS, generator=g)[:n]
+    keys, values = _tokens(n, seed)
+    for i, slot in enumerate(slots.tolist()):
+        WRITERS[layout](cache, slot, keys[i], values[i])
+    expected = torch.cat([keys, values], dim=-1).reshape(n, H * 2 * HD)  # per head: key then value
+    return cache, slots, expected
+
+
+@pytest.mark.parametrize("layout", ["cpu_vec", "head_major"])
+def test_layout_reads_what_was_written(layout):
+    cache, slots, expected = _filled(layout)
+    got = LAYOUTS[layout].read(cache, slots // BS, slots % BS)
+    assert got.shape == (len(slots), H * 2 * HD)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert LAYOUTS[layout].block_size(cache) == BS and LAYOUTS[layout].name == layout
+
+
+def test_head_major_through_a_permuted_view():
+    """A cache allocated [num_blocks, block_size, Hkv, 2*hd] and used through its logical permuted view."""
+    storage = torch.randn(NB, BS, H, 2 * HD)
+    cache = storage.permute(0, 2, 1, 3)  # logical [NB, H, BS, 2*hd], not contiguous
+    assert not cache.is_contiguous()
+    cache, slots, expected = _filled("head_major", cache=cache, seed=3)
+    block, offset = int(slots[0]) // BS, int(slots[0]) % BS
+    torch.testing.assert_close(storage[block, offset].reshape(-1), expected[0], rtol=0, atol=0)  # it is in storage
+    got = LAYOUTS["head_major"].read(cache, slots // BS, slots % BS)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("written, read", [("cpu_vec", "head_major"), ("head_major", "cpu_vec")])
+def test_wrong_layout_reads_other_numbers(written, read):
+    cache, slots, expected = _filled(written, seed=5)
+    got = LAYOUTS[read].read(cache, slots // BS, slots % BS)
+    assert got.shape == expected.shape
+    wrong_rows = (got != expected).any(-1)
+    assert wrong_rows.all(), "a wrong layout must not read any token's keys/values right"
+
+
+def test_layout_keys_transposed_flags():
+    assert LAYOUTS["cpu_vec"].keys_transposed and not LAYOUTS["head_major"].keys_transposed
+    assert isinstance(LAYOUTS["cpu_vec"], PagedLayout)
+
+
+def test_slots_of():
+    table = torch.tensor([[3, 0, 5], [1, 4, 2]], dtype=torch.int32)  # vLLM's block tables are int32
+    positions = torch.tensor([[0, 5, 11, -1], [3, 4, 9, -2]])
+    expected = torch.tensor([[12, 1, 23, -1], [7, 16, 9, -1]])
+    got = slots_of(table, positions, 4)
+    assert got.dtype == torch.long
+    assert torch.equal(got, expected)
+    assert torch.equal(slots_of(table, positions, 4), slots_of(table.long(), positions, 4))
+
+
+def test_slots_of_random_against_definition():
+    g = torch.Generator().manual_seed(0)
+    bs, B, nblk = 3, 4, 5
+    table = torch.randint(0, 50, (B, nblk), generator=g)
+    positions = torch.randint(-3, nblk * bs, (B, 9), generator=g)
+    got = slots_of(table, positions, bs)
+    for b in range(B):
+        for j, p in enumerate(positions[b].tolist()):
+            assert int(got[b, j]) == (-1 if p < 0 else int(table[b, p // bs]) * bs + p % bs)
+
+
+def test_layout_for():
+    assert layout_for("CPU_ATTN", "vec") is LAYOUTS["cpu_vec"]
+    assert layout_for("CPU_ATTN", "vec16") is LAYOUTS["cpu_vec"]
+    assert layout_for("FLASH_ATTN") is LAYOUTS["head_major"]
+    assert layout_for("TRITON_ATTN", None, "auto") is LAYOUTS["head_major"]
+    with pytest.raises(UnsupportedCacheError, match="'amx'"):
+        layout_for("CPU_ATTN", "amx")
+    with pytest.raises(UnsupportedCacheError, match="None"):
+        layout_for("CPU_ATTN", None)
+    with pytest.raises(UnsupportedCacheError, match="FLASHINFER"):
+        layout_for("FLASHINFER")
+    with pytest.raises(UnsupportedCacheError, match="quantised.*fp8"):
+        layout_for("FLASH_ATTN", kv_cache_dtype="fp8")
+    with pytest.raises(UnsupportedCacheError, match="fp8"):
+        layout_for("CPU_ATTN", "vec", kv_cache_dtype="fp8")
+    assert issubclass(UnsupportedCacheError, ValueError)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# PagedKVReader against gather_target_kv_at on a transformers cache holding the same keys/values
+# ---------------------------------------------------------------------------------------------------------------------
+def _paged_copy(layers_kv, layout: str, bs: int, nb: int, g):
+    """Paged caches (one per layer) holding `layers_kv` [(keys, values) [B, Hkv, T, hd]] at a random block table;
+    returns (caches, block table [B, max_blocks])."""
+    B, h, T, hd = layers_kv[0][0].shape
+    per_row = -(-T // bs)
+    table = torch.randperm(nb, generator=g)[: B * per_row].view(B, per_row).to(torch.int32)
+    caches = [torch.randn(nb, h, bs, 2 * hd, generator=g) for _ in layers_kv]
+    for cache, (k, v) in zip(caches, layers_kv):
+        for b in range(B):
+            for t in range(T):
+                WRITERS[layout](cache, int(table[b, t // bs]) * bs + t % bs, k[b, :, t], v[b, :, t])
+    return caches, table
+
+
+@pytest.mark.parametrize("layout", ["cpu_vec", "head_major"])
+def test_reader_equals_gather_target_kv_at(layout):
+    g = torch.Generator().manual_seed(7)
+    B, T, L, bs = 2, 9, 3, 4
+    layers_kv = [(torch.randn(B, H, T, HD, generator=g), torch.randn(B, H, T, HD, generator=g)) for _ in range(L)]
+    dyn = DynamicCache()
+    for i, (k, v) in enumerate(layers_kv):
+        dyn.update(k, v, i)
+    caches, table = _paged_copy(layers_kv, layout, bs, nb=16, g=g)
+    reader = PagedKVReader(caches, LAYOUTS[layout])
+    assert reader.block_size == bs
+
+    positions = torch.tensor([[0, 8, 3, 4, -1], [-1, 7, 1, 0, 5]])  # [B, n]
+    got = reader(slots_of(table, positions, bs))
+    assert got.shape == (B, 5, L, H * 2 * HD)
+    want = gather_target_kv_at(dyn, positions)
+    ok = positions >= 0
+    torch.testing.assert_close(got[ok], want[ok], rtol=0, atol=0)
+    # the joined vector of token t per layer, written out: cat(keys, values).transpose(1, 2).flatten(2)[b, t]
+    b, t, layer = 1, 7, 2
+    k, v = layers_kv[layer]
+    torch.testing.assert_close(got[b, 1, layer], torch.cat([k, v], -1).transpose(1, 2).flatten(2)[b, t])
+    # per layer, the layout's own read of the same slots
+    flat = slots_of(table, positions, bs).reshape(-1).clamp(min=0)
+    for i, cache in enumerate(caches):
+        per_layer = LAYOUTS[layout].read(cache, flat // bs, flat % bs).view(B, 5, -1)
+        torch.testing.assert_close(got[:, :, i], per_layer, rtol=0, atol=0)
+    # slots < 0 read slot 0 (no error)
+    slot0 = reader(torch.zeros(1, 1, dtype=torch.long))[0, 0]
+    torch.testing.assert_close(got[0, 4], slot0, rtol=0, atol=0)
+    torch.testing.assert_close(got[1, 0], slot0, rtol=0, atol=0)
+    # dtype: the drafter's
+    as64 = PagedKVReader(caches, LAYOUTS[layout], dtype=torch.float64)(slots_of(table, positions, bs))
+    assert as64.dtype == torch.float64
+    torch.testing.assert_close(as64, got.double())
+
+
+def test_reader_needs_a_layer():
+    with pytest.raises(UnsupportedCacheError, match="no attention layer"):
+        PagedKVReader([], LAYOUTS["head_major"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# DraftLengthPolicy
+# ---------------------------------------------------------------------------------------------------------------------
+def test_batch_bucket():
+    assert [batch_bucket(b) for b in (0, 1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 1, 2, 4, 4, 8, 8, 16, 16, 32]
+
+
+def test_acceptance_accounting_and_expected_tokens():
+    p = DraftLengthPolicy(max_tokens=3)
+    assert p.acceptance_rates() == [0.5, 0.5, 0.5]  # the prior
+    assert p.expected_tokens(0) == 1.0 and p.expected_tokens(2) == pytest.approx(1 + 0.5 + 0.25)
+    p.record_acceptance(3, 1)  # position 1 accepted, position 2 rejected, position 3 never reached
+    assert p.reached == [1, 1, 0] and p.accepted == [1, 0, 0]
+    p.record_acceptance(3, 3)  # all accepted
+    p.record_acceptance(2, 0)  # rejected at position 1
+    p.record_acceptance(0, 0)  # no draft: nothing
+    assert p.reached == [3, 2, 1] and p.accepted == [2, 1, 1]
+    rates = p.acceptance_rates()
+    assert rates == pytest.approx([3 / 5, 2 / 4, 2 / 3])
+    assert p.expected_tokens(1) == pytest.approx(1 + 3 / 5)
+    assert p.expected_tokens(3) == pytest.approx(1 + 3 / 5 + 3 / 10 + 1 / 5)
+
+
+def test_measures_max_then_zero_then_the_rest_first():
+    p = DraftLengthPolicy(max_tokens=3, samples=2, explore_every=10**6)
+    chosen = []
+    for _ in range(8):
+        k = p.choose(1)
+        chosen.append(k)
+        assert p.step_seconds(1, k) is None
+        p.record_step(1, k, 0.01)
+    assert chosen == [3, 3, 0, 0, 1, 1, 2, 2]
+    assert p.step_seconds(1, 2) == pytest.approx(0.01)
+
+
+def _simulate(policy, batch_size, step_cost, steps, accept=0.8):
+    """Drive `policy` as the proposer does: choose, run a step of that draft length (costing step_cost(k) seconds),
+    record the step's time and each row's accepted prefix: P(prefix >= i) = accept**i, drawn from an evenly spread
+    deterministic sequence (u_j = frac(j * golden ratio), prefix = how many powers of `accept` are >= u_j)."""
+    chosen, draws = [], 0
+    for _ in range(steps):
+        k = policy.choose(batch_size)
+        chosen.append(k)
+        policy.record_step(batch_size, k, step_cost(k))
+        if k:
+            for _ in range(batch_size):
+                draws += 1
+                u = (draws * 0.6180339887498949) % 1.0
+                n = 0
+                while n < k and u < accept ** (n + 1):
+                    n += 1
+                policy.record_acceptance(k, n)
+    return chosen
+
+
+def test_policy_converges_to_max_at_batch_1_and_to_0_at_batch_16():
+    p = DraftLengthPolicy(max_tokens=4, explore_every=10**6)
+    warmup = (p.max_tokens + 1) * p.samples
+    chosen = _simulate(p, 1, lambda k: 0.010 + 0.001 * k, warmup + 30)
+    assert chosen[warmup:] == [4] * 30
+    assert p.acceptance_rates() == pytest.approx([0.8] * 4, abs=0.08)
+    # batch 16 is another bucket: measured afresh (max first), then verifying more tokens costs more than they bring
+    chosen = _simulate(p, 16, lambda k: 0.010 * (1 + k), warmup + 30)
+    assert chosen[0] == 4
+    assert chosen[warmup:] == [0] * 30
+    # the two buckets keep their own measurements
+    assert p.choose(1) == 4 and p.choose(9) == 0 and p.choose(16) == 0
+    assert p.step_seconds(16, 0) == pytest.approx(0.010 / 16)  # stored per row
+    d = p.as_dict()
+    assert d["seconds_per_row"]["batch<=16,k=0"] == pytest.approx(0.010 / 16, abs=1e-6)
+    assert len(d["acceptance_by_position"]) == 4
+
+
+def test_policy_chooses_an_intermediate_k_where_it_pays():
+    """Acceptance falls after position 1: draft length 1 maximises tokens per second."""
+    p = DraftLengthPolicy(max_tokens=3, explore_every=10**6)
+    for _ in range(200):
+        p.record_acceptance(3, 1)  # position 1 always accepted, position 2 never
+    warmup = (p.max_tokens + 1) * p.samples
+    chosen = _simulate(p, 1, lambda k: 0.010 + 0.002 * k, warmup + 5, accept=0.0)
+    assert chosen[warmup:] == [1] * 5
+
+
+def test_reexploration_after_explore_every_steps():
+    every = 8
+    p = DraftLengthPolicy(max_tokens=2, explore_every=every)
+    warmup = (p.max_tokens + 1) * p.samples
+    chosen = _simulate(p, 1, lambda k: 0.010 + 0.001 * k, warmup + 6 * every, accept=0.9)
+    later = chosen[warmup:]
+    assert later.count(2) > len(later) // 2  # mostly the best
+    for k in (0, 1):
+        steps = [i for i, c in enumerate(chosen) if c == k and i >= warmup]
+        assert steps, f"draft length {k} was never measured again"
+        last = max(i for i, c in enumerate(chosen[:warmup]) if c == k)
+        gaps = [b - a for a, b in zip([last, *steps], steps)]
+        assert all(gap > every for gap in gaps), (k, chosen)
+    never = DraftLengthPolicy(max_tokens=2, explore_every=10**6)
+    assert set(_simulate(never, 1, lambda k: 0.010 + 0.001 * k, warmup + 6 * every)[warmup:]) == {2}
+
+
+def test_fixed_draft_length():
+    p = DraftLengthPolicy(max_tokens=3, fixed=2)
+    for batch in (1, 16, 64):
+        p.record_step(batch, 0, 0.001)
+        p.record_step(batch, 2, 10.0)  # measured costs do not matter
+        assert [p.choose(batch) for _ in range(20)] == [2] * 20
+    assert DraftLengthPolicy(max_tokens=3, fixed=0).choose(1) == 0
+    assert DraftLengthPolicy(max_tokens=3, fixed=3).choose(1) == 3
+    for bad in (-1, 4):
+        with pytest.raises(ValueError, match="draft_length"):
+            DraftLengthPolicy(max_tokens=3, fixed=bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Engine and serve arguments
+# ---------------------------------------------------------------------------------------------------------------------
+def test_proposer_path_names_the_proposer_class():
+    module, _, name = moa_hf.vllm.PROPOSER.rpartition(".")
+    assert module == "moa_hf.vllm.proposer"
+    source = Path(moa_hf.vllm.__file__).with_name("proposer.py").read_text()
+    classes = {n.name for n in ast.parse(source).body if isinstance(n, ast.ClassDef)}
+    assert name in classes
+
+
+def test_speculative_and_additional_config(tmp_path, monkeypatch):
+    assert moa_hf.vllm.speculative_config(5) == {
+        "method": "custom_class",
+        "model": "moa_hf.vllm.proposer.MoAProposer",
+        "num_speculative_tokens": 5,
+    }
+    assert moa_hf.vllm.speculative_config()["num_speculative_tokens"] == 3
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="num_speculative_tokens"):
+            moa_hf.vllm.speculative_config(bad)
+    assert moa_hf.vllm.additional_config() == {
+        "moa_hf": {
+            "drafter": "default",
+            "draft_length": None,
+            "lookup": True,
+            "allow_other_target": False,
+            "allow_untested_vllm": False,
+        }
+    }
+    (tmp_path / "my_drafter").mkdir()
+    monkeypatch.chdir(tmp_path)
+    entry = moa_hf.vllm.additional_config("my_drafter", draft_length=2, lookup=False)[moa_hf.vllm.CONFIG_KEY]
+    assert entry["drafter"] == str(tmp_path / "my_drafter") and Path(entry["drafter"]).is_absolute()
+    assert entry["draft_length"] == 2 and entry["lookup"] is False
+    assert moa_hf.vllm.additional_config(tmp_path / "my_drafter")["moa_hf"]["drafter"] == str(tmp_path / "my_drafter")
+    assert moa_hf.vllm.additional_config("org/not-a-folder")["moa_hf"]["drafter"] == "org/not-a-folder"  # a Hub id
+
+
+def test_engine_and_serve_args(tmp_path):
+    folder = tmp_path / "d"
+    folder.mkdir()
+    args = moa_hf.vllm.engine_args(folder, 4, draft_length=1, allow_other_target=True)
+    assert set(args) == {"speculative_config", "additional_config"}
+    assert args["speculative_config"] == moa_hf.vllm.speculative_config(4)
+    assert args["additional_config"] == moa_hf.vllm.additional_config(folder, draft_length=1, allow_other_target=True)
+    assert args["additional_config"]["moa_hf"]["allow_other_target"] is True
+    with pytest.raises(ValueError):
+        moa_hf.vllm.engine_args("default", 0)
+
+    flags = moa_hf.vllm.serve_args(folder, 4, draft_length=1, allow_other_target=True)
+    assert len(flags) == 4 and all(isinstance(f, str) for f in flags)
+    assert flags[0] == "--speculative-config" and flags[2] == "--additional-config"
+    assert not any(c.isspace() for f in flags for c in f)  # `$(python -m moa_hf.vllm ...)` splits on spaces
+    assert json.loads(flags[1]) == args["speculative_config"]
+    assert json.loads(flags[3]) == args["additional_config"]
+    with pytest.raises(ValueError):
+        moa_hf.vllm.serve_args("default", 0)
+
+
+def test_module_prints_serve_flags():
+    out = subprocess.run(
+        [sys.executable, "-m", "moa_hf.vllm", "default", "3"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    # `vllm serve TARGET $(python -m moa_hf.vllm default 3)`: the shell splits the output on whitespace, no quotes
+    assert out.stdout.split() == moa_hf.vllm.serve_args("default", 3)
+
+
+def test_module_usage(capsys):
+    from moa_hf.vllm.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 2 and "usage" in capsys.readouterr().out
+    main(["default", "5"])
+    assert capsys.readouterr().out.split() == moa_hf.vllm.serve_args("default", 5)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Drafter tree states re-laid for continuous batching (MoA drafter, float32)
+# ---------------------------------------------------------------------------------------------------------------------
+TREE = [[-1, -1], [0, 0, 1]]  # parents per depth: root -> a, b; a -> c, d; b -> e
+V = 128
+
+
+@pytest.fixture(scope="module")
+def moa():
+    """A tiny Llama target and an attached random MoA drafter whose weights are large enough that any masked-out
+    slot (padding, another row's) would change the logits."""
+    target = make_target("llama")
+    torch.manual_seed(0)
+    drafter = moa_hf.build_drafter(target)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    with drafter.eval().attached(target):
+        yield target, drafter
+
+
+def _seqs(lengths, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, V) for _ in range(n)] for n in lengths]
+
+
+def _target_cache(target, seqs):
+    """The target run over the left-padded `seqs` into a DynamicCache; row b's position p is at slot offsets[b] + p."""
+    T = max(map(len, seqs))
+    offsets = [T - len(s) for s in seqs]
+    ids = torch.tensor([[0] * o + s for o, s in zip(offsets, seqs)])
+    mask = (torch.arange(T)[None] >= torch.tensor(offsets)[:, None]).long()
+    cache = DynamicCache()
+    with torch.no_grad():
+        target(ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0), **{CACHE_NAME: cache})
+    return cache, offsets
+
+
+def _feed(drafter, state, read, seqs, spans, slot_of, g, pad=0):
+    """`tree_catch_up` with tokens seqs[b][a:e] for spans[b] = (a, e), right-aligned and left-padded (`pad` extra
+    columns; garbage tokens/positions in the padding, prev_slots -1); slot_of(b, positions) gives the slots of the
+    target's state at those positions."""
+    B = len(seqs)
+    n = max(e - a for a, e in spans) + pad
+    tokens = torch.randint(3, V, (B, n), generator=g)
+    positions = torch.randint(0, 50, (B, n), generator=g)
+    valid = torch.zeros(B, n, dtype=torch.bool)
+    prev_slots = torch.full((B, n), -1)
+    for b, (seq, (a, e)) in enumerate(zip(seqs, spans)):
+        m, pos = e - a, torch.arange(a, e)
+        tokens[b, n - m :], positions[b, n - m :], valid[b, n - m :] = torch.tensor(seq[a:e]), pos, True
+        prev_slots[b, n - m :] = torch.where(pos > 0, slot_of(b, (pos - 1).clamp(min=0)), -1)
+    return drafter.tree_catch_up(state, tokens, positions, valid, prev_slots, read)
+
+
+def _tree(drafter, state, root_pos, node_tokens):
+    """TREE fed depth by depth with tokens node_tokens[depth] [B, k] after roots at root_pos [B]: logits [B, K, V]."""
+    out = []
+    for depth, (parents, tokens) in enumerate(zip(TREE, node_tokens), start=1):
+        B = tokens.shape[0]
+        positions = (root_pos[:, None] + depth).expand_as(tokens)
+        out.append(drafter.tree_step(state, tokens, positions, torch.tensor(parents).expand(B, -1)))
+    return torch.cat(out, dim=1)
+
+
+def _node_tokens(B, g):
+    return [torch.randint(3, V, (B, len(parents)), generator=g) for parents in TREE]
+
+
+def test_concat_rows_equals_each_row_alone(moa):
+    """A row with a previous cycle behind it (kept) and a new row (fresh), caught up in two 1-row states of different
+    widths, joined: the tree nodes' logits of each row equal those of its state alone."""
+    target, drafter = moa
+    g = torch.Generator().manual_seed(0)
+    seqs = _seqs((7, 11), seed=0)
+    caches = [_target_cache(target, [s])[0] for s in seqs]
+    at = lambda b, pos: pos  # noqa: E731 (one row per cache: slot = position)
+
+    kept = drafter.tree_start(1)
+    _feed(drafter, kept, caches[0], seqs[:1], [(0, 4)], at, g, pad=2)
+    _tree(drafter, kept, torch.tensor([3]), _node_tokens(1, g))  # the previous cycle's tree
+    _feed(drafter, kept, caches[0], seqs[:1], [(4, 7)], at, g)
+    fresh = drafter.tree_start(1)
+    _feed(drafter, fresh, caches[1], seqs[1:], [(0, 11)], at, g)
+    assert kept.num_verified == 9 and fresh.num_verified == 11
+    assert kept.node_exits.shape[1] > 0  # the previous tree step's exits: concat_rows must drop them
+
+    nodes = _node_tokens(2, g)
+    root_pos = torch.tensor([6, 10])
+    alone = [
+        _tree(drafter, copy.deepcopy(s), root_pos[b : b + 1], [t[b : b + 1] for t in nodes])
+        for b, s in enumerate((kept, fresh))
+    ]
+    kept_valid = kept.valid[0].tolist()
+    joined = MoATreeState.concat_rows([kept, fresh])
+    assert isinstance(joined, MoATreeState) and joined.num_verified == 11
+    assert joined.valid[0].tolist() == [False, False] + kept_valid  # padded on the left
+    assert joined.valid[1].all() and joined.ca_keys.shape[:3] == (2, drafter.config.num_key_value_heads, 11)
+    logits = _tree(drafter, joined, root_pos, nodes)
+    assert logits.shape == (2, 5, V)
+    for b in range(2):
+        torch.testing.assert_close(logits[b], alone[b][0], atol=1e-5, rtol=1e-5, msg=f"row {b}")
+    # the same rows in the other order
+    other = MoATreeState.concat_rows([copy.deepcopy(fresh), copy.deepcopy(kept)])
+    swapped = _tree(drafter, other, root_pos.flip(0), [t.flip(0) for t in nodes])
+    torch.testing.assert_close(swapped.flip(0), logits, atol=1e-5, rtol=1e-5)
+
+
+def test_pad_left_keeps_the_logits(moa):
+    target, drafter = moa
+    g = torch.Generator().manual_seed(1)
+    seqs = _seqs((6,), seed=1)
+    cache, _ = _target_cache(target, seqs)
+    state = drafter.tree_start(1)
+    _feed(drafter, state, cache, seqs, [(0, 6)], lambda b, pos: pos, g)
+    nodes = _node_tokens(1, g)
+    want = _tree(drafter, copy.deepcopy(state), torch.tensor([5]), nodes)
+    state.pad_left(3)  # already wider: nothing
+    assert state.num_verified == 6 and state.valid.all()
+    state.pad_left(10)
+    assert state.num_verified == 10 and state.ca_valid.shape == (1, 10) and state.layers[0].keys.shape[2] == 10
+    assert state.valid[0].tolist() == [False] * 4 + [True] * 6 and not state.ca_valid[0, :4].any()
+    torch.testing.assert_close(_tree(drafter, state, torch.tensor([5]), nodes), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="end_tree"):
+        state.pad_left(12)  # tree nodes in the state: slots cannot be re-laid
+
+
+def test_compact_keeps_the_logits(moa):
+    """Catch-ups of rows with different numbers of new tokens, left-padded: compact() drops the slots no row needs
+    and keeps every row's valid ones in order, so the next tree's logits, and later cycles, are unchanged."""
+    target, drafter = moa
+    g = torch.Generator().manual_seed(2)
+    seqs = _seqs((11, 13), seed=2)
+    cache, offsets = _target_cache(target, seqs)
+    at = lambda b, pos: offsets[b] + pos  # noqa: E731
+    state = drafter.tree_start(2)
+    _feed(drafter, state, cache, seqs, [(0, 3), (0, 8)], at, g, pad=2)
+    _tree(drafter, state, torch.tensor([2, 7]), _node_tokens(2, g))
+    _feed(drafter, state, cache, seqs, [(3, 9), (8, 10)], at, g, pad=2)
+    assert state.num_verified == 10 + 8
+    counts = state.valid.sum(1).tolist()
+    assert counts == [9, 10]
+
+    reference = copy.deepcopy(state)
+    nodes = _node_tokens(2, g)
+    root_pos = torch.tensor([8, 9])
+    want = _tree(drafter, reference, root_pos, nodes)
+    state.compact()
+    assert state.num_verified == 10
+    assert state.valid.tolist() == [[False] + [True] * 9, [True] * 10]
+    assert state.ca_valid.shape == (2, 10) and state.ca_keys.shape[2] == 10 and state.layers[0].keys.shape[2] == 10
+    # CA memory moved along: position 0 has no context (row 0: slot 1 after its padding slot 0; row 1: slot 0)
+    assert state.ca_valid.tolist() == [[False, False] + [True] * 8, [False] + [True] * 9]
+    got = _tree(drafter, state, root_pos, nodes)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+    # the next cycle on the compacted state and on the uncompacted one
+    spans = [(9, 11), (10, 13)]
+    want = _feed(drafter, reference, cache, seqs, spans, at, torch.Generator().manual_seed(3))
+    got = _feed(drafter, state, cache, seqs, spans, at, torch.Generator().manual_seed(3))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    nodes = _node_tokens(2, g)
+    torch.testing.assert_close(
+        _tree(drafter, state, torch.tensor([10, 12]), nodes),
+        _tree(drafter, reference, torch.tensor([10, 12]), nodes),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    assert state.num_verified < reference.num_verified
+
+
+def test_compact_refuses_a_sorted_drafter():
+    target = make_target("llama")
+    drafter = sorted_drafter(target, num_blocks=2)
+    with drafter.attached(target):
+        state = drafter.tree_start(1)
+    with pytest.raises(ValueError, match="exit 1"):
+        state.compact()
+
+
+def test_catch_up_with_a_reader_function(moa):
+    """`tree_catch_up` reads the target's keys/values through a function (slots -> [B, m, L, W]) as through the
+    transformers cache: a lambda over `gather_target_kv_at`, and a PagedKVReader over a paged copy of the cache
+    (slots through a block table), give identical logits; a reader of other slots gives other logits."""
+    target, drafter = moa
+    seqs = _seqs((9, 5), seed=4)
+    cache, offsets = _target_cache(target, seqs)
+    at = lambda b, pos: offsets[b] + pos  # noqa: E731
+
+    # the same keys/values paged (head_major) at a random block table; slot of row b position p via slots_of
+    bs, g = 4, torch.Generator().manual_seed(5)
+    layers_kv = [(layer.keys, layer.values) for layer in cache.layers]
+    paged, table = _paged_copy(layers_kv, "head_major", bs, nb=12, g=g)
+    reader = PagedKVReader(paged, LAYOUTS["head_major"], dtype=torch.float32)
+    paged_at = lambda b, pos: slots_of(table[b : b + 1], (offsets[b] + pos)[None], bs)[0]  # noqa: E731
+
+    calls = []
+
+    def spy(slots):
+        calls.append(slots.shape)
+        return gather_target_kv_at(cache, slots)
+
+    runs = {}
+    for name, read, slot_of in [
+        ("cache", cache, at),
+        ("lambda", lambda slots: gather_target_kv_at(cache, slots), at),
+        ("spy", spy, at),
+        ("paged", reader, paged_at),
+        ("shifted", lambda slots: gather_target_kv_at(cache, (slots + 1).clamp(max=8)), at),
+    ]:
+        state = drafter.tree_start(2)
+        g = torch.Generator().manual_seed(6)
+        first = _feed(drafter, state, read, seqs, [(0, 6), (0, 2)], slot_of, g, pad=1)
+        second = _feed(drafter, state, read, seqs, [(6, 9), (2, 5)], slot_of, g)
+        tree = _tree(drafter, state, torch.tensor([8, 4]), _node_tokens(2, torch.Generator().manual_seed(7)))
+        runs[name] = (first, second, tree, state.ca_keys.transpose(1, 2)[state.ca_valid])  # CA keys of valid slots
+    assert calls and all(shape[0] == 2 for shape in calls)
+    for name in ("lambda", "spy", "paged"):
+        for got, want in zip(runs[name], runs["cache"]):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
+    assert not torch.allclose(runs["shifted"][1], runs["cache"][1], atol=1e-3)
