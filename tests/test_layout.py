@@ -118,3 +118,28 @@ def test_packages_are_the_installed_ones():
     tomllib = pytest.importorskip("tomllib")
     package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     assert {folder: package for package, folder in package_dir.items() if folder in PACKAGES} == PACKAGES
+
+
+def vllm_imports(source: str) -> list[tuple[int, str]]:
+    """Imports of vllm (the optional engine) in `source`."""
+    return [
+        (line, written)
+        for line, written, level, module, _ in import_statements(source)
+        if level == 0 and (module.split(".")[0] == "vllm")
+    ]
+
+
+@pytest.mark.parametrize(
+    "path", [p for folder in PACKAGES for p in _files(folder) if "vllm" not in p.relative_to(ROOT).parts], ids=_rel
+)
+def test_only_moa_hf_vllm_imports_vllm(path):
+    bad = [f"{_rel(path)}:{line}: `{written}`" for line, written in vllm_imports(path.read_text())]
+    assert not bad, (
+        "vLLM is an optional extra with its own venv: only moa_hf/vllm/ may import it (modeling/ and the rest of "
+        "moa_hf/ must run without it):\n" + "\n".join(bad)
+    )
+
+
+def test_the_vllm_rule_finds_what_it_forbids():
+    source = "import vllm\nfrom vllm.config import VllmConfig\nfrom .vllm import x\nimport vllmx\n"
+    assert [line for line, _ in vllm_imports(source)] == [1, 2]

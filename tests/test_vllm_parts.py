@@ -237,27 +237,21 @@ def test_acceptance_accounting_and_expected_tokens():
     assert p.expected_tokens(3) == pytest.approx(1 + 3 / 5 + 3 / 10 + 1 / 5)
 
 
-def test_measures_max_then_zero_then_the_rest_first():
-    p = DraftLengthPolicy(max_tokens=3, samples=2, explore_every=10**6)
-    chosen = []
-    for _ in range(8):
-        k = p.choose(1)
-        chosen.append(k)
-        assert p.step_seconds(1, k) is None
-        p.record_step(1, k, 0.01)
-    assert chosen == [3, 3, 0, 0, 1, 1, 2, 2]
-    assert p.step_seconds(1, 2) == pytest.approx(0.01)
+def _engine_cost(per_token: float, fixed: float = 0.010):
+    """A target whose step verifying N tokens costs fixed + per_token * N seconds."""
+    return lambda tokens: fixed + per_token * tokens
 
 
-def _simulate(policy, batch_size, step_cost, steps, accept=0.8):
-    """Drive `policy` as the proposer does: choose, run a step of that draft length (costing step_cost(k) seconds),
-    record the step's time and each row's accepted prefix: P(prefix >= i) = accept**i, drawn from an evenly spread
-    deterministic sequence (u_j = frac(j * golden ratio), prefix = how many powers of `accept` are >= u_j)."""
+def _simulate(policy, batch_size, engine_cost, steps, accept=0.8, draft_per_token=0.0005):
+    """Drive `policy` as the proposer does: choose k, run a step verifying batch_size * (1 + k) tokens (engine_cost
+    of them, plus draft_per_token per drafted token per row), record it and each row's accepted prefix:
+    P(prefix >= i) = accept**i, drawn from an evenly spread deterministic sequence."""
     chosen, draws = [], 0
     for _ in range(steps):
         k = policy.choose(batch_size)
         chosen.append(k)
-        policy.record_step(batch_size, k, step_cost(k))
+        tokens = batch_size * (1 + k)
+        policy.record_step(batch_size, k, tokens, engine_cost(tokens), draft_per_token * k * batch_size)
         if k:
             for _ in range(batch_size):
                 draws += 1
@@ -269,22 +263,42 @@ def _simulate(policy, batch_size, step_cost, steps, accept=0.8):
     return chosen
 
 
-def test_policy_converges_to_max_at_batch_1_and_to_0_at_batch_16():
+def test_measures_max_then_zero_first():
+    p = DraftLengthPolicy(max_tokens=3, samples=2, explore_every=10**6)
+    chosen = _simulate(p, 1, _engine_cost(0.0001), 4)
+    assert chosen == [3, 3, 0, 0]
+    assert p.draft_seconds(1, 3) == pytest.approx(0.0015)
+    assert p.draft_seconds(1, 1) == pytest.approx(0.0015 * 2 / 4)  # from k = max's: catch-up + k drafting steps
+    assert p.draft_seconds(1, 0) == 0.0
+
+
+def test_engine_seconds_interpolates_by_tokens():
+    p = DraftLengthPolicy(max_tokens=3)
+    assert p.engine_seconds(4) is None
+    p.record_step(1, 0, 1, 0.010, 0.0)
+    p.record_step(1, 3, 4, 0.016, 0.002)
+    assert p.engine_seconds(1) == pytest.approx(0.010)
+    assert p.engine_seconds(2) == pytest.approx(0.012)  # linear between measured token counts
+    assert p.engine_seconds(8) == pytest.approx(0.032)  # beyond: proportional (pessimistic for drafting)
+    # a measurement at batch 4 without drafting (4 tokens) is the same engine cost as batch 1 with k = 3
+    p.record_step(4, 0, 4, 0.018, 0.0)
+    assert p.engine_seconds(4) == pytest.approx(0.017)  # the median of both
+
+
+def test_policy_drafts_at_batch_1_and_not_where_verifying_costs_more_than_it_brings():
     p = DraftLengthPolicy(max_tokens=4, explore_every=10**6)
-    warmup = (p.max_tokens + 1) * p.samples
-    chosen = _simulate(p, 1, lambda k: 0.010 + 0.001 * k, warmup + 30)
-    assert chosen[warmup:] == [4] * 30
+    warmup = 2 * p.samples
+    cheap = _engine_cost(0.0005)  # verifying a token more costs 5% of a step: drafting pays
+    chosen = _simulate(p, 1, cheap, warmup + 30)
+    assert chosen[-20:] == [4] * 20  # once the acceptance rates have settled
     assert p.acceptance_rates() == pytest.approx([0.8] * 4, abs=0.08)
-    # batch 16 is another bucket: measured afresh (max first), then verifying more tokens costs more than they bring
-    chosen = _simulate(p, 16, lambda k: 0.010 * (1 + k), warmup + 30)
-    assert chosen[0] == 4
+    costly = _engine_cost(0.010, fixed=0.0)  # compute-bound: a step costs as much per token as a decode step
+    chosen = _simulate(p, 16, costly, warmup + 30)
+    assert chosen[:warmup] == [4, 4, 0, 0]  # another batch bucket: measured there first
     assert chosen[warmup:] == [0] * 30
-    # the two buckets keep their own measurements
-    assert p.choose(1) == 4 and p.choose(9) == 0 and p.choose(16) == 0
-    assert p.step_seconds(16, 0) == pytest.approx(0.010 / 16)  # stored per row
+    assert p.throughput(16, 0) > p.throughput(16, 4)
     d = p.as_dict()
-    assert d["seconds_per_row"]["batch<=16,k=0"] == pytest.approx(0.010 / 16, abs=1e-6)
-    assert len(d["acceptance_by_position"]) == 4
+    assert len(d["acceptance_by_position"]) == 4 and d["engine_s_by_tokens"] and d["draft_s"]
 
 
 def test_policy_chooses_an_intermediate_k_where_it_pays():
@@ -292,33 +306,28 @@ def test_policy_chooses_an_intermediate_k_where_it_pays():
     p = DraftLengthPolicy(max_tokens=3, explore_every=10**6)
     for _ in range(200):
         p.record_acceptance(3, 1)  # position 1 always accepted, position 2 never
-    warmup = (p.max_tokens + 1) * p.samples
-    chosen = _simulate(p, 1, lambda k: 0.010 + 0.002 * k, warmup + 5, accept=0.0)
-    assert chosen[warmup:] == [1] * 5
+    chosen = _simulate(p, 1, _engine_cost(0.002), 2 * p.samples + 5, accept=0.0)
+    assert chosen[2 * p.samples :] == [1] * 5
 
 
 def test_reexploration_after_explore_every_steps():
     every = 8
     p = DraftLengthPolicy(max_tokens=2, explore_every=every)
-    warmup = (p.max_tokens + 1) * p.samples
-    chosen = _simulate(p, 1, lambda k: 0.010 + 0.001 * k, warmup + 6 * every, accept=0.9)
-    later = chosen[warmup:]
-    assert later.count(2) > len(later) // 2  # mostly the best
-    for k in (0, 1):
-        steps = [i for i, c in enumerate(chosen) if c == k and i >= warmup]
-        assert steps, f"draft length {k} was never measured again"
-        last = max(i for i, c in enumerate(chosen[:warmup]) if c == k)
-        gaps = [b - a for a, b in zip([last, *steps], steps)]
-        assert all(gap > every for gap in gaps), (k, chosen)
+    chosen = _simulate(p, 16, _engine_cost(0.010, fixed=0.0), 4 + 6 * every)
+    later = chosen[4:]
+    assert later.count(0) > len(later) // 2  # mostly the best (no drafting)
+    again = [i for i, c in enumerate(chosen) if c == 2 and i >= 4]
+    assert again, "k = max was never measured again"
+    assert all(b - a > every for a, b in zip([1, *again], again))
     never = DraftLengthPolicy(max_tokens=2, explore_every=10**6)
-    assert set(_simulate(never, 1, lambda k: 0.010 + 0.001 * k, warmup + 6 * every)[warmup:]) == {2}
+    assert set(_simulate(never, 16, _engine_cost(0.010, fixed=0.0), 4 + 6 * every)[4:]) == {0}
 
 
 def test_fixed_draft_length():
     p = DraftLengthPolicy(max_tokens=3, fixed=2)
     for batch in (1, 16, 64):
-        p.record_step(batch, 0, 0.001)
-        p.record_step(batch, 2, 10.0)  # measured costs do not matter
+        p.record_step(batch, 0, batch, 0.001, 0.0)
+        p.record_step(batch, 2, 3 * batch, 10.0, 1.0)  # measured costs do not matter
         assert [p.choose(batch) for _ in range(20)] == [2] * 20
     assert DraftLengthPolicy(max_tokens=3, fixed=0).choose(1) == 0
     assert DraftLengthPolicy(max_tokens=3, fixed=3).choose(1) == 3

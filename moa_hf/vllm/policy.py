@@ -1,11 +1,20 @@
 """How many tokens to draft per row at vLLM's current batch size, from what the engine measures as it runs.
 
 Terms: a *step* is one engine iteration (the target verifies every row's draft in one forward, then the proposer
-drafts the next); *draft length* k is the most tokens a row drafts for the next step (0: plain decoding, and the
-drafter does no work at all). With a_i the share of drafts reaching position i that are accepted there, a row
-gains E(k) = 1 + sum_{i<=k} a_1 ... a_i tokens per step; a step of draft length k at batch size B takes T(B, k)
-seconds, measured. The policy picks k maximising B * E(k) / T(B, k): at a batch size where verifying k more tokens
-per row costs more than they bring, that is 0, and vLLM runs as it would alone.
+drafts the next); the *draft length* k is the most tokens a row drafts for the next step (0: plain decoding, and
+the drafter does no work). With a_i the share of drafts reaching position i that are accepted there, a row gains
+
+    E(k) = 1 + sum_{i<=k} a_1 ... a_i                   tokens per step,
+
+and a step of B rows at draft length k costs
+
+    T(B (1 + k)) + D(B, k)                              seconds,
+
+T(N) the engine's time for a step that verifies N tokens (everything outside the proposer: target forward,
+sampling, scheduling) and D the proposer's own time. Both are measured as the engine runs: T by the tokens each
+step verified, so a measurement at one batch size serves every other with the same N, and D per batch bucket and k.
+The policy picks k maximising B E(k) / (T(B (1 + k)) + D(B, k)): where verifying k more tokens per row costs more
+than they bring (large batches on a CPU), that is 0 and vLLM runs as it would alone.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ __all__ = ["DraftLengthPolicy", "batch_bucket"]
 
 
 def batch_bucket(batch_size: int) -> int:
-    """Batch sizes share measurements within powers of two: 1, 2, 4 (3-4), 8 (5-8), ..."""
+    """Batch sizes share draft-time measurements within powers of two: 1, 2, 4 (3-4), 8 (5-8), ..."""
     return 1 << max(0, batch_size - 1).bit_length()
 
 
@@ -26,13 +35,14 @@ def batch_bucket(batch_size: int) -> int:
 class DraftLengthPolicy:
     max_tokens: int  # vLLM's num_speculative_tokens
     fixed: int | None = None  # always draft this many (no measuring)
-    samples: int = 3  # step times measured per (batch bucket, k) before trusting them
-    window: int = 16  # newest step times kept per (batch bucket, k)
-    explore_every: int = 50  # steps between re-measuring the least recently measured k
+    samples: int = 2  # measurements of k = 0 and k = max at a batch bucket before choosing from the model
+    window: int = 16  # newest measurements kept per key
+    explore_every: int = 64  # steps between re-measuring k = max where the model chose less (acceptance drifts)
     reached: list[int] = field(default_factory=list)  # reached[i]: drafts that had a token at position i+1
     accepted: list[int] = field(default_factory=list)  # accepted[i]: ... whose token i+1 was accepted
-    times: dict = field(default_factory=dict)  # (bucket, k) -> deque of step seconds
-    last_measured: dict = field(default_factory=dict)  # (bucket, k) -> step counter
+    engine_times: dict = field(default_factory=dict)  # N verified tokens -> deque of engine seconds per step
+    draft_times: dict = field(default_factory=dict)  # (bucket, k) -> deque of proposer seconds per step
+    last_max: dict = field(default_factory=dict)  # bucket -> step of the latest k = max
     steps: int = 0
 
     def __post_init__(self):
@@ -48,11 +58,11 @@ class DraftLengthPolicy:
             self.reached[i] += 1
             self.accepted[i] += i < accepted
 
-    def record_step(self, batch_size: int, k: int, seconds: float) -> None:
-        """One step at `batch_size` rows whose drafts had at most k tokens took `seconds` (proposer to proposer)."""
-        key = (batch_bucket(batch_size), k)
-        self.times.setdefault(key, deque(maxlen=self.window)).append(seconds / batch_size)  # per row
-        self.last_measured[key] = self.steps
+    def record_step(self, batch_size: int, k: int, tokens: int, engine_s: float, draft_s: float) -> None:
+        """A step of `batch_size` rows at draft length k that verified `tokens` tokens: the engine took `engine_s`
+        seconds, and the proposer `draft_s` to draft for it."""
+        self.engine_times.setdefault(tokens, deque(maxlen=self.window)).append(engine_s)
+        self.draft_times.setdefault((batch_bucket(batch_size), k), deque(maxlen=self.window)).append(draft_s)
 
     def acceptance_rates(self) -> list[float]:
         """a_i, the share of drafts reaching position i that were accepted there (a prior of 1/2 before data)."""
@@ -66,31 +76,68 @@ class DraftLengthPolicy:
             total += p
         return total
 
-    def step_seconds(self, batch_size: int, k: int) -> float | None:
-        """Median measured seconds per row of a step of draft length k at this batch size, None when unmeasured."""
-        times = self.times.get((batch_bucket(batch_size), k))
-        return statistics.median(times) if times and len(times) >= self.samples else None
+    # -- the cost model -----------------------------------------------------------------------------------------------
+    def engine_seconds(self, tokens: int) -> float | None:
+        """T(N): the median engine time of steps verifying N tokens; between measured N, linear; beyond the largest,
+        proportional to N (pessimistic for drafting: real costs grow slower); None before any measurement."""
+        known = sorted((n, statistics.median(t)) for n, t in self.engine_times.items() if t)
+        if not known:
+            return None
+        for (n0, t0), (n1, t1) in zip(known, known[1:]):
+            if n0 <= tokens <= n1:
+                return t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)
+        if tokens < known[0][0]:
+            return known[0][1]
+        n, t = known[-1]
+        return t * tokens / n
+
+    def draft_seconds(self, batch_size: int, k: int) -> float | None:
+        """D(B, k): the proposer's median time at this batch bucket and k; an unmeasured 0 < k < max from k = max's
+        time (its catch-up is the same, drafting ~ k); None when k = max is unmeasured."""
+        times = self.draft_times.get((batch_bucket(batch_size), k))
+        if times and (k == 0 or len(times) >= self.samples):
+            return statistics.median(times)
+        if k == 0:
+            return 0.0
+        top = self.draft_times.get((batch_bucket(batch_size), self.max_tokens))
+        if not top or len(top) < self.samples:
+            return None
+        return statistics.median(top) * (1 + k) / (1 + self.max_tokens)
+
+    def throughput(self, batch_size: int, k: int) -> float | None:
+        """Tokens per second the model predicts at draft length k (None: unmeasured)."""
+        engine, draft = self.engine_seconds(batch_size * (1 + k)), self.draft_seconds(batch_size, k)
+        if engine is None or draft is None:
+            return None
+        return batch_size * self.expected_tokens(k) / (engine + draft)
 
     # -- the choice ---------------------------------------------------------------------------------------------------
+    def _measured(self, batch_size: int, k: int) -> int:
+        return len(self.draft_times.get((batch_bucket(batch_size), k), ()))
+
     def choose(self, batch_size: int) -> int:
         """The draft length for the next step at `batch_size` rows."""
         self.steps += 1
         if self.fixed is not None:
             return self.fixed
         bucket = batch_bucket(batch_size)
-        candidates = range(self.max_tokens + 1)
-        unmeasured = [k for k in (self.max_tokens, 0, *candidates) if self.step_seconds(batch_size, k) is None]
-        if unmeasured:
-            return unmeasured[0]
-        stale = min(candidates, key=lambda k: self.last_measured.get((bucket, k), -1))
-        if self.steps - self.last_measured.get((bucket, stale), -1) > self.explore_every:
-            return stale
-        return max(candidates, key=lambda k: self.expected_tokens(k) / self.step_seconds(batch_size, k))
+        for k in (self.max_tokens, 0):  # measure both ends at this batch size first
+            if self._measured(batch_size, k) < self.samples:
+                return self._chose(bucket, k)
+        scores = {k: self.throughput(batch_size, k) for k in range(self.max_tokens + 1)}
+        best = max((k for k in scores if scores[k] is not None), key=lambda k: scores[k])
+        if best < self.max_tokens and self.steps - self.last_max.get(bucket, 0) > self.explore_every:
+            return self._chose(bucket, self.max_tokens)  # acceptance and costs drift: look again now and then
+        return self._chose(bucket, best)
+
+    def _chose(self, bucket: int, k: int) -> int:
+        if k == self.max_tokens:
+            self.last_max[bucket] = self.steps
+        return k
 
     def as_dict(self) -> dict:
         return {
             "acceptance_by_position": [round(a, 4) for a in self.acceptance_rates()],
-            "seconds_per_row": {
-                f"batch<={b},k={k}": round(statistics.median(t), 6) for (b, k), t in sorted(self.times.items()) if t
-            },
+            "engine_s_by_tokens": {n: round(statistics.median(t), 5) for n, t in sorted(self.engine_times.items())},
+            "draft_s": {f"batch<={b},k={k}": round(statistics.median(t), 5) for (b, k), t in self.draft_times.items()},
         }

@@ -118,7 +118,7 @@ class MoAProposer:
         self._hooks = contextlib.ExitStack()
         self.state = None  # MoATreeState of `rows`
         self.rows: list[_Row] = []
-        self._last_step: tuple[int, int, float] | None = None  # (rows, draft length, perf_counter) of the last step
+        self._last_step: tuple[int, int, float, float] | None = None  # (rows, k, propose start, propose end)
         self.stats = {
             "steps": 0,
             "drafted_steps": 0,
@@ -174,7 +174,10 @@ class MoAProposer:
         """Draft token ids for every row of vLLM's input batch: `list[list[int]]` (empty: no draft)."""
         t0 = time.perf_counter()
         drafts = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, t0)
-        self.stats["propose_s"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.stats["propose_s"] += t1 - t0
+        if self._last_step is not None:
+            self._last_step = (*self._last_step[:3], t1)
         if self.stats["steps"] % 500 == 0:
             logger.info("MoA proposer: %s; %s", self.stats, self.policy.as_dict())
         return drafts
@@ -193,7 +196,7 @@ class MoAProposer:
         k = self.policy.choose(len(active)) if active else 0
         logger.debug("MoA proposer: %d rows, draft length %d", len(active), k)
         self.stats["steps"] += 1
-        self._last_step = (len(active), k, now)
+        self._last_step = (len(active), k, now, now)
         drafts = [[] for _ in range(B)]
         if k == 0:
             for row in self.rows:
@@ -242,16 +245,17 @@ class MoAProposer:
                 row.draft = list(drafts[j])
 
     def _record_step(self, now: float, num_rows: int, meta) -> None:
-        """Time the step that just ran (from the last `propose`), when it was a plain decoding/verification step of
-        the same rows: every row's query at most 1 + the draft length (no prefill chunk in it)."""
+        """Time the step that just ran when it was a plain decoding/verification step of the last step's rows (every
+        row's query at most 1 + the draft length: no prefill chunk in it): the engine's time (from the end of the
+        last `propose` to now) by the tokens it verified, and the last `propose`'s own time."""
         if self._last_step is None or meta is None:
             return
-        rows, k, started = self._last_step
+        rows, k, started, ended = self._last_step
         if rows == 0 or rows != num_rows:
             return
-        query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-        if int(query_lens.max()) <= k + 1:
-            self.policy.record_step(rows, k, now - started)
+        starts = meta.query_start_loc
+        if int((starts[1:] - starts[:-1]).max()) <= k + 1:
+            self.policy.record_step(rows, k, int(starts[-1]), now - ended, ended - started)
 
     def _read_kv(self) -> PagedKVReader:
         """The reader of the target's paged cache, built at the first draft (caches are bound after load_model);
