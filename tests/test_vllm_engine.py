@@ -233,3 +233,64 @@ def test_openai_server_is_lossless(target, batched, tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_readme_vllm_example_runs(tmp_path):
+    """The README's vLLM example runs as written, offline."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    blocks = [b for b in re.findall(r"^```python\n(.*?)^```", readme, flags=re.DOTALL | re.MULTILINE) if "vllm" in b]
+    assert len(blocks) == 1, "README.md should hold one vLLM example"
+    script = tmp_path / "example.py"
+    script.write_text(blocks[0])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.strip(), "the example printed no text"
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(target, tmp_path_factory):
+    """A tiny random Qwen3 target (per-head q/k norms, head_dim 64 apart from hidden/heads) with SmolLM2's tokenizer,
+    and a random MoA drafter built for it (its weights fingerprint recorded)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    import moa_hf
+
+    folder = tmp_path_factory.mktemp("qwen3")
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=49152,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    model.save_pretrained(folder / "target")
+    AutoTokenizer.from_pretrained(target).save_pretrained(folder / "target")
+    torch.manual_seed(1)
+    drafter = moa_hf.build_drafter(model, draft_vocab_size=None)
+    for p in drafter.parameters():
+        p.data.normal_(0, 0.2)
+    drafter.config.lookup_num_tokens = 0  # the network alone drafts
+    drafter.save_pretrained(folder / "drafter")
+    return str(folder / "target"), str(folder / "drafter")
+
+
+def test_qwen3_float32_identical_to_vllm_alone(tiny_qwen3, tmp_path_factory):
+    target, drafter = tiny_qwen3
+    spec = {"batches": [1, 4], "prompts": QUESTIONS[:4], "drafter": drafter, "draft_length": 3, "ignore_eos": True}
+    alone = _run(target, "vllm", tmp_path_factory, **spec)
+    moa = _run(target, "moa", tmp_path_factory, **spec)
+    for a, m in zip(alone["rows"], moa["rows"]):
+        assert m["outputs"] == a["outputs"], f"batch {m['batch']}"
+        assert m["draft_tokens"] > 0

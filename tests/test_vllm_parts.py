@@ -294,9 +294,9 @@ def test_policy_drafts_at_batch_1_and_not_where_verifying_costs_more_than_it_bri
     assert p.acceptance_rates() == pytest.approx([0.8] * 4, abs=0.08)
     costly = _engine_cost(0.010, fixed=0.0)  # compute-bound: a step costs as much per token as a decode step
     chosen = _simulate(p, 16, costly, warmup + 30)
-    assert chosen[:warmup] == [4, 4, 0, 0]  # another batch bucket: measured there first
-    assert chosen[warmup:] == [0] * 30
-    assert p.throughput(16, 0) > p.throughput(16, 4)
+    # verifying 5x the tokens costs 5x (extrapolated from batch 1): even free drafting loses, so it is not tried
+    assert chosen == [0] * (warmup + 30)
+    assert p.throughput(16, 4, optimistic=True) < p.throughput(16, 0)
     d = p.as_dict()
     assert len(d["acceptance_by_position"]) == 4 and d["engine_s_by_tokens"] and d["draft_s"]
 
@@ -310,17 +310,18 @@ def test_policy_chooses_an_intermediate_k_where_it_pays():
     assert chosen[2 * p.samples :] == [1] * 5
 
 
-def test_reexploration_after_explore_every_steps():
+def test_reexploration_after_explore_every_steps_backs_off():
+    """Verifying is cheap (drafting could pay) but drafting itself is slow: the policy measures, decodes plainly,
+    and measures k = max again after explore_every steps, then after twice that, and so on."""
     every = 8
     p = DraftLengthPolicy(max_tokens=2, explore_every=every)
-    chosen = _simulate(p, 16, _engine_cost(0.010, fixed=0.0), 4 + 6 * every)
-    later = chosen[4:]
-    assert later.count(0) > len(later) // 2  # mostly the best (no drafting)
+    chosen = _simulate(p, 4, _engine_cost(0.0001), 4 + 12 * every, draft_per_token=0.02)
+    assert chosen[:4] == [2, 2, 0, 0]
     again = [i for i, c in enumerate(chosen) if c == 2 and i >= 4]
-    assert again, "k = max was never measured again"
-    assert all(b - a > every for a, b in zip([1, *again], again))
-    never = DraftLengthPolicy(max_tokens=2, explore_every=10**6)
-    assert set(_simulate(never, 16, _engine_cost(0.010, fixed=0.0), 4 + 6 * every)[4:]) == {0}
+    assert chosen[4:].count(0) > len(chosen[4:]) * 0.9
+    gaps = [b - a for a, b in zip([1, *again], again)]
+    assert len(again) >= 2 and all(b >= 2 * a - 1 for a, b in zip(gaps, gaps[1:])), gaps  # doubling intervals
+    assert gaps[0] > every
 
 
 def test_fixed_draft_length():

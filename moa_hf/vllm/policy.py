@@ -43,6 +43,7 @@ class DraftLengthPolicy:
     engine_times: dict = field(default_factory=dict)  # N verified tokens -> deque of engine seconds per step
     draft_times: dict = field(default_factory=dict)  # (bucket, k) -> deque of proposer seconds per step
     last_max: dict = field(default_factory=dict)  # bucket -> step of the latest k = max
+    backoff: dict = field(default_factory=dict)  # bucket -> multiplier of explore_every
     steps: int = 0
 
     def __post_init__(self):
@@ -58,11 +59,13 @@ class DraftLengthPolicy:
             self.reached[i] += 1
             self.accepted[i] += i < accepted
 
-    def record_step(self, batch_size: int, k: int, tokens: int, engine_s: float, draft_s: float) -> None:
+    def record_step(self, batch_size: int, k: int, tokens: int, engine_s: float, draft_s: float | None) -> None:
         """A step of `batch_size` rows at draft length k that verified `tokens` tokens: the engine took `engine_s`
-        seconds, and the proposer `draft_s` to draft for it."""
+        seconds, and the proposer `draft_s` to draft for it (None: not a steady-state draft, e.g. rows caught up
+        from scratch, whose one-off cost is not a per-step one)."""
         self.engine_times.setdefault(tokens, deque(maxlen=self.window)).append(engine_s)
-        self.draft_times.setdefault((batch_bucket(batch_size), k), deque(maxlen=self.window)).append(draft_s)
+        if draft_s is not None:
+            self.draft_times.setdefault((batch_bucket(batch_size), k), deque(maxlen=self.window)).append(draft_s)
 
     def acceptance_rates(self) -> list[float]:
         """a_i, the share of drafts reaching position i that were accepted there (a prior of 1/2 before data)."""
@@ -104,9 +107,11 @@ class DraftLengthPolicy:
             return None
         return statistics.median(top) * (1 + k) / (1 + self.max_tokens)
 
-    def throughput(self, batch_size: int, k: int) -> float | None:
-        """Tokens per second the model predicts at draft length k (None: unmeasured)."""
-        engine, draft = self.engine_seconds(batch_size * (1 + k)), self.draft_seconds(batch_size, k)
+    def throughput(self, batch_size: int, k: int, optimistic: bool = False) -> float | None:
+        """Tokens per second the model predicts at draft length k (None: unmeasured); `optimistic`: with drafting
+        free (what drafting could at best give)."""
+        engine = self.engine_seconds(batch_size * (1 + k))
+        draft = 0.0 if optimistic else self.draft_seconds(batch_size, k)
         if engine is None or draft is None:
             return None
         return batch_size * self.expected_tokens(k) / (engine + draft)
@@ -116,18 +121,32 @@ class DraftLengthPolicy:
         return len(self.draft_times.get((batch_bucket(batch_size), k), ()))
 
     def choose(self, batch_size: int) -> int:
-        """The draft length for the next step at `batch_size` rows."""
+        """The draft length for the next step at `batch_size` rows.
+
+        Drafting is measured (k = max, then 0, `samples` steps each) at a batch size only while the model says it
+        could pay: with no engine time yet, or when even free drafting would beat plain decoding by the engine times
+        measured so far (at any batch size with the same tokens per step). Then the best k by the model; k = max is
+        measured again after `explore_every` steps, an interval that doubles each time it loses."""
         self.steps += 1
         if self.fixed is not None:
             return self.fixed
         bucket = batch_bucket(batch_size)
-        for k in (self.max_tokens, 0):  # measure both ends at this batch size first
-            if self._measured(batch_size, k) < self.samples:
-                return self._chose(bucket, k)
+        plain = self.throughput(batch_size, 0)
+        ks = range(1, self.max_tokens + 1)
+        best_free = max((self.throughput(batch_size, k, optimistic=True) or 0.0) for k in ks)
+        could_pay = plain is None or best_free > plain
+        if could_pay:
+            for k in (self.max_tokens, 0):  # measure both ends at this batch size
+                if self._measured(batch_size, k) < self.samples:
+                    return self._chose(bucket, k)
         scores = {k: self.throughput(batch_size, k) for k in range(self.max_tokens + 1)}
-        best = max((k for k in scores if scores[k] is not None), key=lambda k: scores[k])
-        if best < self.max_tokens and self.steps - self.last_max.get(bucket, 0) > self.explore_every:
-            return self._chose(bucket, self.max_tokens)  # acceptance and costs drift: look again now and then
+        best = max((k for k in scores if scores[k] is not None), key=lambda k: scores[k], default=0)
+        interval = self.explore_every * self.backoff.get(bucket, 1)
+        if could_pay and best < self.max_tokens and self.steps - self.last_max.get(bucket, 0) > interval:
+            self.backoff[bucket] = 2 * self.backoff.get(bucket, 1)  # look again, later each time it loses
+            return self._chose(bucket, self.max_tokens)
+        if best == self.max_tokens:
+            self.backoff[bucket] = 1
         return self._chose(bucket, best)
 
     def _chose(self, bucket: int, k: int) -> int:

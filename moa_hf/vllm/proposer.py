@@ -118,6 +118,7 @@ class MoAProposer:
         self._hooks = contextlib.ExitStack()
         self.state = None  # MoATreeState of `rows`
         self.rows: list[_Row] = []
+        self._steady = True  # the last propose drafted in steady state (no row caught up from scratch)
         self._last_step: tuple[int, int, float, float] | None = None  # (rows, k, propose start, propose end)
         self.stats = {
             "steps": 0,
@@ -197,6 +198,7 @@ class MoAProposer:
         logger.debug("MoA proposer: %d rows, draft length %d", len(active), k)
         self.stats["steps"] += 1
         self._last_step = (len(active), k, now, now)
+        self._steady = True
         drafts = [[] for _ in range(B)]
         if k == 0:
             for row in self.rows:
@@ -255,7 +257,8 @@ class MoAProposer:
             return
         starts = meta.query_start_loc
         if int((starts[1:] - starts[:-1]).max()) <= k + 1:
-            self.policy.record_step(rows, k, int(starts[-1]), now - ended, ended - started)
+            draft_s = ended - started if self._steady else None  # rows caught up from scratch: a one-off cost
+            self.policy.record_step(rows, k, int(starts[-1]), now - ended, draft_s)
 
     def _read_kv(self) -> PagedKVReader:
         """The reader of the target's paged cache, built at the first draft (caches are bound after load_model);
@@ -290,21 +293,23 @@ class MoAProposer:
                 taken.add(index)
             (kept if index is not None else fresh).append((pos, index))
         parts, root_logits, order = [], [], []
+        lag = 0  # the most tokens a continuing row catches up: more than a step verifies after a pause in drafting
         if kept:
             self.state.select_rows(torch.tensor([i for _, i in kept]))
             old = [self.rows[i].fed for _, i in kept]
             rows = [active[p] for p, _ in kept]
+            lag = max(len(histories[j]) - len(f) for j, f in zip(rows, old))
             root_logits.append(self._catch_up(self.state, rows, old, histories, table, reader))
             parts.append(self.state)
             order += [p for p, _ in kept]
-        if fresh:
-            self.stats["rebuilt_rows"] += len(fresh)
-            state = drafter.tree_start(len(fresh))
-            rows = [active[p] for p, _ in fresh]
-            empty = [np.zeros(0, dtype=np.int64)] * len(fresh)
-            root_logits.append(self._catch_up(state, rows, empty, histories, table, reader))
+        for p, _ in fresh:  # one at a time: prompts differ in length, and padding them together costs
+            self.stats["rebuilt_rows"] += 1
+            state = drafter.tree_start(1)
+            none = [np.zeros(0, dtype=np.int64)]
+            root_logits.append(self._catch_up(state, [active[p]], none, histories, table, reader))
             parts.append(state)
-            order += [p for p, _ in fresh]
+            order.append(p)
+        self._steady = not fresh and lag <= self.max_tokens + 1  # this step's time is a per-step drafting cost
         self.state = parts[0] if len(parts) == 1 else type(parts[0]).concat_rows(parts)
         perm = torch.tensor(np.argsort(order))  # back to vLLM's row order
         self.state.select_rows(perm)
