@@ -638,3 +638,16 @@ def test_catch_up_with_a_reader_function(moa):
         for got, want in zip(runs[name], runs["cache"]):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
     assert not torch.allclose(runs["shifted"][1], runs["cache"][1], atol=1e-3)
+
+
+def test_no_drafting_tried_where_free_drafting_gains_less_than_the_margin():
+    p = DraftLengthPolicy(max_tokens=1, explore_every=4)
+    for _ in range(50):
+        p.record_acceptance(1, 1)  # position 1 almost always accepted: E(1) ~ 1.98
+    # verifying 2 tokens per row costs 1.85x one: free drafting would give 1.98 / 1.85 = 1.07x < the 1.1 margin
+    p.record_step(4, 0, 4, 0.020, 0.0)
+    p.record_step(4, 0, 8, 0.037, 0.0)
+    assert p.throughput(4, 1, optimistic=True) > p.throughput(4, 0)
+    assert [p.choose(4) for _ in range(20)] == [0] * 20
+    p.explore_margin = 1.0
+    assert p.choose(4) == 1  # without the margin it would try

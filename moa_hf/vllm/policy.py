@@ -38,6 +38,7 @@ class DraftLengthPolicy:
     samples: int = 2  # measurements of k = 0 and k = max at a batch bucket before choosing from the model
     window: int = 16  # newest measurements kept per key
     explore_every: int = 64  # steps between re-measuring k = max where the model chose less (acceptance drifts)
+    explore_margin: float = 1.1  # measure drafting only where free drafting beats plain decoding by this factor
     reached: list[int] = field(default_factory=list)  # reached[i]: drafts that had a token at position i+1
     accepted: list[int] = field(default_factory=list)  # accepted[i]: ... whose token i+1 was accepted
     engine_times: dict = field(default_factory=dict)  # N verified tokens -> deque of engine seconds per step
@@ -124,8 +125,9 @@ class DraftLengthPolicy:
         """The draft length for the next step at `batch_size` rows.
 
         Drafting is measured (k = max, then 0, `samples` steps each) at a batch size only while the model says it
-        could pay: with no engine time yet, or when even free drafting would beat plain decoding by the engine times
-        measured so far (at any batch size with the same tokens per step). Then the best k by the model; k = max is
+        could pay: with no engine time yet, or when even free drafting would beat plain decoding by
+        `explore_margin` by the engine times measured so far (at any batch size with the same tokens per step);
+        trying is not free, every row must first be caught up. Then the best k by the model; k = max is
         measured again after `explore_every` steps, an interval that doubles each time it loses."""
         self.steps += 1
         if self.fixed is not None:
@@ -134,7 +136,7 @@ class DraftLengthPolicy:
         plain = self.throughput(batch_size, 0)
         ks = range(1, self.max_tokens + 1)
         best_free = max((self.throughput(batch_size, k, optimistic=True) or 0.0) for k in ks)
-        could_pay = plain is None or best_free > plain
+        could_pay = plain is None or best_free > self.explore_margin * plain  # trying costs rows' catch-up
         if could_pay:
             for k in (self.max_tokens, 0):  # measure both ends at this batch size
                 if self._measured(batch_size, k) < self.samples:
