@@ -428,13 +428,8 @@ def moa():
     """A tiny Llama target and an attached random MoA drafter whose weights are large enough that any masked-out
     slot (padding, another row's) would change the logits."""
     target = make_target("llama")
-    torch.manual_seed(0)
-    drafter = moa_hf.build_drafter(target)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-    with drafter.eval().attached(target):
+    drafter = sorted_drafter(target, num_blocks=1, seed=0, scale=0.2)  # one block: the plain MoA drafter
+    with drafter.attached(target):
         yield target, drafter
 
 
