@@ -207,3 +207,24 @@ def test_load_target_errors(folders, tmp_path):
     assert tokenizer is None
     _, tokenizer = load_target(tmp_path / "no_tokenizer", device="cpu", tokenizer=folders["target"])
     assert tokenizer is not None
+
+
+def test_a_hub_repo_id_loads_from_the_local_hub_cache_only(folders, tmp_path, monkeypatch):
+    """A drafter given as a Hub repo id is read from the local Hub cache (as `huggingface-cli download` leaves it);
+    one not in the cache is refused with how to get it, never downloaded."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # read by snapshot_download at each call
+    with pytest.raises(FileNotFoundError, match="local Hub cache.*huggingface-cli download org/moa-drafter"):
+        load_drafter("org/moa-drafter")
+    repo = tmp_path / "models--org--moa-drafter"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(folders["moa"], snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    drafter = load_drafter("org/moa-drafter", kind="moa")
+    assert isinstance(drafter, MoADrafterModel)
+    reference = load_drafter(folders["moa"])
+    assert all(torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), reference.state_dict().values()))
