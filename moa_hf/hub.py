@@ -50,7 +50,16 @@ __all__ = [
 ]
 
 # every file of modeling/ that modeling_moa.py imports, itself included (save_pretrained copies them too)
-REMOTE_CODE_FILES = ("configuration_moa.py", "modeling_moa.py", "drafting.py", "lookup.py")
+REMOTE_CODE_FILES = (
+    "configuration_moa.py",
+    "modeling_moa.py",
+    "drafting.py",
+    "lookup.py",
+    "moa_tree.py",
+    "sorted_exits.py",
+    "target_cache.py",
+    "target_parts.py",
+)
 AUTO_MAP = {"AutoConfig": "configuration_moa.MoADrafterConfig", "AutoModel": "modeling_moa.MoADrafterModel"}
 BENCHMARK_FILE = "moa_benchmark.json"
 TRAINING_INFO_FILE = "training_info.json"

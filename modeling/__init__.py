@@ -12,20 +12,17 @@ from .configuration_moa import (
 from .drafting import CACHE_NAME, DrafterMixin, RollbackCache, SpeculationStats, cache_argument, target_fingerprint
 from .lookup import LookupSettings, lookup_continuation
 from .modeling_eagle import EagleDrafterModel
-from .modeling_moa import (
-    MoABlock,
-    MoADrafterCache,
-    MoADrafterModel,
-    MoADrafterOutput,
-    MoAPreTrainedModel,
-    MoATargetParts,
+from .modeling_moa import MoABlock, MoADrafterCache, MoADrafterModel, MoADrafterOutput, MoAPreTrainedModel
+from .target_cache import (
     cycle_starts_from_restarts,
     gather_target_kv,
+    gather_target_kv_at,
     held_at_reads,
     held_capacities,
     oldest_held_position,
     split_target_kv,
 )
+from .target_parts import MoATargetParts
 
 __all__ = [
     "CACHE_NAME",
@@ -47,6 +44,7 @@ __all__ = [
     "cycle_starts_from_restarts",
     "fixed_exit_thresholds",
     "gather_target_kv",
+    "gather_target_kv_at",
     "held_at_reads",
     "held_capacities",
     "oldest_held_position",

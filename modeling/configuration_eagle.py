@@ -2,7 +2,7 @@
 
 from transformers import PreTrainedConfig
 
-from .configuration_moa import _SIGNATURE_KEYS, _text_config, target_layer_defaults
+from .configuration_moa import SIGNATURE_KEYS, target_layer_defaults, text_config_of
 
 __all__ = ["EagleDrafterConfig", "eagle_unsupported_target_reason"]
 
@@ -14,7 +14,7 @@ def eagle_unsupported_target_reason(target_config) -> str | None:
     target with a standard config will do: sliding-window, chunked and hybrid sliding/full attention included (the
     target's own cache is rolled back by transformers' assisted generation, lossless; tests/test_sliding.py).
     """
-    cfg = _text_config(target_config)
+    cfg = text_config_of(target_config)
     if getattr(cfg, "is_encoder_decoder", False):
         return f"{cfg.model_type} is an encoder-decoder model; the EAGLE drafter serves decoder-only targets"
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
@@ -91,7 +91,7 @@ class EagleDrafterConfig(PreTrainedConfig):
             raise ValueError(f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}")
 
     def signature(self) -> dict:
-        return {key: getattr(self, key) for key in _SIGNATURE_KEYS}
+        return {key: getattr(self, key) for key in SIGNATURE_KEYS}
 
     @classmethod
     def from_target_config(cls, target_config, **overrides) -> "EagleDrafterConfig":

@@ -8,18 +8,20 @@ from .lookup import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM, LookupSettings
 __all__ = [
     "PRIMARY_TARGET",
     "READABLE_CACHE_LAYERS",
+    "SIGNATURE_KEYS",
     "MoADrafterConfig",
     "check_exit_thresholds",
     "fixed_exit_thresholds",
     "target_layer_defaults",
     "target_layer_types",
     "target_signature",
+    "text_config_of",
     "tli_unsupported_reason",
     "unsupported_target_reason",
 ]
 
 # Attributes of a target config that the drafter depends on ("the target's signature").
-_SIGNATURE_KEYS = (
+SIGNATURE_KEYS = (
     "target_hidden_size",
     "target_num_hidden_layers",
     "target_num_key_value_heads",
@@ -28,13 +30,13 @@ _SIGNATURE_KEYS = (
 )
 
 
-def _text_config(config):
+def text_config_of(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def target_signature(target_config) -> dict:
     """The target attributes a drafter is built against, named as in `MoADrafterConfig`."""
-    cfg = _text_config(target_config)
+    cfg = text_config_of(target_config)
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -62,7 +64,7 @@ def target_layer_types(target_config) -> list[str]:
     """transformers' name for the kind of every target layer: the config's `layer_types` where it has them, else
     sliding attention for a config with a `sliding_window` in use, chunked attention for one with an
     `attention_chunk_size`, full attention otherwise."""
-    cfg = _text_config(target_config)
+    cfg = text_config_of(target_config)
     if getattr(cfg, "layer_types", None) is not None:
         return [str(kind) for kind in cfg.layer_types]
     if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True) is not False:
@@ -91,7 +93,7 @@ def unsupported_target_reason(target_config) -> str | None:
     ones a cycle reads; see `READABLE_CACHE_LAYERS`). Layers with a recurrent state (linear attention, state-space,
     convolution) or without a cache of their own (shared keys/values) are refused.
     """
-    cfg = _text_config(target_config)
+    cfg = text_config_of(target_config)
     if getattr(cfg, "is_encoder_decoder", False):
         return f"{cfg.model_type} is an encoder-decoder model; the MoA drafter serves decoder-only targets"
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
@@ -138,7 +140,7 @@ def tli_unsupported_reason(target_config, target_layer_inference: int) -> str | 
 def target_layer_defaults(target_config) -> dict:
     """Config fields of a drafter layer at the target's own shape: the target's signature plus its width, heads,
     MLP size, RoPE theta, norm eps, context length and special token ids (shared by every drafter type)."""
-    cfg = _text_config(target_config)
+    cfg = text_config_of(target_config)
     sig = target_signature(cfg)
     return dict(
         sig,
@@ -359,7 +361,7 @@ class MoADrafterConfig(PreTrainedConfig):
         return own if own is not None else self.exit_thresholds
 
     def signature(self) -> dict:
-        return {key: getattr(self, key) for key in _SIGNATURE_KEYS}
+        return {key: getattr(self, key) for key in SIGNATURE_KEYS}
 
     @classmethod
     def from_target_config(cls, target_config, **overrides) -> "MoADrafterConfig":

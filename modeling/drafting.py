@@ -438,7 +438,7 @@ def _fingerprint_parts(fingerprint: str | None) -> dict[str, str] | None:
         return None
 
 
-def _weights_difference(recorded: str | None, actual: str | None) -> str | None:
+def weights_difference(recorded: str | None, actual: str | None) -> str | None:
     """What differs between the recorded and the actual fingerprint ("" when nothing does); None when they cannot be
     compared (one is missing or of another version)."""
     old, new = _fingerprint_parts(recorded), _fingerprint_parts(actual)
@@ -575,7 +575,7 @@ class DrafterMixin:
         actual = getattr(target.config, "name_or_path", "") or ""
         recorded = getattr(self.config, "target_fingerprint", None)
         if recorded:
-            difference = _weights_difference(recorded, target_fingerprint(target))
+            difference = weights_difference(recorded, target_fingerprint(target))
             if difference == "":
                 return None
             if difference is not None:

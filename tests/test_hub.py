@@ -186,6 +186,10 @@ def test_build_repo_folder_contents(drafter, drafter_dir, target, tmp_path):
         "modeling_moa.py",
         "drafting.py",
         "lookup.py",
+        "moa_tree.py",
+        "sorted_exits.py",
+        "target_cache.py",
+        "target_parts.py",
         "custom_generate",  # transformers' custom_generate folder (tests/test_custom_generate.py)
         "model.safetensors",
         "generation_config.json",
