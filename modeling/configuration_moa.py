@@ -14,6 +14,7 @@ __all__ = [
     "fixed_exit_thresholds",
     "target_layer_defaults",
     "target_layer_types",
+    "target_layer_windows",
     "target_signature",
     "text_config_of",
     "tli_unsupported_reason",
@@ -74,6 +75,27 @@ def target_layer_types(target_config) -> list[str]:
     else:
         kind = "full_attention"
     return [kind] * cfg.num_hidden_layers
+
+
+def target_layer_windows(target_config) -> dict[str, int | None]:
+    """{layer type: its window (None: full attention)} of a target config, as transformers' masks read it: the masks
+    the speculative engine and serving's batching build. A ValueError (saying what to use instead) for any other
+    layer type."""
+    cfg = text_config_of(target_config)
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        sliding = window is not None and getattr(cfg, "use_sliding_window", True) is not False
+        types = ["sliding_attention" if sliding else "full_attention"]
+    windows = {}
+    for kind in set(types):
+        if kind not in ("full_attention", "sliding_attention"):
+            raise ValueError(
+                f"The speculative engine builds full and sliding-window attention masks; this target has "
+                f"'{kind}' layers. Use `target.generate(..., assistant_model=drafter)` for it."
+            )
+        windows[kind] = window if kind == "sliding_attention" else None
+    return windows
 
 
 def _cache_layers(target_config) -> list[tuple[str, object]]:

@@ -35,7 +35,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ..modeling import CACHE_NAME
-from ..modeling.custom_generate.engine import _layer_windows, tree_attention_mask
+from ..modeling.configuration_moa import target_layer_windows
+from ..modeling.custom_generate.engine import tree_attention_mask
 
 __all__ = [
     "Admission",
@@ -128,7 +129,7 @@ class _Layout:
         impl = getattr(target.config, "_attn_implementation", "sdpa")
         self.additive = impl == "eager"
         try:
-            self.windows = _layer_windows(target.config)
+            self.windows = target_layer_windows(target.config)
             self.batchable = impl in ("sdpa", "eager")
         except ValueError:
             self.windows, self.batchable = {}, False
