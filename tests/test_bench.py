@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 import moa_hf
 from moa_hf import bench
+from moa_hf.chat import encode_chat
 from moa_hf.cli import main
 from moa_hf.modeling import cache_argument
 
@@ -54,7 +55,7 @@ def write_questions(path, rows=QUESTIONS):
 
 
 def questions_list():
-    return [{"question_id": q["question_id"], "category": bench._category(q["category"]), "prompt": q["turns"][0]}
+    return [{"question_id": q["question_id"], "category": bench.category_of(q["category"]), "prompt": q["turns"][0]}
             for q in QUESTIONS]  # fmt: skip
 
 
@@ -103,7 +104,7 @@ def test_load_questions_groups_mt_bench_and_samples_deterministically(tmp_path):
 
 @pytest.mark.parametrize("alpha,gamma", [(0.0, 3.0), (0.3, 4.0), (0.8, 5.0), (0.95, 2.5)])
 def test_alpha_bisection_inverts_expected_length(alpha, gamma):
-    length = bench._expected_length(alpha, gamma)
+    length = bench.expected_length(alpha, gamma)
     solved = bench.solve_alpha(length, gamma)
     assert solved == pytest.approx(alpha, abs=1e-9)
     assert bench.speedup_bound(solved, gamma, 0.0) == pytest.approx(length)
@@ -391,7 +392,7 @@ def test_run_batches_rows_count_only_real_tokens():
     torch.manual_seed(0)
     drafter = _with_lookup(moa_hf.build_drafter(target).eval())
     # make a token the target writes in the middle of one answer its EOS: that row stops early and is padded
-    batch = bench._encode_batch(tokenizer, [q["prompt"] for q in BATCH_QUESTIONS], target.device)
+    batch = encode_chat(tokenizer, [q["prompt"] for q in BATCH_QUESTIONS], target.device)
     width = batch["input_ids"].shape[1]
     assert (batch["attention_mask"][:, 0] == 0).any() and batch["attention_mask"][:, -1].all()  # left padding
     answers = target.generate(**batch, do_sample=False, max_new_tokens=8, pad_token_id=0)[:, width:]  # [3, 8]

@@ -1,0 +1,394 @@
+"""The benchmark's decoding methods (`BenchMethod`: vanilla, the MoA drafter through assisted generation or the
+tree engine, EAGLE, an independent assistant, prompt lookup), sorted drafters' fixed and adaptive exits, and
+resolving `--methods` into methods with their drafters loaded."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import default_drafter_path
+from ..loading import load_drafter
+from ..modeling import fixed_exit_thresholds
+from ..modeling.custom_generate.engine import speculative_generate
+from .counting import CallCounter, count_forward_calls, ratio
+from .data import BenchError
+
+ALL_METHODS = (
+    "vanilla",
+    "moa",
+    "moa_nolookup",
+    "moa_tree",
+    "moa_tree_nolookup",
+    "moa_chain",
+    "eagle",
+    "independent",
+    "pld",
+)
+# The engine's methods (`speculative_generate` with the MoA drafter) and the tree settings each passes to it; what is
+# not given (None) the engine chooses from its measured costs, and lookup=None follows the drafter's config.
+ENGINE_METHODS = {
+    "moa_tree": {},
+    "moa_tree_nolookup": {"lookup": False},
+    "moa_chain": {"tree_top_k": 1, "lookup": False},
+}
+# Sorted drafters: the drafter's tuned `exit_thresholds` through assisted generation / the tree engine; fixed exits
+# are `moa_exit<k>` / `moa_tree_exit<k>` (1 <= k <= num_blocks); the shorthands name every exit and the adaptive one.
+ADAPTIVE_METHODS = {"moa_adaptive": "moa", "moa_tree_adaptive": "moa_tree"}
+EXIT_SHORTHANDS = {"moa_exits": "moa", "moa_tree_exits": "moa_tree"}
+_EXIT_METHOD = re.compile(r"^(moa|moa_tree)_exit(\d+)$")
+_BUILD_HINT = {
+    "moa": "train one with `moa train` (see README) or pass --moa PATH",
+    "eagle": "build one with `moa train --kind eagle ...` and pass --eagle PATH",
+    "independent": "build one with `moa train --kind independent ...` and pass --independent PATH",
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Methods
+# ---------------------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _nothing(target) -> Iterator[None]:
+    yield None
+
+
+@dataclass
+class BenchMethod:
+    """One decoding method.
+
+    `context(target)` prepares it around one `generate` call and cleans up on leaving (e.g. attaches a drafter);
+    `generate_kwargs` are added to the call; `generate(target, **kwargs)` makes it (None: `target.generate(**kwargs)`)
+    and returns the output ids [1, P + new] or an output with `.sequences`; `read_stats(handle, output)`, given what
+    the context yielded and that output and called inside the context right after the call, returns the drafter's own
+    `drafted_tokens` and `draft_time_s`, and may add record fields (the engine's tree statistics) or replace counted
+    ones (`verified_draft_tokens`) (None: no drafter cost, as for `vanilla` and `pld`). `info` is recorded in the JSON.
+    """
+
+    name: str
+    context: Callable[[Any], contextlib.AbstractContextManager] = _nothing
+    generate_kwargs: dict = field(default_factory=dict)
+    read_stats: Callable[[Any, Any], dict] | None = None
+    info: dict = field(default_factory=dict)
+    generate: Callable[..., Any] | None = None
+
+
+def vanilla_method() -> BenchMethod:
+    return BenchMethod("vanilla", info={"kind": "target alone"})
+
+
+def pld_method(num_tokens: int = 10) -> BenchMethod:
+    return BenchMethod(
+        "pld",
+        generate_kwargs={"prompt_lookup_num_tokens": num_tokens},
+        info={"kind": "prompt lookup decoding", "prompt_lookup_num_tokens": num_tokens},
+    )
+
+
+def drafter_method(name: str, drafter, allow_other_target: bool = False, info: dict | None = None) -> BenchMethod:
+    """A drafter with the MoA drafter's API (`attached(target)`, `speculation_stats`): MoA or EAGLE."""
+
+    def context(target):
+        return drafter.attached(target, allow_other_target=True) if allow_other_target else drafter.attached(target)
+
+    def read_stats(handle, output) -> dict:
+        stats = drafter.speculation_stats
+        _record_active_target(info, drafter)
+        record = {"drafted_tokens": int(stats.drafted_tokens), "draft_time_s": float(stats.draft_time_s)}
+        return {**record, **_exit_counts(stats)}
+
+    gc = drafter.generation_config
+    info = {
+        **(info or {}),
+        "num_assistant_tokens": getattr(gc, "num_assistant_tokens", None),
+        "assistant_confidence_threshold": getattr(gc, "assistant_confidence_threshold", None),
+        "lookup_num_tokens": getattr(drafter.config, "lookup_num_tokens", None),  # MoA: its own lookup (0: off)
+        **_exit_info(drafter),
+    }
+    return BenchMethod(name, context, {"assistant_model": drafter}, read_stats, info)
+
+
+def _exit_info(drafter) -> dict:
+    """A sorted drafter's depth and the exit thresholds it drafts with now (those of the active target, or an
+    override; empty for drafters without exits)."""
+    config = drafter.config
+    if not hasattr(config, "num_blocks"):
+        return {}
+    thresholds = drafter.exit_thresholds_for() if hasattr(drafter, "exit_thresholds_for") else None
+    return {"num_blocks": int(config.num_blocks), "exit_thresholds": None if thresholds is None else list(thresholds)}
+
+
+def _exit_counts(stats) -> dict:
+    """`{"exit_counts": [tokens drafted at exit 1, ..., exit K]}` of a drafter's or the engine's statistics (prompt
+    lookup tokens are drafted by no exit), or {} where they have none."""
+    counts = getattr(stats, "exit_counts", None)
+    return {} if counts is None else {"exit_counts": [int(c) for c in counts]}
+
+
+def _record_active_target(info: dict, drafter) -> None:
+    """Record which of the drafter's targets (its per-target parts) served the run: `attach` selects it by the
+    target's fingerprint."""
+    name = getattr(drafter, "active_target", None)
+    if name is not None:
+        info["drafter_target"] = name
+    info.update(_exit_info(drafter))  # the thresholds of the target it served
+
+
+def independent_method(assistant, info: dict | None = None) -> BenchMethod:
+    """An ordinary causal LM as assistant; its cost is the time of its forward calls (one per drafted token)."""
+
+    def context(target):
+        return count_forward_calls(assistant)
+
+    def read_stats(counter: CallCounter, output) -> dict:
+        return {"drafted_tokens": counter.calls, "draft_time_s": counter.seconds}
+
+    gc = assistant.generation_config
+    info = {
+        **(info or {}),
+        "num_assistant_tokens": getattr(gc, "num_assistant_tokens", None),
+        "assistant_confidence_threshold": getattr(gc, "assistant_confidence_threshold", None),
+    }
+    return BenchMethod("independent", context, {"assistant_model": assistant}, read_stats, info)
+
+
+def engine_record(stats) -> dict:
+    """The record fields of one row's `EngineStats` (the engine's `out.speculation_stats[b]`): its target calls (the
+    prefill included; the engine's one-time cost measurement is not a call of the generation), drafted tokens, draft
+    and verify time, the tree nodes the target verified (`verified_draft_tokens`, summed over cycles), cycles, mean
+    tree size, the drafted nodes that came from prompt lookup only and (sorted drafters) the nodes drafted per exit."""
+    sizes = [int(n) for n in stats.tree_sizes]
+    return {
+        **_exit_counts(stats),
+        "target_calls": int(stats.target_calls),
+        "drafted_tokens": int(stats.drafted_tokens),
+        "draft_time_s": float(stats.draft_time_s),
+        "verify_time_s": float(stats.verify_time_s),
+        "verified_draft_tokens": sum(sizes),
+        "cycles": len(sizes),
+        "mean_tree_size": ratio(sum(sizes), len(sizes)),
+        "lookup_tokens": int(stats.lookup_tokens),
+        "engine_mean_accepted_length": stats.mean_accepted_length,
+    }
+
+
+def costs_dict(output) -> dict | None:
+    """The engine output's `costs` (seconds of a target forward over n tokens, `verify`, and of a drafter tree step
+    over w nodes per row, `step`), or None where it measured none (a fixed tree shape)."""
+    costs = getattr(output, "costs", None)
+    return None if costs is None else costs.as_dict()
+
+
+def engine_method(
+    name: str, drafter, settings: dict | None = None, allow_other_target: bool = False, info: dict | None = None
+) -> BenchMethod:
+    """`drafter` through the tree engine, `speculative_generate(target, drafter, **settings)` (settings: `tree_depth`,
+    `tree_top_k`, `tree_budget`, `lookup`; what is left out the engine chooses). The drafter is attached around the
+    call, outside the timing, as for the assisted-generation methods; the engine uses that attachment."""
+
+    settings = dict(settings or {})
+
+    def context(target):
+        return drafter.attached(target, allow_other_target=allow_other_target)
+
+    def generate(target, **kwargs):
+        return speculative_generate(target, drafter, return_dict_in_generate=True, **settings, **kwargs)
+
+    def read_stats(handle, output) -> dict:
+        info["costs"] = costs_dict(output)  # what the engine chose the tree shapes from (measured once per process)
+        _record_active_target(info, drafter)
+        return engine_record(output.speculation_stats[0])
+
+    info = {
+        **(info or {}),
+        "engine": True,
+        "settings": {key: settings.get(key) for key in ("tree_depth", "tree_top_k", "tree_budget", "lookup")},
+        "lookup_num_tokens": getattr(drafter.config, "lookup_num_tokens", None),
+        **_exit_info(drafter),
+    }
+    return BenchMethod(name, context, {}, read_stats, info, generate)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sorted drafters: fixed exits and adaptive depth
+# ---------------------------------------------------------------------------------------------------------------------
+def exit_method_names(base: str, num_blocks: int, adaptive: bool = True) -> list[str]:
+    """`base`_exit1 .. `base`_exitK and (with `adaptive`) `base`_adaptive; `base` is "moa" (assisted generation) or
+    "moa_tree" (the tree engine)."""
+    return [f"{base}_exit{k}" for k in range(1, num_blocks + 1)] + ([f"{base}_adaptive"] if adaptive else [])
+
+
+def exit_methods_of(name: str) -> tuple[str, int | None] | None:
+    """(base, exit) of a sorted drafter's method: base "moa" or "moa_tree", exit k (1-based; None: adaptive depth with
+    the drafter's tuned thresholds); None for any other method."""
+    if name in ADAPTIVE_METHODS:
+        return ADAPTIVE_METHODS[name], None
+    match = _EXIT_METHOD.match(name)
+    return (match[1], int(match[2])) if match else None
+
+
+def _sorted_config(path: str | None) -> tuple[int, list[float] | None]:
+    """(num_blocks, exit_thresholds) that the MoA drafter folder's config.json records; (1, None) without one."""
+
+    folder = Path(default_drafter_path()) if path == "default" else Path(path) if path else None
+    if folder is None or not (folder / "config.json").is_file():
+        return 1, None
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    own = [spec.get("exit_thresholds") for spec in (config.get("extra_targets") or {}).values()]
+    return int(config.get("num_blocks") or 1), config.get("exit_thresholds") or next((t for t in own if t), None)
+
+
+def _set_exit(name: str, drafter, exit: int | None, target) -> None:
+    """Make `drafter` draft as method `name` does: always at `exit` (`override_exit_thresholds` with
+    `fixed_exit_thresholds`; read at every drafting step) or, for None, adaptively with the thresholds it has for
+    `target` (its own, or the drafter's shared ones)."""
+
+    num_blocks = int(getattr(drafter.config, "num_blocks", 1) or 1)
+    if exit is None:
+        if num_blocks < 2 or drafter.exit_thresholds_for(drafter.target_for(target)) is None:
+            raise BenchError(
+                f"'{name}' drafts with the drafter's tuned exit thresholds, but it has "
+                f"{'a single block (num_blocks 1)' if num_blocks < 2 else 'none (exit_thresholds is null)'}. Tune "
+                "them with `moa tune --drafter PATH --write` on a drafter with num_blocks > 1, or leave "
+                f"{name} out of --methods."
+            )
+        return
+    if not 1 <= exit <= num_blocks:
+        raise BenchError(
+            f"'{name}': the drafter has {num_blocks} exit(s) (num_blocks {num_blocks}); use exits 1 to {num_blocks}."
+        )
+    if num_blocks > 1:
+        drafter.override_exit_thresholds(fixed_exit_thresholds(exit, num_blocks))  # this fresh drafter's, for good
+
+
+def _requested_names(methods: str | None, moa_path: str | None) -> list[str]:
+    """`--methods` with the shorthands expanded; by default every method, with a sorted drafter also its exits through
+    assisted generation and, once tuned, its adaptive depth through both paths."""
+    num_blocks, thresholds = _sorted_config(moa_path)
+    tuned = num_blocks > 1 and thresholds is not None
+    if not methods:
+        extra = exit_method_names("moa", num_blocks, tuned) + (["moa_tree_adaptive"] if tuned else [])
+        return list(ALL_METHODS) + (extra if num_blocks > 1 else [])
+    names = []
+    for name in (n.strip() for n in methods.split(",") if n.strip()):
+        base = EXIT_SHORTHANDS.get(name)
+        names += exit_method_names(base, num_blocks, tuned) if base else [name]
+    return names
+
+
+def resolve_method_names(methods: str | None, paths: dict[str, str | None]) -> list[str]:
+    """The method names of `--methods` (default all), `vanilla` first; errors for unknown names or missing drafters.
+
+    `moa_exits` / `moa_tree_exits` stand for `moa_exit1` .. `moa_exitK` (`moa_tree_...`) and, when the drafter has
+    tuned exit thresholds, `moa_adaptive` (`moa_tree_adaptive`); K is the --moa drafter's `num_blocks`.
+    """
+    names = _requested_names(methods, paths.get("moa"))
+    unknown = [n for n in names if n not in ALL_METHODS and exit_methods_of(n) is None]
+    if unknown:
+        raise BenchError(
+            f"Unknown method(s) {unknown} in --methods; choose from {','.join(ALL_METHODS)}, or for a sorted drafter "
+            f"moa_exit<k>, moa_tree_exit<k>, {', '.join(ADAPTIVE_METHODS)}, {', '.join(EXIT_SHORTHANDS)}."
+        )
+    names = ["vanilla"] + [n for n in dict.fromkeys(names) if n != "vanilla"]  # the speedup baseline is always run
+    for name in ("eagle", "independent"):
+        if name in names and not paths.get(name):
+            raise BenchError(
+                f"Method '{name}' needs a drafter: {_BUILD_HINT[name]}, or leave it out with "
+                f"--methods {','.join(n for n in names if n != name)}."
+            )
+    users = {"moa": ("moa", "moa_nolookup", *ENGINE_METHODS), "eagle": ("eagle",), "independent": ("independent",)}
+    for kind, methods_of_kind in users.items():
+        path = paths.get(kind)
+        used = [n for n in names if n in methods_of_kind or (kind == "moa" and exit_methods_of(n) is not None)]
+        if used and path and path != "default" and not (Path(path) / "config.json").is_file():
+            raise BenchError(
+                f"--{kind} {path} is not a saved model folder (no config.json there); {_BUILD_HINT[kind]}, or "
+                f"leave {','.join(used)} out with --methods."
+            )
+    return names
+
+
+def _load_drafter(kind: str, path: str, target):
+    """The `kind` drafter at `path` (or `default`) on the target's device and in its dtype (`moa_hf.loading`)."""
+
+    try:
+        return load_drafter(path, target=target, kind=kind)
+    except (OSError, ValueError) as err:
+        raise BenchError(f"Cannot load the {kind} drafter from {path}: {err} ({_BUILD_HINT[kind]}).") from err
+
+
+def checked_drafter(name: str, kind: str, path: str | None, target, allow_other_target: bool, engine: bool = False):
+    """(drafter, its folder) for `name` (a method, or the batch section): the `kind` drafter at `path` (or `default`),
+    checked against the target, and with `engine` against the tree engine's drafter API."""
+
+    if not path:
+        raise BenchError(f"'{name}' needs a drafter: {_BUILD_HINT[kind]}.")
+    drafter = _load_drafter(kind, path, target)
+    path = str(default_drafter_path()) if path == "default" else path
+    if hasattr(drafter, "check_target"):
+        try:
+            drafter.check_target(target, allow_other_target=allow_other_target)
+        except ValueError as err:
+            raise BenchError(
+                f"The {name} drafter at {path} cannot serve this target: {err} Pass --{kind} PATH with a "
+                "drafter for this target (or --allow-other-target if only the recorded name differs)."
+            ) from err
+    if engine:
+        reason = drafter.tree_unsupported_reason() if hasattr(drafter, "tree_unsupported_reason") else "no tree API"
+        if reason:
+            raise BenchError(
+                f"{name} runs the drafter at {path} through the tree engine, which cannot draft trees with it "
+                f"({reason}); leave {name} out or pass --{kind} with another drafter."
+            )
+    return drafter, path
+
+
+def build_methods(
+    names: list[str],
+    target,
+    *,
+    moa: str | None = "default",
+    eagle: str | None = None,
+    independent: str | None = None,
+    pld_tokens: int = 10,
+    allow_other_target: bool = False,
+) -> list[BenchMethod]:
+    """The methods `names` for `target`, their drafters loaded from the given folders in the target's dtype (one
+    drafter per method: `moa_nolookup` and the exit methods change their drafter's config)."""
+    methods = []
+    for name in names:
+        if name == "vanilla":
+            methods.append(vanilla_method())
+        elif name == "pld":
+            methods.append(pld_method(pld_tokens))
+        elif name in ("moa", "moa_nolookup", "eagle"):
+            kind = "eagle" if name == "eagle" else "moa"
+            drafter, path = checked_drafter(name, kind, eagle if name == "eagle" else moa, target, allow_other_target)
+            if name == "moa_nolookup":  # the same drafter with its prompt lookup off: what the network alone gives
+                drafter.config.lookup_num_tokens = 0
+            methods.append(drafter_method(name, drafter, allow_other_target, {"drafter": str(path)}))
+        elif name in ENGINE_METHODS:  # the same MoA drafter through the tree engine
+            drafter, path = checked_drafter(name, "moa", moa, target, allow_other_target, engine=True)
+            info = {"drafter": str(path)}
+            methods.append(engine_method(name, drafter, ENGINE_METHODS[name], allow_other_target, info))
+        elif (parsed := exit_methods_of(name)) is not None:  # a sorted drafter at one exit, or adaptive
+            base, exit = parsed
+            drafter, path = checked_drafter(name, "moa", moa, target, allow_other_target, engine=base == "moa_tree")
+            _set_exit(name, drafter, exit, target)
+            info = {"drafter": str(path), "exit": "adaptive" if exit is None else exit}
+            if base == "moa_tree":  # the engine as `moa_tree` runs it: its chosen tree settings, lookup as configured
+                methods.append(engine_method(name, drafter, ENGINE_METHODS["moa_tree"], allow_other_target, info))
+            else:
+                methods.append(drafter_method(name, drafter, allow_other_target, info))
+        elif name == "independent":
+            if not independent:
+                raise BenchError(f"Method 'independent' needs a drafter: {_BUILD_HINT['independent']}.")
+            lm = _load_drafter("independent", independent, target)  # checks it shares the target's vocabulary
+            methods.append(independent_method(lm, {"drafter": str(independent)}))
+        else:
+            raise BenchError(f"Unknown method '{name}'; choose from {','.join(ALL_METHODS)}.")
+    return methods
