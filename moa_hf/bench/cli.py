@@ -23,15 +23,6 @@ from .runner import check_lossless, run_batches, run_benchmark
 # ---------------------------------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------------------------------
-def _load_target(spec: str, dtype: torch.dtype, device: str):
-    """`default` or a local folder, never downloaded (`moa_hf.loading.load_target`)."""
-
-    try:
-        return load_target(spec, dtype=dtype, device=device, local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise BenchError(f"--target {spec}: {err} (`default` is SmolLM2-135M-Instruct).") from err
-
-
 def _main(args: argparse.Namespace) -> int:
     try:
         return _run(args)
@@ -80,7 +71,10 @@ def _run(args: argparse.Namespace) -> int:
     device = args.device or default_device()
     dtype = parse_dtype(args.dtype)
     torch.manual_seed(args.seed)
-    target, tokenizer = _load_target(args.target, dtype, device)
+    try:  # `default` or a local folder, never downloaded
+        target, tokenizer = load_target(args.target, dtype=dtype, device=device, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise BenchError(f"--target {args.target}: {err} (`default` is SmolLM2-135M-Instruct).") from err
     method_kw = dict(
         moa=args.moa,
         eagle=args.eagle,
@@ -140,7 +134,9 @@ def _run(args: argparse.Namespace) -> int:
     failed = []
     if args.check:
         target32, tok32 = (
-            (target, tokenizer) if dtype == torch.float32 else _load_target(args.target, torch.float32, device)
+            (target, tokenizer)
+            if dtype == torch.float32
+            else load_target(args.target, dtype=torch.float32, device=device, local_files_only=True)
         )
         methods32 = build_methods(names, target32, **method_kw)
         bench["check"] = check_lossless(

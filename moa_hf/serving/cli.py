@@ -15,6 +15,11 @@ from pathlib import Path
 
 import torch
 
+from .. import build_drafter, default_drafter_path
+from ..default_target import DEFAULT_TARGET_NAME
+from ..loading import load_drafter, load_target
+from ..modeling import target_fingerprint
+
 __all__ = ["EXIT_SERVER_ERROR", "EXIT_UNVERIFIED", "EXIT_USAGE", "load_server_drafter", "read_token", "register"]
 
 logger = logging.getLogger(__name__)
@@ -198,23 +203,10 @@ def register(subparsers) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-def _load_target(spec: str, dtype: str, tokenizer: str | None = None):
-    """(model on the CPU, tokenizer or None): 'default' or a local folder, never downloaded (`moa_hf.loading`)."""
-    from ..loading import load_target
-
-    return load_target(
-        spec, dtype=dtype, device="cpu", tokenizer=tokenizer, require_tokenizer=False, local_files_only=True
-    )
-
-
 def load_server_drafter(spec: str | None, target, seed: int = 0, own_embeddings: bool = False):
     """(drafter, description). `spec`: a saved drafter folder, "default" (the packaged drafter for the default
     target), "random" (seeded, correct output but near-zero acceptance), or None: "default" when serving the default
     target and the packaged drafter exists, else "random"."""
-    from .. import build_drafter, default_drafter_path
-    from ..default_target import DEFAULT_TARGET_NAME
-    from ..loading import load_drafter
-    from ..modeling import target_fingerprint
 
     packaged = default_drafter_path()
     if spec is None:  # the packaged drafter serves the default target, recognised by its weights (or its name)
@@ -307,7 +299,14 @@ def _serve(args) -> int:
         )
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    target, tokenizer = _load_target(args.target, args.dtype, args.tokenizer)
+    target, tokenizer = load_target(  # `default` or a local folder, never downloaded; the clients may send token ids
+        args.target,
+        dtype=args.dtype,
+        device="cpu",
+        tokenizer=args.tokenizer,
+        require_tokenizer=False,
+        local_files_only=True,
+    )
     drafter, _ = load_server_drafter(args.drafter, target, seed=args.seed)
     state = ServingState(
         target, drafter, tokenizer=tokenizer, limits=limits, token=token, allow_other_target=args.allow_other_target
@@ -377,7 +376,6 @@ def _run_client(args) -> int:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from ..loading import load_drafter
     from .client import MoAClient
 
     _check_client_args(args)
@@ -488,7 +486,9 @@ def _bench(args) -> int:
     from .protocol import decode_drafter, encode_drafter
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
-    target, tokenizer = _load_target(args.target, args.dtype)
+    target, tokenizer = load_target(
+        args.target, dtype=args.dtype, device="cpu", require_tokenizer=False, local_files_only=True
+    )
     if tokenizer is None:
         print("error: the benchmark needs the target's tokenizer (its prompts are text)", file=sys.stderr)
         return 2
