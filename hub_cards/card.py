@@ -37,6 +37,8 @@ from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
+from ..bench.report import format_exit_setting
+from ..drafter_types import drafter_types
 from ..modeling import PRIMARY_TARGET, MoADrafterConfig, MoADrafterModel
 
 __all__ = [
@@ -71,10 +73,9 @@ _BENCH_KEYS = ("acceptance_length", "tokens_per_s", "speedup", "theoretical_spee
 _MODEL_COLUMNS = {"alpha": "α (acceptance rate)", "gamma": "γ (drafted per cycle)", "cost_ratio": "Draft cost / step"}
 BASELINE = "vanilla"  # the target alone: speedups are relative to it
 _METHOD_LABELS = {
+    **{t.kind: t.label for t in drafter_types()},  # a method named after a kind of drafter: "eagle", "independent"
     METHOD: "this drafter",
     BASELINE: "target alone",
-    "eagle": "EAGLE drafter",
-    "independent": "independent draft model",
     "pld": "prompt lookup decoding",
 }
 MAX_CURVE_ROWS = 20  # longer learning curves are thinned in the card (the JSON keeps every point)
@@ -570,8 +571,6 @@ def _check_measured_target(target: dict, bench: dict) -> None:
 
 def _exit_rows(name: str, bench: dict | None) -> list[dict]:
     """A benchmark's fixed-exit and adaptive methods of the sorted drafter, for target `name`."""
-    from moa_hf.bench import format_exit_setting
-
     rows = []
     for method, m in ((bench or {}).get("methods") or {}).items():
         overall = m.get("overall") if isinstance(m, dict) else None

@@ -31,8 +31,10 @@ from pathlib import Path
 
 from transformers import GenerationConfig
 
+from .drafter_types import drafter_type
+from .hub_cards import load_benchmark, load_target_benchmarks, load_training_info, render_card, validate_card_metadata
 from .loading import load_drafter  # re-exported: `moa_hf.hub.load_drafter` is the one loader
-from .modeling import PRIMARY_TARGET, MoADrafterConfig, MoADrafterModel
+from .modeling import PRIMARY_TARGET, MoADrafterModel
 
 __all__ = [
     "AUTO_MAP",
@@ -253,8 +255,6 @@ def build_repo_folder(
     `record_folder` (`publish(push=True)` passes False: no local path in a public repo). `target_benchmarks`: {target
     name: path or dict} of a multi-target drafter's other targets (see `target_benchmark_inputs`).
     """
-    from moa_hf.hub_cards import load_benchmark, load_target_benchmarks, load_training_info, render_card
-
     out_dir = Path(out_dir)
     is_path = isinstance(drafter_path_or_model, (str, os.PathLike)) and str(drafter_path_or_model) != "default"
     source = Path(drafter_path_or_model) if is_path else None
@@ -302,8 +302,6 @@ def _target_file(file_name: str, target: str) -> str:
 
 def check_repo_folder(folder: str | os.PathLike) -> list[str]:
     """Check that a repo folder is complete (files, `auto_map`, card metadata); returns the names in it."""
-    from moa_hf.hub_cards import validate_card_metadata
-
     folder = Path(folder)
     missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
     if missing:
@@ -311,9 +309,10 @@ def check_repo_folder(folder: str | os.PathLike) -> list[str]:
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     if config.get("auto_map") != AUTO_MAP:
         raise ValueError(f"{folder}/config.json has auto_map {config.get('auto_map')}, expected {AUTO_MAP}.")
-    if config.get("model_type") != MoADrafterConfig.model_type:
+    if not drafter_type(config).publishable:
         raise ValueError(
-            f"{folder}/config.json is not a MoA drafter config (model_type {config.get('model_type')!r})."
+            f"{folder}/config.json is not the config of a publishable drafter (model_type "
+            f"{config.get('model_type')!r}); `moa publish` makes repos of MoA drafters."
         )
     validate_card_metadata((folder / "README.md").read_text(encoding="utf-8"))
     return sorted(p.name for p in folder.iterdir())

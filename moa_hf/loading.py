@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from .drafter_types import drafter_kinds, drafter_type
+
 __all__ = [
     "DRAFTER_KINDS",
     "default_device",
@@ -32,7 +34,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DRAFTER_KINDS = ("moa", "eagle", "independent")
+DRAFTER_KINDS = drafter_kinds()  # the registered kinds (`moa_hf.drafter_types`) at import
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -156,18 +158,16 @@ def load_target(
 # ---------------------------------------------------------------------------------------------------------------------
 # Drafters
 # ---------------------------------------------------------------------------------------------------------------------
-def _drafter_classes() -> dict:
+def _model_class(kind: str):
+    """The class a drafter of `kind` loads with: its registered model class, or `AutoModelForCausalLM` for the
+    fallback kind (any causal LM)."""
     from transformers import AutoModelForCausalLM
 
-    from .modeling import EagleDrafterModel, MoADrafterModel
-
-    return {"moa": MoADrafterModel, "eagle": EagleDrafterModel, "independent": AutoModelForCausalLM}
+    return drafter_type(kind).model_class or AutoModelForCausalLM
 
 
 def _kind(model_type: str | None) -> str:
-    from .modeling import EagleDrafterConfig, MoADrafterConfig
-
-    return {MoADrafterConfig.model_type: "moa", EagleDrafterConfig.model_type: "eagle"}.get(model_type, "independent")
+    return drafter_type({"model_type": model_type}).kind
 
 
 def folder_kind(folder: str | os.PathLike) -> str:
@@ -215,8 +215,8 @@ def _drafter_folder(spec: str | os.PathLike) -> Path:
 def _check_kind(found: str, kind: str | None, where: str) -> None:
     if kind in (None, "auto"):
         return
-    if kind not in DRAFTER_KINDS:
-        raise ValueError(f"Unknown drafter kind {kind!r}; use one of {', '.join(DRAFTER_KINDS)} (or auto).")
+    if kind not in drafter_kinds():
+        raise ValueError(f"Unknown drafter kind {kind!r}; use one of {', '.join(drafter_kinds())} (or auto).")
     if kind != found:
         raise ValueError(
             f"{where} holds a {found!r} drafter, not a {kind!r} one; pass a {kind} drafter, or ask for kind "
@@ -261,14 +261,14 @@ def load_drafter(
         found = folder_kind(folder)
         _check_kind(found, kind, str(folder))
         try:
-            cls = _drafter_classes()[found]
-            remote = {"trust_remote_code": False} if found == "independent" else {}  # never code from the folder
+            cls = _model_class(found)
+            remote = {"trust_remote_code": False} if drafter_type(found).is_fallback else {}  # never code from it
             drafter = cls.from_pretrained(str(folder), local_files_only=True, **remote).eval()
         except (OSError, ValueError, KeyError) as err:
             raise ValueError(
                 f"Cannot load the {found} drafter at {folder} ({type(err).__name__}: {err}); {_TRAIN_HINT}."
             ) from err
-    if target is not None and drafter_kind(drafter) == "independent":
+    if target is not None and drafter_type(drafter).is_fallback:  # an independent assistant
         _check_vocab(drafter, target, where)
     to_dtype = parse_dtype(dtype) or (target.dtype if target is not None else None)
     to_device = device if device is not None else (target.device if target is not None else None)

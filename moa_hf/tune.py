@@ -45,7 +45,8 @@ from .bench import (
     independent_method,
     vanilla_method,
 )
-from .modeling import LookupSettings, MoADrafterConfig
+from .drafter_types import drafter_kinds, drafter_type
+from .modeling import LookupSettings
 from .modeling.lookup import pop_legacy_lookup_keys
 
 __all__ = [
@@ -716,7 +717,7 @@ def write_best_setting(path: str | Path, setting: dict, fallback: GenerationConf
             n: {k: v for k, v in spec.items() if k != "exit_thresholds"} for n, spec in config["extra_targets"].items()
         }
         fields["extra_targets"] = extra
-    if fields and config.get("model_type") == MoADrafterConfig.model_type:  # the MoA drafter's own fields
+    if fields and drafter_type(config).tunable:  # a kind whose config holds tuned settings (the MoA drafter)
         config_file.write_text(json.dumps({**config, **fields}, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return gc
 
@@ -907,7 +908,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kind",
         default="auto",
-        choices=["auto", "moa", "eagle", "independent"],
+        choices=["auto", *drafter_kinds()],
         help="drafter type (auto: from the folder's config.json)",
     )
     p.add_argument(

@@ -13,7 +13,7 @@ from transformers import SchedulerType, TrainingArguments
 
 from moa_hf.modeling import PRIMARY_TARGET
 
-from .drafters import KINDS, DrafterAdapter, MoAAdapter
+from .drafters import KINDS, DrafterAdapter
 
 __all__ = [
     "DataArguments",
@@ -351,7 +351,7 @@ class DrafterArguments:
     _argument_group_name: ClassVar[str] = "drafter"
 
     kind: str = field(
-        default=MoAAdapter.name,
+        default="moa",
         metadata={
             "choices": KINDS,
             "help": "Drafter type: MoA (default), the EAGLE-style peer, or an independent small LM distilled from "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 from collections.abc import Iterator
 
 import torch
@@ -17,6 +18,7 @@ from accelerate.utils import extract_model_from_parallel
 from transformers import PreTrainedModel
 
 from moa_hf import EagleDrafterConfig, EagleDrafterModel, MoADrafterModel, build_drafter, target_fingerprint
+from moa_hf.drafter_types import DrafterType, drafter_types
 from moa_hf.modeling import PRIMARY_TARGET, fixed_exit_thresholds
 
 from .builders import build_independent, frequent_tokens
@@ -60,19 +62,26 @@ ExitStates = list[tuple[torch.Tensor, "torch.Tensor | None"]]
 class DrafterAdapter:
     """What the training code needs to know about one class of drafter.
 
+    An adapter is built from its registration (`moa_hf.drafter_types`), which names it as `training_adapter`.
+
     Attributes:
-        model_class: the drafters it serves (and their subclasses, unless one has its own adapter).
-        name: the `moa train --kind` choice that picks it.
+        record: its `DrafterType` registration.
+        model_class: the drafters it serves (and their subclasses, unless one has its own adapter): the registered
+            model class, `PreTrainedModel` for the fallback kind (any causal LM).
+        name: the `moa train --kind` choice that picks it (the registered kind).
         options: `moa train` drafter options (`DrafterArguments` fields) -> the keyword of `build` each one sets.
         simulates_cycles: trained through simulated drafting cycles (the staircase of the target's states).
         needs_target_kv: reads the target's keys/values (cached target states must hold them).
     """
 
-    model_class: type[torch.nn.Module]
-    name: str = ""
     options: dict[str, str] = {}
     simulates_cycles: bool = False
     needs_target_kv: bool = False
+
+    def __init__(self, record: DrafterType):
+        self.record = record
+        self.name = record.kind
+        self.model_class: type[torch.nn.Module] = record.model_class or PreTrainedModel
 
     def build(self, target: PreTrainedModel, *, data=None, **overrides) -> torch.nn.Module:
         """A fresh fp32 drafter for `target`; `overrides`: its config fields (see `options`); `data`: the training
@@ -219,8 +228,6 @@ def _train_only(drafter: torch.nn.Module, params: list[torch.nn.Parameter]) -> l
 class MoAAdapter(_AttachingAdapter):
     """`MoADrafterModel`: reads the target's keys/values of every layer through simulated drafting cycles."""
 
-    name = "moa"
-    model_class = MoADrafterModel
     options = {
         "own_embeddings": "own_embeddings",
         "target_layer_inference": "target_layer_inference",
@@ -308,8 +315,6 @@ class MoAAdapter(_AttachingAdapter):
 class EagleAdapter(_AttachingAdapter):
     """`EagleDrafterModel`: teacher-forced, input i reads the target's final hidden state of token i-1."""
 
-    name = "eagle"
-    model_class = EagleDrafterModel
     options = {"init_from_target_layer": "init_from_target_layer"}
 
     def new_drafter(self, target, data=None, **overrides):
@@ -332,8 +337,6 @@ class IndependentAdapter(DrafterAdapter):
     """Any other causal LM: an ordinary assistant with its own embedding and head (`build_independent`: the target's
     first layers), trained on the soft cross-entropy to the target alone."""
 
-    name = "independent"
-    model_class = PreTrainedModel
     options = {"independent_layers": "num_layers"}
 
     def build(self, target, *, data=None, **overrides):
@@ -354,8 +357,15 @@ class IndependentAdapter(DrafterAdapter):
         return drafter.get_output_embeddings(), None
 
 
+def _registered_adapter(record: DrafterType) -> DrafterAdapter:
+    """The training adapter a registration names ("module:Class")."""
+    module, _, name = record.training_adapter.partition(":")
+    return getattr(importlib.import_module(module), name)(record)
+
+
+# one adapter per registered kind of drafter (`moa_hf.drafter_types`), by the class it serves
 ADAPTERS: dict[type, DrafterAdapter] = {
-    adapter.model_class: adapter for adapter in (MoAAdapter(), EagleAdapter(), IndependentAdapter())
+    adapter.model_class: adapter for adapter in (_registered_adapter(record) for record in drafter_types())
 }
 KINDS = tuple(adapter.name for adapter in ADAPTERS.values())
 
@@ -394,11 +404,13 @@ def drafter_kind(model: torch.nn.Module) -> str:
 
 
 def unwrap_drafter(model: torch.nn.Module) -> MoADrafterModel | EagleDrafterModel:
-    """The MoA (or EAGLE-style) drafter inside `model` (itself, or under a PEFT / DDP / compile wrapper)."""
+    """The drafter of a registered class (MoA, EAGLE-style; not the fallback, any causal LM) inside `model` (itself,
+    or under a PEFT / DDP / compile wrapper)."""
     seen = unwrap_model(model)
-    if not isinstance(seen, (MoADrafterModel, EagleDrafterModel)):
+    classes = tuple(t.model_class for t in drafter_types() if t.model_class is not None)
+    if not isinstance(seen, classes):
         raise TypeError(
-            f"Expected a MoADrafterModel or EagleDrafterModel (optionally wrapped by PEFT/DDP), got "
+            f"Expected a {' or '.join(c.__name__ for c in classes)} (optionally wrapped by PEFT/DDP), got "
             f"{type(model).__name__}."
         )
     return seen

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import default_drafter_path
+from ..drafter_types import drafter_type
 from ..loading import load_drafter
 from ..modeling import fixed_exit_thresholds
 from ..modeling.custom_generate.engine import speculative_generate
@@ -42,11 +43,6 @@ ENGINE_METHODS = {
 ADAPTIVE_METHODS = {"moa_adaptive": "moa", "moa_tree_adaptive": "moa_tree"}
 EXIT_SHORTHANDS = {"moa_exits": "moa", "moa_tree_exits": "moa_tree"}
 _EXIT_METHOD = re.compile(r"^(moa|moa_tree)_exit(\d+)$")
-_BUILD_HINT = {
-    "moa": "train one with `moa train` (see README) or pass --moa PATH",
-    "eagle": "build one with `moa train --kind eagle ...` and pass --eagle PATH",
-    "independent": "build one with `moa train --kind independent ...` and pass --independent PATH",
-}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -297,7 +293,7 @@ def resolve_method_names(methods: str | None, paths: dict[str, str | None]) -> l
     for name in ("eagle", "independent"):
         if name in names and not paths.get(name):
             raise BenchError(
-                f"Method '{name}' needs a drafter: {_BUILD_HINT[name]}, or leave it out with "
+                f"Method '{name}' needs a drafter: {drafter_type(name).build_hint}, or leave it out with "
                 f"--methods {','.join(n for n in names if n != name)}."
             )
     users = {"moa": ("moa", "moa_nolookup", *ENGINE_METHODS), "eagle": ("eagle",), "independent": ("independent",)}
@@ -306,8 +302,8 @@ def resolve_method_names(methods: str | None, paths: dict[str, str | None]) -> l
         used = [n for n in names if n in methods_of_kind or (kind == "moa" and exit_methods_of(n) is not None)]
         if used and path and path != "default" and not (Path(path) / "config.json").is_file():
             raise BenchError(
-                f"--{kind} {path} is not a saved model folder (no config.json there); {_BUILD_HINT[kind]}, or "
-                f"leave {','.join(used)} out with --methods."
+                f"--{kind} {path} is not a saved model folder (no config.json there); "
+                f"{drafter_type(kind).build_hint}, or leave {','.join(used)} out with --methods."
             )
     return names
 
@@ -318,7 +314,9 @@ def _load_drafter(kind: str, path: str, target):
     try:
         return load_drafter(path, target=target, kind=kind)
     except (OSError, ValueError) as err:
-        raise BenchError(f"Cannot load the {kind} drafter from {path}: {err} ({_BUILD_HINT[kind]}).") from err
+        raise BenchError(
+            f"Cannot load the {kind} drafter from {path}: {err} ({drafter_type(kind).build_hint})."
+        ) from err
 
 
 def checked_drafter(name: str, kind: str, path: str | None, target, allow_other_target: bool, engine: bool = False):
@@ -326,7 +324,7 @@ def checked_drafter(name: str, kind: str, path: str | None, target, allow_other_
     checked against the target, and with `engine` against the tree engine's drafter API."""
 
     if not path:
-        raise BenchError(f"'{name}' needs a drafter: {_BUILD_HINT[kind]}.")
+        raise BenchError(f"'{name}' needs a drafter: {drafter_type(kind).build_hint}.")
     drafter = _load_drafter(kind, path, target)
     path = str(default_drafter_path()) if path == "default" else path
     if hasattr(drafter, "check_target"):
@@ -386,7 +384,7 @@ def build_methods(
                 methods.append(drafter_method(name, drafter, allow_other_target, info))
         elif name == "independent":
             if not independent:
-                raise BenchError(f"Method 'independent' needs a drafter: {_BUILD_HINT['independent']}.")
+                raise BenchError(f"Method 'independent' needs a drafter: {drafter_type('independent').build_hint}.")
             lm = _load_drafter("independent", independent, target)  # checks it shares the target's vocabulary
             methods.append(independent_method(lm, {"drafter": str(independent)}))
         else:
