@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from .chat import chat_text, encode_chat
+
 __all__ = ["PROMPTS", "register", "run_demo"]
 
 PROMPTS = [
@@ -20,13 +22,6 @@ PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
     "Give me three tips for staying focused while studying.",
 ]
-
-
-def _inputs(tokenizer, prompt: str) -> dict:
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-    )
-    return tokenizer(text, return_tensors="pt", add_special_tokens=False)  # the template holds the special tokens
 
 
 def _describe(drafter) -> str:
@@ -67,7 +62,7 @@ def _check_exact(drafter_spec: str, prompts: list[str], max_new_tokens: int) -> 
     differ = 0
     with attached(drafter, target):
         for i, prompt in enumerate(prompts, 1):
-            ref, out, _, _ = _answer_both(target, drafter, _inputs(tok, prompt), max_new_tokens)
+            ref, out, _, _ = _answer_both(target, drafter, encode_chat(tok, prompt), max_new_tokens)
             same = torch.equal(ref, out)
             differ += not same
             print(
@@ -93,7 +88,7 @@ def run_demo(
     tokens, accepted, differ = 0, [], 0
     with attached(drafter, target):
         for prompt in PROMPTS:
-            inputs = _inputs(tok, prompt)
+            inputs = encode_chat(tok, prompt)
             ref, out, t_alone, t_with = _answer_both(target, drafter, inputs, max_new_tokens)
             stats = drafter.speculation_stats
             n_new = out.shape[1] - inputs["input_ids"].shape[1]
@@ -153,10 +148,7 @@ def _costs(args: argparse.Namespace) -> int:
 
     target, tok = load_target("default", dtype=parse_dtype(args.dtype))
     drafter = load_drafter(args.drafter or "default", target=target)
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": PROMPTS[0]}], tokenize=False, add_generation_prompt=True
-    )
-    ids = tok(text + " The sky looks blue because" * 12, return_tensors="pt").input_ids  # [1, T]
+    ids = tok(chat_text(tok, PROMPTS[0]) + " The sky looks blue because" * 12, return_tensors="pt").input_ids  # [1, T]
     with attached(drafter, target):
         result = measure_costs(target, drafter, ids)
     result.update(

@@ -18,7 +18,6 @@ drafter serving several targets (`extra_targets`) has one benchmark per other ta
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.util
 import json
 import logging
@@ -32,6 +31,7 @@ from pathlib import Path
 from transformers import GenerationConfig
 
 from .drafter_types import drafter_type
+from .embeddings import without_own_embeddings
 from .hub_cards import load_benchmark, load_target_benchmarks, load_training_info, render_card, validate_card_metadata
 from .loading import load_drafter  # re-exported: `moa_hf.hub.load_drafter` is the one loader
 from .modeling import PRIMARY_TARGET, MoADrafterModel
@@ -81,7 +81,6 @@ REQUIRED_FILES = (
     "generation_config.json",
     "README.md",
 )
-_EMBEDDING_MODULES = ("embed_tokens", "lm_head")
 
 logger = logging.getLogger(__name__)
 
@@ -164,14 +163,7 @@ def _with_embeddings(drafter: MoADrafterModel, own_embeddings: bool) -> MoADraft
         "Publishing without the drafter's own embedding and LM head copies (it will borrow the target's); pass "
         "own_embeddings=True (--own-embeddings) to keep them."
     )
-    config = copy.deepcopy(drafter.config)
-    config.own_embeddings = False
-    param = next(drafter.parameters())
-    lean = type(drafter)(config).to(device=param.device, dtype=param.dtype)
-    state = {k: v for k, v in drafter.state_dict().items() if k.split(".")[0] not in _EMBEDDING_MODULES}
-    lean.load_state_dict(state, strict=True)
-    lean.generation_config = copy.deepcopy(drafter.generation_config)
-    return lean
+    return without_own_embeddings(drafter)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from .chat import chat_ids
+
 __all__ = [
     "PYDOC",
     "SPEC_BENCH_KEYS",
@@ -189,11 +191,7 @@ def format_prompts(
     out = []
     for prompt in prompts:
         if chat_template:
-            messages = [{"role": "user", "content": prompt}]
-            if system_prompt:
-                messages.insert(0, {"role": "system", "content": system_prompt})
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = chat_ids(tokenizer, prompt, system_prompt)
         else:
             ids = tokenizer(prompt)["input_ids"]
         out.append(list(ids))

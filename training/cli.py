@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 from transformers import HfArgumentParser
 
 from moa_hf import MoADrafterModel, target_fingerprint
+from moa_hf.hardware import hardware_summary
 from moa_hf.loading import folder_kind, load_drafter, load_target, parse_dtype
 from moa_hf.modeling import PRIMARY_TARGET
 
@@ -304,7 +304,7 @@ def run_train(args: argparse.Namespace) -> int:
             "steps": trainer.state.global_step,
             "wall_time_s": round(wall, 1),
             "acceptance_eval_time_s": round(measuring, 1),  # included in wall_time_s
-            "hardware": _hardware(),
+            "hardware": hardware_summary(),
             "final_train_loss": round(float(result.training_loss), 5),
             "acceptance_length_heldout": final.get("eval_acceptance_length"),
             "top1_heldout": final.get("eval_top1"),  # with --eval-data: top-1 agreement with the target
@@ -361,12 +361,6 @@ def _acceptance_time(trainer) -> float:
 
     callbacks = trainer.callback_handler.callbacks
     return sum(cb.measure_time_s for cb in callbacks if isinstance(cb, AcceptanceEvalCallback))
-
-
-def _hardware() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def _totals(info: dict, info_from: str | None) -> dict:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from moa_hf.chat import eos_token_ids
 from moa_hf.offline_prompts import default_prompts, written_briefs
 from moa_hf.prompts import WRITTEN, SpecBenchPromptsError, check_not_spec_bench, format_prompts, load_prompts
 
@@ -45,12 +46,8 @@ _METADATA = "moa_data.json"
 # Generation
 # ---------------------------------------------------------------------------------------------------------------------
 def _eos_ids(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    eos = getattr(target.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    """The target's EOS ids (`moa_hf.chat.eos_token_ids`), else the tokenizer's."""
+    return eos_token_ids(target) or eos_token_ids(tokenizer)
 
 
 @torch.no_grad()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from moa_hf.hardware import hardware_summary
 from moa_hf.offline_prompts import PydocEntry, pydoc_entries, pydoc_question
 from moa_hf.prompts import format_prompts
 
@@ -109,10 +109,6 @@ def save_adapter(peft_model, output: str | Path) -> Path:
     return output
 
 
-def _hardware() -> str:
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
 def run_finetune_target(args: FinetuneTargetArguments) -> dict:
     """Fine-tune the default target with LoRA on the `args.variant` material and save the adapter in `args.output`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainingArguments
@@ -173,7 +169,7 @@ def run_finetune_target(args: FinetuneTargetArguments) -> dict:
         "loss_curve": [
             {"step": h["step"], "loss": round(h["loss"], 4)} for h in trainer.state.log_history if "loss" in h
         ],
-        "hardware": _hardware(),
+        "hardware": hardware_summary(),
         "torch": torch.__version__,
         "arguments": asdict(args),
     }

@@ -32,8 +32,7 @@ def _pad_id(target) -> int | None:
     if pad is None:
         pad = target.config.get_text_config().pad_token_id
     if pad is None:
-        eos = target.generation_config.eos_token_id
-        pad = eos[0] if isinstance(eos, (list, tuple)) else eos
+        pad = next(iter(eos_token_ids(target)), None)
     return pad
 
 

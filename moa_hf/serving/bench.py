@@ -10,12 +10,12 @@ target accepted, and how many equal the target's own greedy tokens at the same p
 from __future__ import annotations
 
 import datetime
-import os
-import platform
 import time
 
 import torch
 
+from ..chat import chat_ids
+from ..hardware import hardware_info
 from .client import MoAClient
 from .netem import PROFILES, DelayProxy, netem_available
 from .server import ServerThread, ServingState, create_app
@@ -30,16 +30,6 @@ DEFAULT_PROMPTS = [
     "Summarize the plot of Romeo and Juliet in a few sentences.",
     "Give me a recipe for a simple tomato soup.",
 ]
-
-
-def _hardware(target) -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count() or 0, "torch": torch.__version__, "device": str(target.device)}
 
 
 def _summarise(results: list, references: list[list[int]]) -> dict:
@@ -103,12 +93,7 @@ def run_serving_bench(
     """Run the benchmark (see the module doc); `drafter` is the client's (own embeddings), the server gets a copy
     in the target's dtype. Returns a JSON-able report."""
     texts = (prompts or DEFAULT_PROMPTS)[:num_prompts]
-    encoded = []
-    for text in texts:
-        chat = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
-        encoded.append(list(tokenizer(chat, add_special_tokens=False).input_ids))
+    encoded = [chat_ids(tokenizer, text) for text in texts]
     references = []
     with torch.no_grad():
         for ids in encoded:
@@ -116,7 +101,7 @@ def run_serving_bench(
             references.append(out[0, len(ids) :].tolist())
     ok, why = netem_available()
     report = {
-        "hardware": _hardware(target),
+        "hardware": hardware_info(target.device),
         "target": getattr(target.config, "name_or_path", "") or type(target).__name__,
         "dtype": str(target.dtype).removeprefix("torch."),
         "drafter": drafter_name,

@@ -17,6 +17,7 @@ import torch
 
 from .. import build_drafter, default_drafter_path
 from ..default_target import DEFAULT_TARGET_NAME
+from ..embeddings import with_own_embeddings
 from ..loading import load_drafter, load_target
 from ..modeling import target_fingerprint
 
@@ -483,7 +484,6 @@ def _bench(args) -> int:
         print(message, file=sys.stderr)
         return 2
     from .bench import format_report, run_serving_bench
-    from .protocol import decode_drafter, encode_drafter
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     target, tokenizer = load_target(
@@ -493,8 +493,7 @@ def _bench(args) -> int:
         print("error: the benchmark needs the target's tokenizer (its prompts are text)", file=sys.stderr)
         return 2
     drafter, name = load_server_drafter(args.drafter, target, seed=args.seed, own_embeddings=True)
-    if not drafter.config.own_embeddings:  # the client side runs alone: give it copies of the target's
-        drafter = decode_drafter(encode_drafter(drafter, target))
+    drafter = with_own_embeddings(drafter, target)  # the client side runs alone: give it copies of the target's
     drafter = drafter.float().eval()
     report = run_serving_bench(
         target,

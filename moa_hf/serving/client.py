@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from ..chat import chat_ids, eos_token_ids
 from ..modeling import MoADrafterCache
 from ..speculative import sampling_warpers
 from .cache import CachedDrafter, CacheError, DrafterCache
@@ -688,8 +689,7 @@ class MoAClient:
     def _eos_ids(self) -> set[int]:
         eos = (self._info or self._cached_info or {}).get("eos_token_ids")
         if eos is None:
-            e = self.drafter.config.eos_token_id
-            eos = [e] if isinstance(e, int) else list(e or [])
+            eos = eos_token_ids(self.drafter.config)
         return set(eos)
 
     def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
@@ -699,10 +699,7 @@ class MoAClient:
             if not raw:
                 logger.warning("The tokenizer has no chat template: sending the prompt as raw text.")
             return list(tokenizer(prompt).input_ids)
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-        return list(tokenizer(text, add_special_tokens=False).input_ids)
+        return chat_ids(tokenizer, prompt)
 
     # -- generation -------------------------------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, **kwargs) -> GenerationResult:

@@ -23,7 +23,6 @@ import datetime
 import inspect
 import json
 import os
-import platform
 import random
 import shlex
 import signal
@@ -36,6 +35,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ..chat import chat_ids
+from ..hardware import hardware_info
 
 __all__ = ["add_arguments", "format_load_report", "main", "run_from_args", "run_load_test"]
 
@@ -73,16 +75,6 @@ def _rss_bytes(pid: int | None) -> int | None:
     except OSError:
         return None
     return None
-
-
-def _hardware() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count() or 0, "python": platform.python_version()}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -379,12 +371,7 @@ def _prompts(tokenizer, vocab_size: int, count: int, seed: int) -> list[list[int
         text = DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)]
         if i >= len(DEFAULT_PROMPTS):
             text = f"{text} (Variant {i // len(DEFAULT_PROMPTS)}.)"
-        if tokenizer.chat_template is None:
-            out.append(list(tokenizer(text).input_ids))
-            continue
-        chat = [{"role": "user", "content": text}]
-        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        out.append(list(tokenizer(text, add_special_tokens=False).input_ids))
+        out.append(chat_ids(tokenizer, text, raw_without_template=True))
     return out
 
 
@@ -413,7 +400,7 @@ def run_load_test(
     setup.deadline = time.monotonic() + max_seconds
     report = {
         "date": datetime.date.today().isoformat(),
-        "hardware": _hardware(),
+        "hardware": hardware_info(),
         "max_new_tokens": max_new_tokens,
         "prompts": num_prompts,
         "rounds": rounds,

@@ -37,6 +37,7 @@ from pydantic import Field, create_model
 from starlette.concurrency import run_in_threadpool
 from transformers import DynamicCache
 
+from ..chat import eos_token_ids
 from ..modeling import PRIMARY_TARGET, oldest_held_position, target_fingerprint
 from ..speculative import sampling_warpers, verify
 from . import protocol
@@ -237,8 +238,7 @@ class ServingState:
         self._tokenizer_files = _saved_tokenizer_files(tokenizer) if tokenizer is not None else None
         files = tokenizer_file_bytes(self._tokenizer_files) if tokenizer is not None else None
         self.revision = download_revision(download_digests(self._drafter_blob, files))
-        eos = target.generation_config.eos_token_id
-        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_token_ids = eos_token_ids(target)
 
     # -- what the server tells ----------------------------------------------------------------------------------
     def info(self) -> dict:
