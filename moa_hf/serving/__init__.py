@@ -10,6 +10,7 @@ import importlib
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "ClientSettings",
     "DraftLengthPolicy",
     "GenerationEvent",
     "GenerationResult",
@@ -23,11 +24,12 @@ __all__ = [
 ]
 
 _WHERE = {
-    "DraftLengthPolicy": "client",
-    "GenerationEvent": "client",
-    "GenerationResult": "client",
+    "ClientSettings": "client_types",
+    "DraftLengthPolicy": "draft_policy",
+    "GenerationEvent": "client_types",
+    "GenerationResult": "client_types",
     "MoAClient": "client",
-    "ServingError": "client",
+    "ServingError": "client_types",
     "PROTOCOL_VERSION": "protocol",
     "VerifyResult": "protocol",
     "ServerLimits": "server",

@@ -17,17 +17,14 @@ down at start generates with the newest cached copy from the first token (unveri
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import os
 import random
 import socket
-import tempfile
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import httpx
 import torch
@@ -35,185 +32,28 @@ import torch
 from ..chat import chat_ids, eos_token_ids
 from ..modeling import MoADrafterCache
 from ..speculative import sampling_warpers
-from .cache import CachedDrafter, CacheError, DrafterCache
+from .cache import DrafterCache
+from .client_drafter import ClientDrafterMixin
+from .client_types import ClientSettings, GenerationEvent, GenerationResult, ServingError
+from .client_types import CorruptedAnswer as _Corrupted
+from .client_types import ServerBusy as _Busy
+from .client_types import SessionLost as _SessionLost
+from .client_types import Unreachable as _Unreachable
+from .draft_policy import DraftLengthPolicy
 from .protocol import (
     CONTENT_DIGEST_HEADER,
-    DRAFTER_FILE,
     PROTOCOL_VERSION,
-    TOKENIZER_DIR,
     VerifyResult,
     check_content_digest,
     check_max_new_tokens,
     check_sampling,
-    decode_drafter,
     decode_result,
     lsa_fingerprint,
-    tokenizer_file_bytes,
 )
 
-__all__ = ["DraftLengthPolicy", "GenerationEvent", "GenerationResult", "MoAClient", "ServingError"]
+__all__ = ["ClientSettings", "DraftLengthPolicy", "GenerationEvent", "GenerationResult", "MoAClient", "ServingError"]
 
 logger = logging.getLogger(__name__)
-
-
-class ServingError(RuntimeError):
-    """The server refused a request (a 4xx that retrying cannot fix): `status` and the server's `detail`."""
-
-    def __init__(self, status: int, detail: str):
-        super().__init__(f"the server answered {status}: {detail}")
-        self.status, self.detail = status, detail
-
-
-class _Unreachable(Exception):
-    """The server could not be reached (or answered a transient error): keep drafting, retry later."""
-
-
-class _Busy(Exception):
-    """The server answers but cannot take the call now (429, 503 with Retry-After, or a timeout while its health
-    answers): wait `retry_after_s` and retry, drafting nothing meanwhile."""
-
-    def __init__(self, why: str, retry_after_s: float = 1.0, queue_depth: int | None = None):
-        super().__init__(why)
-        self.retry_after_s, self.queue_depth = retry_after_s, queue_depth
-
-
-class _Corrupted(Exception):
-    """An answer that is not a valid one (unparseable, wrong content type, digest mismatch, inconsistent fields)."""
-
-
-class _SessionLost(Exception):
-    """The server no longer has the session (restart, expiry, or diverged state): create a new one."""
-
-
-@dataclass
-class GenerationEvent:
-    """What `MoAClient.iter_generate` yields.
-
-    kind: "verified" (tokens confirmed by the target, `text` is their decoded text), "unverified" (tokens drafted
-    while the server was unreachable), "rollback" (that many unverified tokens were rejected and dropped),
-    "offline" / "online" (the server became unreachable / reachable again), "waiting" (the server is busy: the
-    client waits for admission, drafting nothing; `text` says why).
-    `position`: index (among generated tokens) of the first token of `token_ids`.
-    """
-
-    kind: str
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    position: int = 0
-
-
-@dataclass
-class GenerationResult:
-    """One generation. `token_ids` are the generated tokens (prompt excluded); `verified` is True when the target
-    verified every one of them, else `unverified_span` = [start, end) are the `unverified_tokens` at the end that no
-    server verified (drafter-only text: the server was unreachable, or admission timed out); None when all were."""
-
-    text: str
-    token_ids: list[int]
-    prompt_ids: list[int]
-    server_calls: int
-    verified: bool
-    unverified_tokens: int
-    unverified_span: list[int] | None
-    offline_spans: list[dict]
-    timings: dict
-    stats: dict
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-class DraftLengthPolicy:
-    """Chooses the number of tokens to draft per call by maximising expected tokens per second.
-
-    With per-token acceptance probability a, drafting k tokens yields E(k) = (1 - a^(k+1)) / (1 - a) tokens per call
-    (accepted drafts plus the target's own token) and costs T(k) = network + server(k+1 tokens) + k * drafting; the
-    policy takes the k in [min_length, max_length] with the largest E(k) / T(k). All terms are measured: network
-    time per call and drafting time per token as moving averages, the server time as a line fitted to recent
-    verification calls, the acceptance from recent cycles (decayed counts). k = 0 is plain decoding (a useless
-    drafter on a fast link); then one call in `probe_every` still drafts one token to keep measuring the
-    acceptance (the interval doubles, up to `max_probe_every`, while probes are rejected). `fixed` turns the
-    adaptation off.
-    """
-
-    def __init__(
-        self,
-        min_length: int = 0,
-        max_length: int = 16,
-        fixed: int | None = None,
-        probe_every: int = 8,
-        max_probe_every: int = 64,
-    ):
-        if fixed is None and not 0 <= min_length <= max_length:
-            raise ValueError(f"need 0 <= min_length <= max_length, got {min_length} and {max_length}")
-        self.min_length, self.max_length, self.fixed = min_length, max_length, fixed
-        self.probe_every, self.max_probe_every = probe_every, max_probe_every
-        self._interval, self._probing = probe_every, False
-        self.network_s: float | None = None
-        self.draft_s = 0.005
-        self.accepted, self.trials = 1.0, 2.0  # prior: acceptance 0.5
-        self.server_points: deque[tuple[int, float]] = deque(maxlen=32)
-        self._zeros = 0
-
-    @property
-    def acceptance(self) -> float:
-        return min(0.99, max(0.01, self.accepted / self.trials))
-
-    def server_model(self) -> tuple[float, float]:
-        """(s0, s1): seconds per verification call ~ s0 + s1 * tokens in the forward (prior until measured)."""
-        if not self.server_points:
-            return 0.02, 0.002
-        xs, ys = zip(*self.server_points)
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        if var > 0:
-            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
-        else:  # one forward size seen so far: assume a marginal token costs a tenth of a call
-            slope = 0.1 * my / max(mx, 1.0)
-        slope = max(0.0, slope)
-        return max(0.0, my - slope * mx), slope
-
-    def observe_call(
-        self, network_s: float, server_s: float | None, forward_tokens: int, drafted: int, accepted: int
-    ) -> None:
-        """One answered call; `server_s` None for calls whose forward is a prefill (not a drafting cycle)."""
-        network_s = max(0.0, network_s)
-        self.network_s = network_s if self.network_s is None else 0.7 * self.network_s + 0.3 * network_s
-        if server_s is not None:
-            self.server_points.append((forward_tokens, server_s))
-        if drafted > 0:
-            self.accepted = 0.9 * self.accepted + accepted
-            self.trials = 0.9 * self.trials + accepted + (1 if accepted < drafted else 0)
-        if self._probing:
-            self._probing = False
-            self._interval = self.probe_every if accepted > 0 else min(2 * self._interval, self.max_probe_every)
-
-    def observe_draft(self, seconds_per_token: float) -> None:
-        self.draft_s = 0.8 * self.draft_s + 0.2 * seconds_per_token
-
-    def choose(self, budget: int) -> int:
-        """Tokens to draft now, at most `budget`."""
-        budget = max(0, budget)
-        if self.fixed is not None:
-            return min(self.fixed, budget)
-        a = self.acceptance
-        s0, s1 = self.server_model()
-        network = 0.02 if self.network_s is None else self.network_s
-        best, best_rate = 0, -1.0
-        for k in range(min(self.min_length, budget), min(self.max_length, budget) + 1):
-            expected = (1.0 - a ** (k + 1)) / (1.0 - a)
-            seconds = network + s0 + s1 * (k + 1) + k * self.draft_s
-            rate = expected / max(seconds, 1e-6)
-            if rate > best_rate:
-                best, best_rate = k, rate
-        if best == 0 and budget > 0:
-            self._zeros += 1
-            if self._zeros >= self._interval:  # probe: keep the acceptance estimate alive
-                self._zeros, self._probing = 0, True
-                return 1
-        else:
-            self._zeros = 0
-        return best
 
 
 class _TextStream:
@@ -269,7 +109,7 @@ class _Run:
         return len(self.verified) - len(self.prompt)
 
 
-class MoAClient:
+class MoAClient(ClientDrafterMixin):
     """Client of a `moa serve` server.
 
     ```python
@@ -285,23 +125,12 @@ class MoAClient:
             server announces, else downloaded (and cached); the server unreachable, the newest cached copy.
         tokenizer: the target's tokenizer (for text prompts, the chat template and streaming). None: the one cached
             with the server's drafter, else downloaded from the server when needed.
-        token: the server's auth token (sent as a Bearer token).
-        draft_length: a fixed number of drafted tokens per call (0: plain decoding, one call per token), or None
-            to adapt it between `min_draft_length` and `max_draft_length`.
-        context_format: how the server sends context vectors: "fp16", "int8" (with scales) or "fp32".
-        draft_top_k: with sampling, the drafter samples from its top-k tokens (sent to the server as its q).
-        backoff_initial_s, backoff_max_s: retry delays while the server is unreachable (doubling).
-        reconnect_timeout_s: once every token is drafted offline, how long to keep retrying before returning the
-            result with an unverified tail.
-        admission_timeout_s: how long to wait for a busy server (429/503 with Retry-After) before drafting alone.
-        corrupt_retries: how many times a corrupted answer is asked for again before the server counts as
-            unreachable.
-        cache_dir: the drafter cache (default `$MOA_HF_DRAFTER_CACHE`, else `~/.cache/moa_hf/drafters`);
-            `use_cache=False` keeps a downloaded drafter in memory only.
-        offline: never contact the server: draft alone with the given or newest cached drafter (all unverified).
-        info_max_age_s: a generation starting this long after the client last read /v1/info reads it again (and
-            switches drafters if the server now runs another revision); it is read again after every outage too.
+        transport: an httpx transport (default: TCP without Nagle delay).
+        settings: a `ClientSettings` (draft length, timeouts, retries, cache, offline, ...); its fields may also be
+            given as keywords, which override it.
     """
+
+    settings_class = ClientSettings  # the keywords beside drafter, tokenizer, transport and settings
 
     def __init__(
         self,
@@ -309,26 +138,22 @@ class MoAClient:
         *,
         drafter=None,
         tokenizer=None,
-        token: str | None = None,
-        draft_length: int | None = None,
-        min_draft_length: int = 0,
-        max_draft_length: int = 16,
-        context_format: str = "fp16",
-        draft_top_k: int = 32,
-        timeout_s: float = 30.0,
-        connect_timeout_s: float = 5.0,
-        backoff_initial_s: float = 0.05,
-        backoff_max_s: float = 2.0,
-        reconnect_timeout_s: float = 10.0,
-        admission_timeout_s: float = 600.0,
-        corrupt_retries: int = 3,
-        check_drafter: bool = True,
         transport: httpx.BaseTransport | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        use_cache: bool = True,
-        offline: bool = False,
-        info_max_age_s: float = 60.0,
+        settings: ClientSettings | None = None,
+        **overrides,
     ):
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ClientSettings)})
+        if unknown:
+            known = ", ".join(f.name for f in dataclasses.fields(ClientSettings))
+            raise TypeError(
+                f"MoAClient got unknown keywords {unknown}; its settings are drafter, tokenizer, "
+                f"transport, settings and the ClientSettings fields: {known}."
+            )
+        self.settings = s = dataclasses.replace(settings or ClientSettings(), **overrides)
+        token, draft_length = s.token, s.draft_length
+        min_draft_length, max_draft_length = s.min_draft_length, s.max_draft_length
+        timeout_s, connect_timeout_s = s.timeout_s, s.connect_timeout_s
+        cache_dir, use_cache = s.cache_dir, s.use_cache
         if drafter is not None:
             self._check_standalone(drafter)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -345,14 +170,14 @@ class MoAClient:
         self.tokenizer = tokenizer
         self.draft_length = draft_length
         self.min_draft_length, self.max_draft_length = min_draft_length, max_draft_length
-        self.context_format = context_format
-        self.draft_top_k = draft_top_k
-        self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
-        self.reconnect_timeout_s = reconnect_timeout_s
-        self.admission_timeout_s, self.corrupt_retries = admission_timeout_s, corrupt_retries
+        self.context_format = s.context_format
+        self.draft_top_k = s.draft_top_k
+        self.backoff_initial_s, self.backoff_max_s = s.backoff_initial_s, s.backoff_max_s
+        self.reconnect_timeout_s = s.reconnect_timeout_s
+        self.admission_timeout_s, self.corrupt_retries = s.admission_timeout_s, s.corrupt_retries
         self._rng = random.Random()  # jitter of the retry delays (clients retrying together spread out)
-        self.check_drafter = check_drafter
-        self.offline = offline
+        self.check_drafter = s.check_drafter
+        self.offline = s.offline
         self.cache = DrafterCache(self.server, cache_dir) if use_cache else None
         self.revision: str | None = None  # the cached/downloaded drafter's revision (None: a drafter passed in)
         self._given_drafter, self._given_tokenizer = drafter is not None, tokenizer is not None
@@ -360,7 +185,7 @@ class MoAClient:
         self._dtype = torch.float32
         self._info: dict | None = None  # the server's /v1/info; None while it has not answered (offline)
         self._info_at = 0.0
-        self.info_max_age_s = info_max_age_s
+        self.info_max_age_s = s.info_max_age_s
         self._cached_info: dict | None = None  # its /v1/info when the cached drafter was downloaded
         self._unreachable = ""  # why the server did not answer last
         self._failed_at = -1e9  # when it did not (time.monotonic)
@@ -491,164 +316,6 @@ class MoAClient:
         except ConnectionError as err:
             self._unreachable, self._failed_at = str(err), time.monotonic()
             return None
-
-    def prepare(self, dtype: torch.dtype = torch.float32) -> dict | None:
-        """Ask the server for its /v1/info and get the drafter ready (see `load_drafter`); returns the info, or
-        None when the server is unreachable (then the client starts offline, with a cached or given drafter)."""
-        info = self._try_info()
-        if self.drafter is None or self._stale(info):
-            self._dtype = dtype
-            self._load_server_drafter(info, fall_back=True)
-            info = self._info
-        self._check_fingerprint(info)
-        return info
-
-    def _stale(self, info: dict | None) -> bool:
-        """Whether the server (answering with `info`) now announces another revision than the drafter it gave."""
-        return info is not None and not self._given_drafter and info["drafter"].get("revision") != self.revision
-
-    def load_drafter(self, dtype: torch.dtype = torch.float32):
-        """The drafter: the one given; else the server's current one, from the cache when it holds the revision the
-        server announces (downloaded into the cache otherwise); else, the server unreachable (or the download
-        broken off), the newest valid cached copy. Raises `ConnectionError` when there is none of these."""
-        if self.drafter is None:
-            self.prepare(dtype)
-        return self.drafter
-
-    def _load_server_drafter(self, info: dict | None, fall_back: bool) -> None:
-        """Load the drafter of the server whose /v1/info is `info` (None: unreachable) from the cache or a download;
-        `fall_back`: when that fails for want of the server, take the newest valid cached copy."""
-        revision = (info or {}).get("drafter", {}).get("revision")
-        if info is not None and (self.cache is None or revision is None):  # no cache (or an older server)
-            blob = self._fetch("/v1/drafter", timeout=httpx.Timeout(600.0, connect=10.0)).content
-            self._set_drafter(decode_drafter(blob, self._dtype), revision)
-            return
-        entry = None
-        if info is not None:
-            entry = self.cache.load(revision, self._dtype)
-            if entry is None:
-                try:
-                    entry = self._download(revision, info)
-                except (ConnectionError, CacheError) as err:  # the server went away (or changed) meanwhile
-                    if not fall_back:
-                        raise ConnectionError(str(err)) from err
-                    logger.warning("downloading the server's drafter failed (%s)", err)
-                    self._info, self._unreachable = None, str(err)
-        if entry is None and self.cache is not None:
-            entry = self.cache.load(None, self._dtype)
-            if entry is not None:
-                logger.warning(
-                    "server unreachable (%s): using the cached drafter %s, downloaded %s; every token stays "
-                    "unverified until the server answers",
-                    self._unreachable,
-                    entry.path,
-                    time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.manifest["created_at"])),
-                )
-        if entry is None:
-            where = f"{self.cache.folder} holds no valid cached drafter for it" if self.cache else "the cache is off"
-            raise ConnectionError(
-                f"{self._unreachable or f'cannot reach the server at {self.server}'}; and {where}. Start the server "
-                "(`moa serve`) and run the client again (it then caches the drafter for offline use), or pass a "
-                "drafter folder (`moa client --drafter DIR`, `MoAClient(drafter=...)`)."
-            )
-        self._use_entry(entry)
-
-    def _download(self, revision: str, info: dict) -> CachedDrafter:
-        """Download the server's drafter (and tokenizer) into a new cache entry; a failure leaves nothing behind."""
-        logger.info("downloading the server's drafter (revision %s) into %s", revision, self.cache.folder)
-        with self.cache.writing(revision, info) as tmp:
-            self._download_file("/v1/drafter", tmp / DRAFTER_FILE)
-            if info.get("has_tokenizer"):
-                self._write_tokenizer(tmp / TOKENIZER_DIR)
-        entry = self.cache.load(revision, self._dtype)
-        if entry is None:
-            raise CacheError(f"the new cache entry {self.cache.folder / revision} does not load (see the warning)")
-        return entry
-
-    def _download_file(self, path: str, dest: Path) -> None:
-        """Stream GET `path` into the file `dest`; `ConnectionError` if the server is unreachable or stops."""
-        try:
-            with self._http.stream("GET", path, timeout=httpx.Timeout(600.0, connect=10.0)) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    self._raise_for_status(response, path)
-                with open(dest, "wb") as f:
-                    for chunk in response.iter_bytes():
-                        f.write(chunk)
-        except httpx.TransportError as err:
-            raise ConnectionError(
-                f"cannot reach the server at {self.server} ({path}): the download broke off ({type(err).__name__})"
-            ) from err
-        except (_Unreachable, _Busy) as err:
-            raise ConnectionError(f"cannot reach the server at {self.server} ({path}): {err}") from err
-
-    def _write_tokenizer(self, folder: Path) -> None:
-        """Write the server's tokenizer files (GET /v1/tokenizer) into `folder`."""
-        files = tokenizer_file_bytes(self._fetch("/v1/tokenizer").json())
-        folder.mkdir(parents=True, exist_ok=True)
-        for name, data in files.items():
-            (folder / name).write_bytes(data)
-
-    def _use_entry(self, entry: CachedDrafter) -> None:
-        self._set_drafter(entry.drafter, entry.revision)
-        self._cached_info = entry.server_info
-        if not self._given_tokenizer and entry.tokenizer is not None:
-            self.tokenizer = entry.tokenizer
-
-    def _set_drafter(self, drafter, revision: str | None) -> None:
-        self.drafter, self.revision = drafter.eval(), revision
-        self._fingerprint = lsa_fingerprint(drafter)
-
-    def load_tokenizer(self):
-        """The target's tokenizer: the one given or cached with the drafter, else downloaded from the server (needed
-        for text prompts and streaming)."""
-        if self.tokenizer is None:
-            from transformers import AutoTokenizer
-
-            with tempfile.TemporaryDirectory() as tmp:
-                self._write_tokenizer(Path(tmp))
-                self.tokenizer = AutoTokenizer.from_pretrained(tmp)
-        return self.tokenizer
-
-    def _recorded_targets(self) -> dict:
-        """{target name: recorded target fingerprint (or None)} of the drafter: its primary target and, for a sorted
-        multi-target drafter (`drafter.target_names`), the extra ones (`config.extra_targets`). {None: ...} for a
-        drafter without named targets."""
-        c = self.drafter.config
-        extra = getattr(c, "extra_targets", None) or {}
-        names = list(getattr(self.drafter, "target_names", None) or [None])
-        primary = getattr(c, "target_fingerprint", None)
-        return {name: extra[name].get("target_fingerprint") if name in extra else primary for name in names}
-
-    def _check_fingerprint(self, info: dict | None) -> None:
-        """Draft for the server's target and refuse a drafter that does not fit the server's: a multi-target drafter
-        selects the target whose recorded fingerprint is the server target's (the client has no target to attach,
-        `/v1/info` gives its fingerprint, or the cached copy's while it is unreachable); its LSA must be the one the
-        server runs."""
-        known_info = info or self._cached_info
-        if known_info is None or self.drafter is None:
-            return
-        theirs, recorded = known_info.get("target_fingerprint"), self._recorded_targets()
-        matched = [name for name, fp in recorded.items() if fp and fp == theirs]
-        if matched and len(recorded) > 1:
-            self.drafter.select_target(matched[0])
-        if not self.check_drafter or info is None:
-            return
-        known = {name: fp for name, fp in recorded.items() if fp}
-        if theirs and known and not matched:
-            mine = ", ".join(f"{fp} ({name})" if name else fp for name, fp in known.items())
-            raise ValueError(
-                "This client's drafter was trained for other target weights than the server's target (target "
-                f"fingerprint {mine} vs {theirs}). Use the drafter trained for the server's model, or let the client "
-                "download the server's (no --drafter)."
-            )
-        server = info["drafter"]["lsa_fingerprint"]
-        if server != self._fingerprint:
-            raise ValueError(
-                f"This client's drafter (LSA fingerprint {self._fingerprint}) differs from the server's ({server}): "
-                "the context vectors the server computes would not fit it. Use the same drafter checkpoint on both "
-                "sides, or let the client download the server's (no --drafter)."
-            )
 
     def _sync(self, run: _Run) -> None:
         """The server answers again (after an offline start or an outage): re-read its /v1/info. When it now runs

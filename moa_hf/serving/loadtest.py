@@ -19,6 +19,7 @@ as `python -m moa_hf.serving.loadtest` (e.g. from an older checkout, to measure 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import inspect
 import json
@@ -201,7 +202,9 @@ def _make_client(setup: _Setup, phase: _Phase):
 
     kwargs = dict(drafter=setup.drafter, tokenizer=setup.tokenizer, token=setup.token, timeout_s=120.0)
     kwargs["transport"] = _counting_transport(phase.statuses, phase.lock)
-    if "admission_timeout_s" in inspect.signature(MoAClient).parameters:  # an older client has no admission wait
+    settings = getattr(MoAClient, "settings_class", None)  # an older client takes its settings as keywords
+    known = {f.name for f in dataclasses.fields(settings)} if settings else inspect.signature(MoAClient).parameters
+    if "admission_timeout_s" in known:  # an older client has no admission wait
         kwargs["admission_timeout_s"] = max(1.0, setup.deadline - time.monotonic())
     return MoAClient(setup.url, use_cache=False, **kwargs)
 
