@@ -21,12 +21,12 @@ from moa_hf.modeling import PRIMARY_TARGET, fixed_exit_thresholds, target_finger
 from moa_hf.tune import (
     NEVER,
     _exit_candidates,
-    _rank,
     exit_agreement,
     format_exit_agreement_markdown,
     format_exit_tuning_markdown,
     tune_exit_thresholds,
 )
+from moa_hf.tune_settings import rank
 
 from factory import make_target
 from factory import sorted_drafter as random_sorted_drafter
@@ -172,7 +172,7 @@ def test_exit_threshold_search():
     prompts = [[5, 6, 7, 8, 9, 5, 6, 7], [20, 21, 22, 23]]
     result = tune_exit_thresholds(target, drafter, prompts, grid=(0.5,), max_new_tokens=8, progress=False)
     assert drafter.config.exit_thresholds == [0.3, 0.3] and _no_hooks(target)  # put back
-    exit1_best = max(result["steps"][1]["rows"], key=_rank)
+    exit1_best = max(result["steps"][1]["rows"], key=rank)
     skipped = exit1_best["exit_thresholds"][0] == 0.0  # no token reaches exit 2: its threshold is not searched
     assert [step["step"] for step in result["steps"]] == [
         "fixed exits", "exit 1 threshold (round 1)", *([] if skipped else ["exit 2 threshold (round 1)"])
