@@ -21,7 +21,7 @@ from moa_hf.modeling import gather_target_kv
 from moa_hf.serving import MoAClient, ServerLimits, ServerThread, ServingState, create_app
 from moa_hf.serving.netem import DelayProxy, LinkProfile
 from moa_hf.serving.protocol import decode_drafter, decode_result, encode_drafter, lsa_fingerprint
-from moa_hf.serving.server import _accept
+from moa_hf.serving.state import accept_drafts
 
 from factory import OracleDrafter, make_target
 
@@ -131,9 +131,9 @@ def test_sampling_is_seeded_and_exact_distribution():
     p = p_logits.softmax(-1)[0]
     q = torch.tensor([0.1, 0.2, 0.6, 0.1])
     from moa_hf.serving.protocol import CreateSessionRequest, SparseDistribution
-    from moa_hf.serving.server import _Session
+    from moa_hf.serving.state import Session
 
-    session = _Session(
+    session = Session(
         id="s",
         verified=[1],
         cache=None,
@@ -146,7 +146,7 @@ def test_sampling_is_seeded_and_exact_distribution():
     trials = 4000
     for _ in range(trials):
         d = int(torch.multinomial(q, 1, generator=rng))
-        accepted, token = _accept(p_logits, [d], [dist], session)
+        accepted, token = accept_drafts(p_logits, [d], [dist], session)
         counts[d if accepted == 1 else token] += 1
     assert (counts / trials - p).abs().max() < 0.03, (counts / trials, p)
 

@@ -32,9 +32,9 @@ _WHERE = {
     "ServingError": "client_types",
     "PROTOCOL_VERSION": "protocol",
     "VerifyResult": "protocol",
-    "ServerLimits": "server",
+    "ServerLimits": "state",
     "ServerThread": "server",
-    "ServingState": "server",
+    "ServingState": "state",
     "create_app": "server",
 }
 

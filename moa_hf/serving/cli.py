@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .. import build_drafter, default_drafter_path
+from .. import build_drafter
 from ..default_target import DEFAULT_TARGET_NAME
 from ..embeddings import with_own_embeddings
 from ..loading import load_drafter, load_target
@@ -208,6 +208,8 @@ def load_server_drafter(spec: str | None, target, seed: int = 0, own_embeddings:
     """(drafter, description). `spec`: a saved drafter folder, "default" (the packaged drafter for the default
     target), "random" (seeded, correct output but near-zero acceptance), or None: "default" when serving the default
     target and the packaged drafter exists, else "random"."""
+
+    from .. import default_drafter_path  # looked up when called: `moa_hf.default_drafter_path` may be replaced
 
     packaged = default_drafter_path()
     if spec is None:  # the packaged drafter serves the default target, recognised by its weights (or its name)
