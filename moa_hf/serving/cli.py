@@ -7,19 +7,23 @@ was never verified (server unreachable, or no admission within `--admission-time
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import HfArgumentParser
 
 from .. import build_drafter
 from ..default_target import DEFAULT_TARGET_NAME
 from ..embeddings import with_own_embeddings
 from ..loading import load_drafter, load_target
 from ..modeling import target_fingerprint
+from .client_types import ClientSettings
 
 __all__ = ["EXIT_SERVER_ERROR", "EXIT_UNVERIFIED", "EXIT_USAGE", "load_server_drafter", "read_token", "register"]
 
@@ -47,6 +51,49 @@ def read_token(token: str | None, token_file: str | None) -> str | None:
         logger.warning("--token is visible to every user of this machine (ps): prefer --token-file or $%s", _TOKEN_ENV)
         return token
     return os.environ.get(_TOKEN_ENV) or None
+
+
+@dataclass
+class ClientCommandArguments:
+    """`moa client`'s own options; the client's settings (draft length, timeouts, cache, offline, the token, ...) are
+    `ClientSettings` fields, parsed beside these (`HfArgumentParser`)."""
+
+    prompt: str = field(metadata={"help": "the prompt (one user turn in the target's chat template unless --raw)"})
+    server: str = "http://127.0.0.1:8000"
+    max_new_tokens: int = 128
+    json: bool = field(
+        default=False,
+        metadata={"help": "print one JSON object (text, token_ids, server_calls, unverified_tokens, ...)"},
+    )
+    raw: bool = field(default=False, metadata={"help": "send the prompt as raw text (no chat template)"})
+    token_file: str | None = field(
+        default=None, metadata={"help": f"a file whose first line is the server's auth token (or ${_TOKEN_ENV})"}
+    )
+    drafter: str | None = field(
+        default=None,
+        metadata={
+            "help": "a local drafter folder (own embeddings); if it does not exist, the server's drafter and "
+            "tokenizer are downloaded and saved there (default: the server's, from the drafter cache)"
+        },
+    )
+    no_cache: bool = field(
+        default=False, metadata={"help": "download the server's drafter into memory only (no drafter cache)"}
+    )
+    tokenizer: str | None = field(
+        default=None, metadata={"help": "a local tokenizer folder (default: the drafter folder's, else the server's)"}
+    )
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    best_effort: bool = field(
+        default=False,
+        metadata={
+            "help": "exit 0 even when some text was never verified (drafter-only; still said on stderr; default: exit "
+            f"{EXIT_UNVERIFIED})"
+        },
+    )
 
 
 def register(subparsers) -> None:
@@ -93,76 +140,11 @@ def register(subparsers) -> None:
 
     c = subparsers.add_parser(
         "client",
+        parents=[HfArgumentParser((ClientCommandArguments, ClientSettings), add_help=False)],
         help="generate with a local drafter and a `moa serve` server",
-        description="Draft locally, verify on the server, stream the verified text.",
-    )
-    c.add_argument("--server", default="http://127.0.0.1:8000")
-    c.add_argument("--prompt", required=True)
-    c.add_argument("--max-new-tokens", type=int, default=128)
-    c.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON object (text, token_ids, server_calls, unverified_tokens, timings, ...)",
-    )
-    c.add_argument("--raw", action="store_true", help="send the prompt as raw text (no chat template)")
-    c.add_argument(
-        "--token-file", default=None, help=f"a file whose first line is the server's auth token (or ${_TOKEN_ENV})"
-    )
-    c.add_argument("--token", default=None, help="the token itself (visible in `ps`: prefer --token-file)")
-    c.add_argument(
-        "--drafter",
-        default=None,
-        help="a local drafter folder (own embeddings); if it does not exist, the server's drafter and "
-        "tokenizer are downloaded and saved there (default: the server's, from the drafter cache)",
-    )
-    c.add_argument(
-        "--cache-dir",
-        default=None,
-        help="the drafter cache: the server's drafter and tokenizer, one folder per revision, used when the server "
-        "runs that revision or does not answer (default: $MOA_HF_DRAFTER_CACHE, else ~/.cache/moa_hf/drafters)",
-    )
-    c.add_argument(
-        "--no-cache", action="store_true", help="download the server's drafter into memory only (no drafter cache)"
-    )
-    c.add_argument(
-        "--offline",
-        action="store_true",
-        help="do not contact the server: generate with --drafter or the newest cached drafter alone (unverified)",
-    )
-    c.add_argument(
-        "--tokenizer", default=None, help="a local tokenizer folder (default: the drafter folder's, else the server's)"
-    )
-    c.add_argument("--do-sample", action="store_true")
-    c.add_argument("--temperature", type=float, default=1.0)
-    c.add_argument("--top-k", type=int, default=0)
-    c.add_argument("--top-p", type=float, default=1.0)
-    c.add_argument("--seed", type=int, default=None)
-    c.add_argument(
-        "--draft-length",
-        type=int,
-        default=None,
-        help="fixed drafted tokens per call (0: plain decoding); default: adaptive",
-    )
-    c.add_argument("--max-draft-length", type=int, default=16)
-    c.add_argument("--context-format", choices=["fp16", "int8", "fp32"], default="fp16")
-    c.add_argument("--timeout-s", type=float, default=30.0)
-    c.add_argument(
-        "--reconnect-timeout-s",
-        type=float,
-        default=10.0,
-        help="after drafting every token offline, how long to wait for the server",
-    )
-    c.add_argument(
-        "--admission-timeout-s",
-        type=float,
-        default=600.0,
-        help="how long to wait for a busy server (it answers 429/503 with Retry-After) before drafting alone",
-    )
-    c.add_argument(
-        "--best-effort",
-        action="store_true",
-        help=f"exit 0 even when some text was never verified (drafter-only; still said on stderr; default: exit "
-        f"{EXIT_UNVERIFIED})",
+        description="Draft locally, verify on the server, stream the verified text. Options: the fields of "
+        "ClientCommandArguments and of ClientSettings (the client's settings), each spelled with hyphens or "
+        "underscores.",
     )
     c.set_defaults(func=_client)
 
@@ -392,21 +374,11 @@ def _run_client(args) -> int:
             tokenizer = AutoTokenizer.from_pretrained(folder)
     if args.tokenizer is not None:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    client = MoAClient(
-        args.server,
-        drafter=drafter,
-        tokenizer=tokenizer,
-        token=token,
-        draft_length=args.draft_length,
-        max_draft_length=args.max_draft_length,
-        context_format=args.context_format,
-        timeout_s=args.timeout_s,
-        reconnect_timeout_s=args.reconnect_timeout_s,
-        admission_timeout_s=args.admission_timeout_s,
-        cache_dir=args.cache_dir,
-        use_cache=not args.no_cache,
-        offline=args.offline,
+    _, settings = HfArgumentParser((ClientCommandArguments, ClientSettings)).parse_dict(
+        vars(args), allow_extra_keys=True
     )
+    settings = dataclasses.replace(settings, token=token, use_cache=settings.use_cache and not args.no_cache)
+    client = MoAClient(args.server, drafter=drafter, tokenizer=tokenizer, settings=settings)
     with client:
         try:
             client.prepare()

@@ -109,21 +109,45 @@ class ClientSettings:
         drafters if the server now runs another revision); it is read again after every outage too.
     """
 
-    token: str | None = None
-    draft_length: int | None = None
+    token: str | None = field(
+        default=None, metadata={"help": "the token itself (visible in `ps`: prefer --token-file)"}
+    )
+    draft_length: int | None = field(
+        default=None, metadata={"help": "fixed drafted tokens per call (0: plain decoding); default: adaptive"}
+    )
     min_draft_length: int = 0
     max_draft_length: int = 16
-    context_format: str = "fp16"
+    context_format: str = field(default="fp16", metadata={"choices": ["fp16", "int8", "fp32"]})
     draft_top_k: int = 32
     timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 2.0
-    reconnect_timeout_s: float = 10.0
-    admission_timeout_s: float = 600.0
+    reconnect_timeout_s: float = field(
+        default=10.0, metadata={"help": "after drafting every token offline, how long to wait for the server"}
+    )
+    admission_timeout_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "how long to wait for a busy server (it answers 429/503 with Retry-After) before drafting alone"
+        },
+    )
     corrupt_retries: int = 3
     check_drafter: bool = True
-    cache_dir: str | None = None
+    cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "the drafter cache: the server's drafter and tokenizer, one folder per revision, used when the "
+            "server runs that revision or does not answer (default: $MOA_HF_DRAFTER_CACHE, else "
+            "~/.cache/moa_hf/drafters)"
+        },
+    )
     use_cache: bool = True
-    offline: bool = False
+    offline: bool = field(
+        default=False,
+        metadata={
+            "help": "do not contact the server: generate with --drafter or the newest cached drafter alone "
+            "(unverified)"
+        },
+    )
     info_max_age_s: float = 60.0
