@@ -163,18 +163,7 @@ class EagleDrafterModel(DrafterMixin, EaglePreTrainedModel, GenerationMixin):
         super().__init__(config)
         c = config
         self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=c.fc_bias)  # concat(f_{i-1}, e(x_i)) -> d
-        self.layers = nn.ModuleList(
-            MoADecoderLayer(
-                c.hidden_size,
-                c.num_attention_heads,
-                c.num_key_value_heads,
-                c.head_dim,
-                c.intermediate_size,
-                c.rms_norm_eps,
-                c.hidden_act,
-            )
-            for _ in range(c.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(MoADecoderLayer.from_config(c) for _ in range(c.num_hidden_layers))
         self.rotary_emb = MoARotaryEmbedding(c.head_dim, c.rope_theta)
         if c.own_embeddings:
             self.embed_tokens = nn.Embedding(c.vocab_size, c.target_hidden_size)

@@ -158,6 +158,19 @@ class MoADecoderLayer(nn.Module):
         self.post_attention_layernorm = MoARMSNorm(hidden_size, eps)
         self.mlp = MoAMLP(hidden_size, intermediate_size, act)
 
+    @classmethod
+    def from_config(cls, c) -> "MoADecoderLayer":
+        """The drafter's SA layer (or an EAGLE-style decoder layer) of a drafter config's sizes."""
+        return cls(
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.intermediate_size,
+            c.rms_norm_eps,
+            c.hidden_act,
+        )
+
     def forward(self, h, cos, sin, mask=None, cache: "MoADrafterCache | None" = None):
         x = self.input_layernorm(h)
         q = self.self_attn.queries(x, cos, sin)
@@ -211,15 +224,7 @@ class MoABlock(nn.Module):
     def __init__(self, config: MoADrafterConfig):
         super().__init__()
         c = config
-        self.self_attention = MoADecoderLayer(
-            c.hidden_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-            c.intermediate_size,
-            c.rms_norm_eps,
-            c.hidden_act,
-        )
+        self.self_attention = MoADecoderLayer.from_config(c)
         self.cross_attention = MoACrossAttentionLayer(c)
         for linear in (
             self.self_attention.self_attn.o_proj,
@@ -383,15 +388,7 @@ class MoADrafterModel(
     def __init__(self, config: MoADrafterConfig):
         super().__init__(config)
         c = config
-        self.self_attention = MoADecoderLayer(
-            c.hidden_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-            c.intermediate_size,
-            c.rms_norm_eps,
-            c.hidden_act,
-        )
+        self.self_attention = MoADecoderLayer.from_config(c)
         self.cross_attention = MoACrossAttentionLayer(c)
         lsa_head_dim = c.lsa_hidden_size // c.lsa_num_attention_heads
         self.lsa_in_proj = (
