@@ -244,3 +244,16 @@ def test_the_one_home_rules_find_what_they_forbid():
     assert _imports_hub("from .. import hub\n", "moa_hf.hub_cards") == [(1, "from .. import hub")]
     assert function_level_imports(source) == [(7, "moa_hf.hub"), (8, "..hub_cards")]
     assert all((ROOT / name).is_file() for name in LONG_FILES)
+
+
+def test_every_package_folder_is_shipped():
+    """A wheel holds the packages pyproject.toml lists: every folder of the library with an `__init__.py`."""
+    tomllib = pytest.importorskip("tomllib")
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {"hub_cards": "moa_hf.hub_cards", **PACKAGES}
+    found = {
+        ".".join([folders[init.relative_to(ROOT).parts[0]], *init.relative_to(ROOT).parts[1:-1]])
+        for folder in LIBRARY
+        for init in (ROOT / folder).rglob("__init__.py")
+    }
+    assert found <= listed, f"Add {sorted(found - listed)} to `packages` in pyproject.toml (a wheel would lack them)."
