@@ -24,6 +24,7 @@ from ..embeddings import with_own_embeddings
 from ..loading import load_drafter, load_target
 from ..modeling import target_fingerprint
 from .client_types import ClientSettings
+from .state import ServerLimits
 
 __all__ = ["EXIT_SERVER_ERROR", "EXIT_UNVERIFIED", "EXIT_USAGE", "load_server_drafter", "read_token", "register"]
 
@@ -51,6 +52,56 @@ def read_token(token: str | None, token_file: str | None) -> str | None:
         logger.warning("--token is visible to every user of this machine (ps): prefer --token-file or $%s", _TOKEN_ENV)
         return token
     return os.environ.get(_TOKEN_ENV) or None
+
+
+@dataclass
+class ServeArguments:
+    """`moa serve`'s own options; its limits are the fields of `ServerLimits`, parsed beside these."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "bind address (default: loopback only)"})
+    port: int = 8000
+    target: str = field(
+        default="default",
+        metadata={"help": "a local Hugging Face model folder, or 'default' for SmolLM2-135M-Instruct"},
+    )
+    dtype: str = field(default="bfloat16", metadata={"choices": list(_DTYPE_CHOICES)})
+    drafter: str | None = field(
+        default=None,
+        metadata={
+            "help": "a saved MoA drafter folder, 'default' (the packaged drafter for the default target) or 'random' "
+            "(exact output, near-zero acceptance); default: 'default' for the default target, else 'random'"
+        },
+    )
+    allow_other_target: bool = field(
+        default=False,
+        metadata={
+            "help": "serve a drafter trained for other weights (e.g. the base model of a fine-tuned target); exact "
+            "output, lower acceptance"
+        },
+    )
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder (default: the target's)"})
+    token_file: str | None = field(
+        default=None,
+        metadata={
+            "help": f"a file whose first line is the auth token clients must send (or ${_TOKEN_ENV}); required off "
+            "loopback"
+        },
+    )
+    token: str | None = field(
+        default=None, metadata={"help": "the token itself (visible in `ps`: prefer --token-file)"}
+    )
+    docs: bool = field(
+        default=False, metadata={"help": "serve the API docs (/docs, /redoc, /openapi.json), behind the token"}
+    )
+    memory_budget_gb: float | None = field(
+        default=None,
+        metadata={
+            "help": "the sessions' projected caches, in GB (prompt + max_new_tokens + drafts per session; default: "
+            "25%% of the RAM, or of the GPU's memory on CUDA)"
+        },
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the random drafter"})
+    log_level: str = "info"
 
 
 @dataclass
@@ -100,42 +151,12 @@ def register(subparsers) -> None:
     """Add the `serve`, `client`, `serve-bench` and `serve-load` subcommands."""
     p = subparsers.add_parser(
         "serve",
+        parents=[HfArgumentParser((ServeArguments, ServerLimits), add_help=False)],
         help="host a target for client-server speculative decoding",
-        description="Host the target (and the drafter's LSA) behind an HTTP server; clients "
-        "draft locally and send one verification request per drafting cycle.",
+        description="Host the target (and the drafter's LSA) behind an HTTP server; clients draft locally and send "
+        "one verification request per drafting cycle. Options: the fields of ServeArguments and ServerLimits, each "
+        "spelled with hyphens or underscores.",
     )
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--target", default="default", help="a local Hugging Face model folder, or 'default' for SmolLM2-135M-Instruct"
-    )
-    p.add_argument("--dtype", choices=_DTYPE_CHOICES, default="bfloat16")
-    p.add_argument(
-        "--drafter",
-        default=None,
-        help="a saved MoA drafter folder, 'default' (the packaged drafter for the default target) or "
-        "'random' (exact output, near-zero acceptance); default: 'default' for the default target, else "
-        "'random'",
-    )
-    p.add_argument(
-        "--allow-other-target",
-        action="store_true",
-        help="serve a drafter trained for other weights (e.g. the base model of a fine-tuned target); exact output, "
-        "lower acceptance",
-    )
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the target's)")
-    p.add_argument(
-        "--token-file",
-        default=None,
-        help=f"a file whose first line is the auth token clients must send (or ${_TOKEN_ENV}); required off loopback",
-    )
-    p.add_argument("--token", default=None, help="the token itself (visible in `ps`: prefer --token-file)")
-    p.add_argument(
-        "--docs", action="store_true", help="serve the API docs (/docs, /redoc, /openapi.json), behind the token"
-    )
-    _serve_limits(p)
-    p.add_argument("--seed", type=int, default=0, help="seed of the random drafter")
-    p.add_argument("--log-level", default="info")
     p.set_defaults(func=_serve)
 
     c = subparsers.add_parser(
@@ -222,56 +243,17 @@ def _missing_extras() -> str | None:
     return None
 
 
-def _serve_limits(p) -> None:
-    """`moa serve`'s limits (defaults: `ServerLimits`; docs/serving.md says why)."""
-    g = p.add_argument_group("limits")
-    g.add_argument("--max-sessions", type=int, default=32, help="sessions at once (default: 32 = --max-batch)")
-    g.add_argument("--max-tokens-per-session", type=int, default=4096)
-    g.add_argument("--max-draft-tokens", type=int, default=64, help="most drafted tokens per verification call")
-    g.add_argument(
-        "--memory-budget-gb",
-        type=float,
-        default=None,
-        help="the sessions' projected caches, in GB (prompt + max_new_tokens + drafts per session; default: 25%% of "
-        "the RAM, or of the GPU's memory on CUDA)",
-    )
-    g.add_argument("--session-ttl-s", type=float, default=60.0, help="idle sessions expire after this")
-    g.add_argument("--max-request-bytes", type=int, default=1 << 20)
-    g.add_argument("--max-context-reply", type=int, default=512, help="tokens a call's context_from may reach back")
-    g = p.add_argument_group("load")
-    g.add_argument("--max-batch", type=int, default=32, help="sessions' calls verified in one scheduler tick")
-    g.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per session per tick")
-    g.add_argument(
-        "--admission-wait-s", type=float, default=20.0, help="a new session waits this long for room, then 429"
-    )
-    g.add_argument("--max-queue", type=int, default=64, help="new sessions waiting for room; more get 429 at once")
-    g.add_argument("--header-timeout-s", type=float, default=10.0, help="a request's headers must arrive within this")
-    g.add_argument("--body-timeout-s", type=float, default=20.0, help="its body within this after the headers")
-
-
 def _serve(args) -> int:
     if (message := _missing_extras()) is not None:
         print(message, file=sys.stderr)
         return 2
-    from .server import ServerLimits, ServingState, create_app, is_loopback, run_server
+    from .server import ServingState, create_app, is_loopback, run_server
 
     try:
         token = read_token(args.token, args.token_file)
-        limits = ServerLimits(
-            max_sessions=args.max_sessions,
-            max_tokens_per_session=args.max_tokens_per_session,
-            max_draft_tokens=args.max_draft_tokens,
-            session_ttl_s=args.session_ttl_s,
-            max_request_bytes=args.max_request_bytes,
-            max_batch=args.max_batch,
-            prefill_chunk=args.prefill_chunk,
-            admission_wait_s=args.admission_wait_s,
-            max_queue=args.max_queue,
-            memory_budget_bytes=None if args.memory_budget_gb is None else int(args.memory_budget_gb * 1e9),
-            max_context_reply=args.max_context_reply,
-            header_timeout_s=args.header_timeout_s,
-            body_timeout_s=args.body_timeout_s,
-        )
+        _, limits = HfArgumentParser((ServeArguments, ServerLimits)).parse_dict(vars(args), allow_extra_keys=True)
+        if args.memory_budget_gb is not None:
+            limits = dataclasses.replace(limits, memory_budget_bytes=int(args.memory_budget_gb * 1e9))
         _check_limits(limits)
     except ValueError as err:
         print(f"error: {_one_line(err)}", file=sys.stderr)

@@ -45,25 +45,33 @@ __all__ = ["ClientGone", "ServerLimits", "ServingState", "Session", "accept_draf
 
 @dataclass
 class ServerLimits:
-    """Configurable limits (see `moa serve --help` and docs/serving.md for why these defaults)."""
+    """Configurable limits: `moa serve`'s options (through `HfArgumentParser`); docs/serving.md says why these
+    defaults."""
 
-    max_sessions: int = 32
+    max_sessions: int = field(default=32, metadata={"help": "sessions at once (default: 32 = --max-batch)"})
     max_tokens_per_session: int = 4096
-    max_draft_tokens: int = 64
-    session_ttl_s: float = 60.0
+    max_draft_tokens: int = field(default=64, metadata={"help": "most drafted tokens per verification call"})
+    session_ttl_s: float = field(default=60.0, metadata={"help": "idle sessions expire after this"})
     max_request_bytes: int = 1 << 20
     # load
-    max_batch: int = 32  # rows (sessions' calls) per scheduler tick
-    prefill_chunk: int = 256  # prompt tokens per session per tick
-    admission_wait_s: float = 20.0  # a create waits this long for room, then 429
-    max_queue: int = 64  # creates waiting for room; more: 429 at once
-    memory_budget_bytes: int | None = None  # sessions' projected caches; None: 25% of the device's memory
+    max_batch: int = field(default=32, metadata={"help": "sessions' calls verified in one scheduler tick"})
+    prefill_chunk: int = field(default=256, metadata={"help": "prompt tokens per session per tick"})
+    admission_wait_s: float = field(
+        default=20.0, metadata={"help": "a new session waits this long for room, then 429"}
+    )
+    max_queue: int = field(default=64, metadata={"help": "new sessions waiting for room; more get 429 at once"})
+    memory_budget_bytes: int | None = field(
+        default=None,
+        metadata={
+            "help": "the sessions' projected caches, in bytes (or --memory-budget-gb); None: 25%% of the device's"
+        },
+    )
     # context replies
-    max_context_reply: int = 512  # tokens a verify's context_from may reach back
+    max_context_reply: int = field(default=512, metadata={"help": "tokens a call's context_from may reach back"})
     context_reread_factor: float = 2.0  # re-read tokens per session, at most this times its length
     # slow clients (uvicorn, `TimedH11Protocol`)
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 20.0
+    header_timeout_s: float = field(default=10.0, metadata={"help": "a request's headers must arrive within this"})
+    body_timeout_s: float = field(default=20.0, metadata={"help": "its body within this after the headers"})
 
 
 @dataclass(eq=False)
