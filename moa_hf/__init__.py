@@ -4,6 +4,7 @@ import contextlib
 
 from transformers import AutoConfig, AutoModel
 
+from . import drafter_types
 from .default_target import DEFAULT_TARGET_VARIANTS
 from .loading import load_drafter, load_target, parse_dtype
 from .modeling import (
@@ -55,10 +56,12 @@ __all__ = [
     "unsupported_target_reason",
 ]
 
-AutoConfig.register(MoADrafterConfig.model_type, MoADrafterConfig, exist_ok=True)
-AutoModel.register(MoADrafterConfig, MoADrafterModel, exist_ok=True)
-AutoConfig.register(EagleDrafterConfig.model_type, EagleDrafterConfig, exist_ok=True)
-AutoModel.register(EagleDrafterConfig, EagleDrafterModel, exist_ok=True)
+# every registered kind of drafter loads with the Auto classes
+for _kind in drafter_types.drafter_types():
+    if _kind.config_class is not None:
+        AutoConfig.register(_kind.model_type, _kind.config_class, exist_ok=True)
+        AutoModel.register(_kind.config_class, _kind.model_class, exist_ok=True)
+del _kind
 
 
 @contextlib.contextmanager
