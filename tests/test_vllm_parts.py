@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache
@@ -365,8 +366,12 @@ def test_speculative_and_additional_config(tmp_path, monkeypatch):
             "lookup": True,
             "allow_other_target": False,
             "allow_untested_vllm": False,
+            "catch_up_window": 256,
         }
     }
+    assert moa_hf.vllm.additional_config(catch_up_window=None)["moa_hf"]["catch_up_window"] is None
+    with pytest.raises(ValueError, match="catch_up_window"):
+        moa_hf.vllm.additional_config(catch_up_window=0)
     (tmp_path / "my_drafter").mkdir()
     monkeypatch.chdir(tmp_path)
     entry = moa_hf.vllm.additional_config("my_drafter", draft_length=2, lookup=False)[moa_hf.vllm.CONFIG_KEY]
@@ -646,3 +651,85 @@ def test_no_drafting_tried_where_free_drafting_gains_less_than_the_margin():
     assert [p.choose(4) for _ in range(20)] == [0] * 20
     p.explore_margin = 1.0
     assert p.choose(4) == 1  # without the margin it would try
+
+
+# -- matching vLLM's rows to the drafter's state rows -----------------------------------------------------------------
+def test_match_rows_follows_rows_that_move_join_and_leave():
+    from moa_hf.vllm.proposer import match_rows
+
+    a, b, c = np.arange(10), np.arange(100, 110), np.arange(200, 205)
+    fed = [a[:8], b[:9], c[:4]]
+    # vLLM's rows: b moved to the front, a kept going, c left, a new request d joined
+    d = np.arange(300, 320)
+    assert match_rows(fed, [b, a, d]) == [1, 0, None]
+    assert match_rows(fed, [a[:8]]) == [None]  # nothing new since the state's last token: start afresh
+    assert match_rows(fed, [np.r_[a[:7], 99, 98]]) == [None]  # a rewritten history (recomputed otherwise)
+
+
+def test_match_rows_two_rows_with_one_history_get_one_state_each():
+    from moa_hf.vllm.proposer import match_rows
+
+    a = np.arange(12)
+    assert match_rows([a[:8]], [a, a]) == [0, None]
+    assert match_rows([a[:8], a[:8]], [a, a]) == [0, 1]
+
+
+def test_match_rows_window_starts_rows_too_far_behind_afresh():
+    from moa_hf.vllm.proposer import match_rows
+
+    a, b = np.arange(400), np.arange(1000, 1400)
+    fed = [a[:100], b[:390]]
+    assert match_rows(fed, [a, b], window=None) == [0, 1]
+    assert match_rows(fed, [a, b], window=256) == [None, 1]  # 300 tokens behind: read anew from the last 256
+    assert match_rows(fed, [a, b], window=10) == [None, 1]
+    assert match_rows(fed, [a, b], window=9) == [None, None]
+
+
+def _simulate_sources(policy, steps, network_s, accept_network, accept_lookup=0.7, share=0.5, engine=None):
+    """Drive `policy` with prompt lookup on, at batch 1: a `share` of steps have a lookup proposal; the network costs
+    `network_s` seconds per step it runs; P(accepted prefix >= i) = accept**i per source."""
+    engine = engine or _engine_cost(0.0005)
+    chosen = []
+    for step in range(steps):
+        k, net = policy.plan(1)
+        chosen.append((k, net))
+        if not k:
+            policy.record_step(1, 0, 1, engine(1), 0.0)
+            continue
+        by_lookup = (step * 0.6180339887498949) % 1.0 < share
+        drafted = k if by_lookup or net else 0
+        policy.record_rows(int(by_lookup), 1)
+        policy.record_step(1, k, 1 + drafted, engine(1 + drafted), network_s if net and not by_lookup else 1e-4, net)
+        if drafted:
+            accept = accept_lookup if by_lookup else accept_network
+            u = (step * 0.7548776662466927) % 1.0
+            n = 0
+            while n < k and u < accept ** (n + 1):
+                n += 1
+            policy.record_acceptance(k, n, by_lookup=by_lookup)
+    return chosen
+
+
+def test_policy_drafts_by_lookup_only_where_the_network_does_not_pay():
+    p = DraftLengthPolicy(max_tokens=3, lookup=True, explore_every=10**6)
+    # a weak network (accepted 15%) that costs half a target step: lookup alone is faster
+    chosen = _simulate_sources(p, 60, network_s=0.006, accept_network=0.15)
+    assert chosen[: 3 * p.samples] == [(3, True)] * p.samples + [(3, False)] * p.samples + [(0, True)] * p.samples
+    assert chosen[-20:] == [(3, False)] * 20
+    assert p.lookup_share() == pytest.approx(0.5, abs=0.1)
+    assert p.acceptance_rates(by_lookup=True)[0] == pytest.approx(0.7, abs=0.15)
+    assert p.acceptance_rates()[0] < 0.5  # few network drafts: the prior still weighs
+    assert "batch<=1,k=3,lookup only" in p.as_dict()["draft_s"]
+
+
+def test_policy_runs_the_network_where_it_pays():
+    p = DraftLengthPolicy(max_tokens=3, lookup=True, explore_every=10**6)
+    chosen = _simulate_sources(p, 60, network_s=0.001, accept_network=0.8)  # a strong, cheap network
+    assert chosen[-20:] == [(3, True)] * 20
+
+
+def test_policy_without_lookup_never_plans_lookup_only():
+    p = DraftLengthPolicy(max_tokens=3, explore_every=10**6)
+    assert p.lookup_share() == 0.0
+    chosen = _simulate(p, 1, _engine_cost(0.0005), 20)
+    assert all(p.plan(1)[1] for _ in range(10)) and chosen[-5:] == [3] * 5

@@ -50,13 +50,18 @@ def additional_config(
     lookup: bool = True,
     allow_other_target: bool = False,
     allow_untested_vllm: bool = False,
+    catch_up_window: int | None = 256,
 ) -> dict:
     """vLLM's `additional_config` entry that tells the proposer which drafter to load and how to draft.
 
     `drafter`: "default" (the shipped drafter for SmolLM2-135M-Instruct), a saved drafter folder, or a Hub repo id
     already in the local Hub cache. `draft_length`: draft this many tokens every step instead of choosing from
     measured costs. `lookup`: the drafter's prompt lookup. `allow_other_target`: serve a target whose weights differ
-    from those the drafter was trained for (refused by default, as `attach` does)."""
+    from those the drafter was trained for (refused by default, as `attach` does). `catch_up_window`: a row the
+    drafter starts on is read from its last this-many verified tokens (None: all of them; prompt lookup always sees
+    all)."""
+    if catch_up_window is not None and int(catch_up_window) < 1:
+        raise ValueError(f"catch_up_window must be >= 1 or None (all tokens), got {catch_up_window}.")
     drafter = str(drafter)
     if drafter != "default" and os.path.isdir(os.path.expanduser(drafter)):
         drafter = os.path.abspath(os.path.expanduser(drafter))  # vLLM's workers may run elsewhere
@@ -67,6 +72,7 @@ def additional_config(
             "lookup": lookup,
             "allow_other_target": allow_other_target,
             "allow_untested_vllm": allow_untested_vllm,
+            "catch_up_window": None if catch_up_window is None else int(catch_up_window),
         }
     }
 

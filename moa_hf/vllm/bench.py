@@ -1,16 +1,20 @@
 """`moa bench-vllm` (or `python -m moa_hf.vllm.bench`): vLLM alone, vLLM's `ngram` and vLLM + MoA in one run.
 
 Each method runs in its own engine (a subprocess of this command: one vLLM engine per process), over the same
-prompts at each batch size: the prompts are sent `batch` at a time, so `batch` requests run together. Reported per
-method and batch: tokens/s, accepted tokens per verify step (vLLM's spec-decode counters: 1 + accepted / drafts),
-acceptance by draft position, and how many outputs are identical to vLLM alone's at the same batch size (exactness
-needs float32: bf16 vLLM alone already differs between batch shapes). It measures; it asserts nothing.
+prompts at each batch size: the prompts are sent `batch` at a time, so `batch` requests run together. The engines
+stay up side by side and take turns group by group, so every method meets the machine's load of the same minutes.
+Reported per method and batch: tokens/s, accepted tokens per verify step (vLLM's spec-decode counters: 1 +
+accepted / drafts), acceptance by draft position, and how many outputs are identical to vLLM alone's at the same
+batch size (exactness needs float32: bf16 vLLM alone already differs between batch shapes). It measures; it asserts
+nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import itertools
 import json
 import os
 import subprocess
@@ -19,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["METHODS", "main", "run_bench"]
+__all__ = ["METHODS", "EngineProcess", "main", "run_bench", "run_engines", "run_worker"]
 
 METHODS = ("vllm", "ngram", "moa")
 SPEC_COUNTERS = {
@@ -72,8 +76,13 @@ def _delta(after: dict, before: dict) -> dict:
     return out
 
 
-def worker(spec: dict) -> dict:
-    """One method's engine over every batch size (run in a subprocess by `run_bench`)."""
+_REPLY = "@@moa-bench@@ "  # marks the engine process's replies among vLLM's own output
+
+
+def serve(spec: dict) -> None:
+    """The engine process: start one method's engine, then run the groups of prompts that arrive on stdin (a JSON
+    list of prompt indices per line), replying on stdout (`_REPLY` + JSON) with each group's seconds, outputs and
+    spec-decode counters."""
     from vllm import LLM, SamplingParams
 
     kwargs = engine_kwargs(spec["method"], spec["drafter"], spec["k"], spec["draft_length"])
@@ -88,32 +97,118 @@ def worker(spec: dict) -> dict:
     ]  # the chat template's text: vLLM tokenizes it as transformers' `apply_chat_template` does
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=spec.get("ignore_eos", False))
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)  # warm-up
-    rows = []
-    for batch in spec["batches"]:
-        before, outputs, seconds = _spec_counters(llm), [], 0.0
-        for i in range(0, len(prompts), batch):
-            t = time.perf_counter()
-            results = llm.generate(prompts[i : i + batch], params, use_tqdm=False)
-            seconds += time.perf_counter() - t
-            outputs += [list(r.outputs[0].token_ids) for r in results]
-        counters = _delta(_spec_counters(llm), before)
-        tokens = sum(len(o) for o in outputs)
-        drafts = counters["drafts"]
-        rows.append(
-            {
-                "batch": batch,
-                "tokens": tokens,
-                "seconds": seconds,
-                "tokens_per_s": tokens / seconds,
-                "tokens_per_verify_step": 1 + counters["accepted_tokens"] / drafts if drafts else None,
-                "acceptance_by_position": [a / drafts for a in counters["accepted_per_pos"]] if drafts else None,
-                "drafts": drafts,
-                "draft_tokens": counters["draft_tokens"],
-                "accepted_tokens": counters["accepted_tokens"],
-                "outputs": outputs,
-            }
+    print(_REPLY + json.dumps({"engine_start_s": start_s}), flush=True)
+    for line in sys.stdin:
+        indices = json.loads(line)
+        before = _spec_counters(llm)
+        t = time.perf_counter()
+        results = llm.generate([prompts[i] for i in indices], params, use_tqdm=False)
+        seconds = time.perf_counter() - t
+        reply = {"seconds": seconds, "outputs": [list(r.outputs[0].token_ids) for r in results]}
+        print(_REPLY + json.dumps({**reply, **_delta(_spec_counters(llm), before)}), flush=True)
+
+
+class EngineProcess:
+    """One method's vLLM engine in a process of its own (vLLM starts one engine per process), idle between the
+    groups of prompts it is asked to run: the bench keeps one per method alive and alternates them group by group,
+    so that every method meets the machine's load of the same minutes."""
+
+    def __init__(self, spec: dict, log: Path):
+        self.method, self.log = spec["method"], log
+        self._tmp = tempfile.TemporaryDirectory()
+        spec_path = Path(self._tmp.name) / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        cmd = [vllm_python(), "-m", "moa_hf.vllm.bench", "--serve", str(spec_path)]
+        self._log = log.open("a")
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env
         )
-    return {"method": spec["method"], "engine_start_s": start_s, "rows": rows}
+        self.engine_start_s = self._reply()["engine_start_s"]
+
+    def _reply(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(_REPLY):
+                return json.loads(line[len(_REPLY) :])
+            self._log.write(line)
+        self._log.flush()
+        raise RuntimeError(f"The {self.method} engine exited (code {self.proc.wait()}); see {self.log}.")
+
+    def run(self, indices: list[int]) -> dict:
+        """Generate for these prompts together: seconds, outputs and spec-decode counters."""
+        self.proc.stdin.write(json.dumps(indices) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+        self._tmp.cleanup()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def groups(num_prompts: int, batch: int) -> list[list[int]]:
+    """The prompts sent `batch` at a time."""
+    return [list(range(i, min(i + batch, num_prompts))) for i in range(0, num_prompts, batch)]
+
+
+def summarise(batch: int, replies: list[dict]) -> dict:
+    """One method's row at one batch size from its groups' replies."""
+    seconds = sum(r["seconds"] for r in replies)
+    outputs = [o for r in replies for o in r["outputs"]]
+    counters = {name: sum(r[name] for r in replies) for name in SPEC_COUNTERS.values()}
+    by_pos = [sum(v) for v in itertools.zip_longest(*(r["accepted_per_pos"] for r in replies), fillvalue=0)]
+    tokens, drafts = sum(len(o) for o in outputs), counters["drafts"]
+    return {
+        "batch": batch,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "tokens_per_verify_step": 1 + counters["accepted_tokens"] / drafts if drafts else None,
+        "acceptance_by_position": [a / drafts for a in by_pos] if drafts else None,
+        **counters,
+        "outputs": outputs,
+    }
+
+
+def run_engines(base: dict, methods: list[str], log: Path) -> dict:
+    """Every method's engine over every batch size, interleaved: for each group of prompts, each method in turn
+    (the order rotating group by group). Returns {method: {"method", "engine_start_s", "rows"}}."""
+    with contextlib.ExitStack() as stack:
+        engines = {}
+        for method in methods:
+            print(f"[bench-vllm] starting the {method} engine ...", flush=True)
+            engines[method] = stack.enter_context(EngineProcess({**base, "method": method}, log))
+        replies = {(m, b): [] for m in methods for b in base["batches"]}
+        turn = 0
+        for batch in base["batches"]:
+            for group in groups(len(base["prompts"]), batch):
+                for m in methods[turn % len(methods) :] + methods[: turn % len(methods)]:
+                    replies[m, batch].append(engines[m].run(group))
+                turn += 1
+        return {
+            m: {
+                "method": m,
+                "engine_start_s": engines[m].engine_start_s,
+                "rows": [summarise(b, replies[m, b]) for b in base["batches"]],
+            }
+            for m in methods
+        }
+
+
+def run_worker(spec: dict, log: Path) -> dict:
+    """One method's engine (in a process of its own) over every batch size of `spec`: its log appended to `log`."""
+    return run_engines({k: v for k, v in spec.items() if k != "method"}, [spec["method"]], log)[spec["method"]]
 
 
 def vllm_python() -> str:
@@ -129,20 +224,6 @@ def vllm_python() -> str:
         "vLLM is not installed here: `make vllm-setup` builds .venv-vllm (vLLM pins its own torch and transformers), "
         'or `pip install "moa-hf[vllm]"` in an environment of its own.'
     )
-
-
-def run_worker(spec: dict, log: Path) -> dict:
-    """`worker(spec)` in a fresh process (vLLM starts one engine per process); its log appended to `log`."""
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-        cmd = [vllm_python(), "-m", "moa_hf.vllm.bench", "--worker", str(spec_path), str(out_path)]
-        with log.open("a") as f:
-            done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-        if done.returncode != 0:
-            raise RuntimeError(f"The {spec['method']} engine failed (exit {done.returncode}); see {log}.")
-        return json.loads(out_path.read_text())
 
 
 def load_prompts(questions: str | None, per_category: int, chat: int, seed: int) -> list[dict]:
@@ -177,10 +258,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         "batches": args.batches,
         "prompts": [q["prompt"] for q in questions],
     }
-    results = {}
-    for method in args.methods:
-        print(f"[bench-vllm] {method} ...", flush=True)
-        results[method] = run_worker({**base, "method": method}, output / "engines.log")
+    results = run_engines(base, list(args.methods), output / "engines.log")
     reference = {row["batch"]: row["outputs"] for row in results.get("vllm", {"rows": []})["rows"]}
     table = []
     for method, result in results.items():
@@ -258,9 +336,8 @@ def register(subparsers) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--worker":
-        spec = json.loads(Path(argv[1]).read_text())
-        Path(argv[2]).write_text(json.dumps(worker(spec)))
+    if argv and argv[0] == "--serve":
+        serve(json.loads(Path(argv[1]).read_text()))
         return
     p = argparse.ArgumentParser(prog="python -m moa_hf.vllm.bench", description=__doc__)
     add_arguments(p)

@@ -15,6 +15,12 @@ sampling, scheduling) and D the proposer's own time. Both are measured as the en
 step verified, so a measurement at one batch size serves every other with the same N, and D per batch bucket and k.
 The policy picks k maximising B E(k) / (T(B (1 + k)) + D(B, k)): where verifying k more tokens per row costs more
 than they bring (large batches on a CPU), that is 0 and vLLM runs as it would alone.
+
+With the drafter's prompt lookup on, a share p of the rows have a lookup proposal (a copy, at no forward's cost) and
+the rest need the network; a step either runs the network for them or leaves them undrafted (*lookup only*). Both
+sources keep their own acceptance, so a row gains p E_lookup(k) + (1 - p) E_network(k) with the network and
+p E_lookup(k) + (1 - p) without, the step verifying B (1 + k) or B (1 + p k) tokens, and D is measured for each: the
+network runs only where what it adds pays for its time.
 """
 
 from __future__ import annotations
@@ -39,10 +45,15 @@ class DraftLengthPolicy:
     window: int = 16  # newest measurements kept per key
     explore_every: int = 64  # steps between re-measuring k = max where the model chose less (acceptance drifts)
     explore_margin: float = 1.1  # measure drafting only where free drafting beats plain decoding by this factor
-    reached: list[int] = field(default_factory=list)  # reached[i]: drafts that had a token at position i+1
+    lookup: bool = False  # rows may draft by prompt lookup: also weigh steps that draft by lookup only
+    reached: list[int] = field(default_factory=list)  # reached[i]: network drafts that had a token at position i+1
     accepted: list[int] = field(default_factory=list)  # accepted[i]: ... whose token i+1 was accepted
+    lookup_reached: list[int] = field(default_factory=list)  # the same for drafts by prompt lookup
+    lookup_accepted: list[int] = field(default_factory=list)
+    lookup_rows: int = 0  # rows with a lookup proposal, of
+    drafting_rows: int = 0  # the rows of the steps that drafted
     engine_times: dict = field(default_factory=dict)  # N verified tokens -> deque of engine seconds per step
-    draft_times: dict = field(default_factory=dict)  # (bucket, k) -> deque of proposer seconds per step
+    draft_times: dict = field(default_factory=dict)  # (bucket, k, network) -> deque of proposer seconds per step
     last_max: dict = field(default_factory=dict)  # bucket -> step of the latest k = max
     backoff: dict = field(default_factory=dict)  # bucket -> multiplier of explore_every
     steps: int = 0
@@ -50,35 +61,51 @@ class DraftLengthPolicy:
     def __post_init__(self):
         if self.fixed is not None and not 0 <= self.fixed <= self.max_tokens:
             raise ValueError(f"draft_length={self.fixed} must lie in [0, num_speculative_tokens={self.max_tokens}].")
-        self.reached = self.reached or [0] * self.max_tokens
-        self.accepted = self.accepted or [0] * self.max_tokens
+        for name in ("reached", "accepted", "lookup_reached", "lookup_accepted"):
+            setattr(self, name, getattr(self, name) or [0] * self.max_tokens)
 
     # -- what was measured ------------------------------------------------------------------------------------------
-    def record_acceptance(self, drafted: int, accepted: int) -> None:
-        """One row's draft of `drafted` tokens of which the first `accepted` were accepted."""
+    def record_acceptance(self, drafted: int, accepted: int, by_lookup: bool = False) -> None:
+        """One row's draft of `drafted` tokens (by the network, or by prompt lookup) of which the first `accepted`
+        were accepted."""
+        reached, hits = (self.lookup_reached, self.lookup_accepted) if by_lookup else (self.reached, self.accepted)
         for i in range(min(drafted, accepted + 1)):
-            self.reached[i] += 1
-            self.accepted[i] += i < accepted
+            reached[i] += 1
+            hits[i] += i < accepted
 
-    def record_step(self, batch_size: int, k: int, tokens: int, engine_s: float, draft_s: float | None) -> None:
-        """A step of `batch_size` rows at draft length k that verified `tokens` tokens: the engine took `engine_s`
-        seconds, and the proposer `draft_s` to draft for it (None: not a steady-state draft, e.g. rows caught up
-        from scratch, whose one-off cost is not a per-step one)."""
+    def record_rows(self, lookup_rows: int, rows: int) -> None:
+        """A drafting step's rows, `lookup_rows` of which had a lookup proposal."""
+        self.lookup_rows += lookup_rows
+        self.drafting_rows += rows
+
+    def record_step(
+        self, batch_size: int, k: int, tokens: int, engine_s: float, draft_s: float | None, network: bool = True
+    ) -> None:
+        """A step of `batch_size` rows at draft length k (drafting with the network or by lookup only) that verified
+        `tokens` tokens: the engine took `engine_s` seconds, and the proposer `draft_s` to draft for it (None: not a
+        steady-state draft, e.g. rows caught up from scratch, whose one-off cost is not a per-step one)."""
         self.engine_times.setdefault(tokens, deque(maxlen=self.window)).append(engine_s)
         if draft_s is not None:
-            self.draft_times.setdefault((batch_bucket(batch_size), k), deque(maxlen=self.window)).append(draft_s)
+            key = (batch_bucket(batch_size), k, network or k == 0)
+            self.draft_times.setdefault(key, deque(maxlen=self.window)).append(draft_s)
 
-    def acceptance_rates(self) -> list[float]:
-        """a_i, the share of drafts reaching position i that were accepted there (a prior of 1/2 before data)."""
-        return [(a + 1) / (r + 2) for a, r in zip(self.accepted, self.reached)]
+    def acceptance_rates(self, by_lookup: bool = False) -> list[float]:
+        """a_i, the share of (network or lookup) drafts reaching position i that were accepted there (a prior of
+        1/2 before data)."""
+        reached, hits = (self.lookup_reached, self.lookup_accepted) if by_lookup else (self.reached, self.accepted)
+        return [(a + 1) / (r + 2) for a, r in zip(hits, reached)]
 
-    def expected_tokens(self, k: int) -> float:
-        """E(k): tokens a row gains per step with draft length k."""
+    def expected_tokens(self, k: int, by_lookup: bool = False) -> float:
+        """E(k): tokens a row gains per step with draft length k (network drafts, or lookup drafts)."""
         total, p = 1.0, 1.0
-        for a in self.acceptance_rates()[:k]:
+        for a in self.acceptance_rates(by_lookup)[:k]:
             p *= a
             total += p
         return total
+
+    def lookup_share(self) -> float:
+        """p, the share of rows with a lookup proposal (0 with lookup off; a prior of 1/2 before data)."""
+        return (self.lookup_rows + 1) / (self.drafting_rows + 2) if self.lookup else 0.0
 
     # -- the cost model -----------------------------------------------------------------------------------------------
     def engine_seconds(self, tokens: int) -> float | None:
@@ -95,70 +122,90 @@ class DraftLengthPolicy:
         n, t = known[-1]
         return t * tokens / n
 
-    def draft_seconds(self, batch_size: int, k: int) -> float | None:
-        """D(B, k): the proposer's median time at this batch bucket and k; an unmeasured 0 < k < max from k = max's
-        time (its catch-up is the same, drafting ~ k); None when k = max is unmeasured."""
-        times = self.draft_times.get((batch_bucket(batch_size), k))
+    def draft_seconds(self, batch_size: int, k: int, network: bool = True) -> float | None:
+        """D(B, k): the proposer's median time at this batch bucket and k (with the network, or by lookup only); an
+        unmeasured 0 < k < max from k = max's time (its catch-up is the same, drafting ~ k); None when k = max is
+        unmeasured."""
+        network = network or k == 0
+        times = self.draft_times.get((batch_bucket(batch_size), k, network))
         if times and (k == 0 or len(times) >= self.samples):
             return statistics.median(times)
         if k == 0:
             return 0.0
-        top = self.draft_times.get((batch_bucket(batch_size), self.max_tokens))
+        top = self.draft_times.get((batch_bucket(batch_size), self.max_tokens, network))
         if not top or len(top) < self.samples:
             return None
         return statistics.median(top) * (1 + k) / (1 + self.max_tokens)
 
-    def throughput(self, batch_size: int, k: int, optimistic: bool = False) -> float | None:
-        """Tokens per second the model predicts at draft length k (None: unmeasured); `optimistic`: with drafting
-        free (what drafting could at best give)."""
-        engine = self.engine_seconds(batch_size * (1 + k))
-        draft = 0.0 if optimistic else self.draft_seconds(batch_size, k)
+    def throughput(self, batch_size: int, k: int, optimistic: bool = False, network: bool = True) -> float | None:
+        """Tokens per second the model predicts at draft length k, drafting with the network or by lookup only (None:
+        unmeasured); `optimistic`: with drafting free (what drafting could at best give)."""
+        p = self.lookup_share() if k else 0.0
+        by_network = self.expected_tokens(k) if network else 1.0
+        gained = p * self.expected_tokens(k, by_lookup=True) + (1 - p) * by_network  # per row
+        drafted = k * (p + (1 - p) * network)  # tokens drafted per row
+        engine = self.engine_seconds(round(batch_size * (1 + drafted)))
+        draft = 0.0 if optimistic else self.draft_seconds(batch_size, k, network)
         if engine is None or draft is None:
             return None
-        return batch_size * self.expected_tokens(k) / (engine + draft)
+        return batch_size * gained / (engine + draft)
 
     # -- the choice ---------------------------------------------------------------------------------------------------
-    def _measured(self, batch_size: int, k: int) -> int:
-        return len(self.draft_times.get((batch_bucket(batch_size), k), ()))
+    def _measured(self, batch_size: int, k: int, network: bool = True) -> int:
+        return len(self.draft_times.get((batch_bucket(batch_size), k, network or k == 0), ()))
 
     def choose(self, batch_size: int) -> int:
-        """The draft length for the next step at `batch_size` rows.
+        """The draft length for the next step at `batch_size` rows (see `plan`)."""
+        return self.plan(batch_size)[0]
 
-        Drafting is measured (k = max, then 0, `samples` steps each) at a batch size only while the model says it
-        could pay: with no engine time yet, or when even free drafting would beat plain decoding by
-        `explore_margin` by the engine times measured so far (at any batch size with the same tokens per step);
-        trying is not free, every row must first be caught up. Then the best k by the model; k = max is
+    def plan(self, batch_size: int) -> tuple[int, bool]:
+        """The draft length for the next step at `batch_size` rows, and whether the network drafts (False: rows
+        without a lookup proposal stay undrafted).
+
+        Drafting is measured (k = max with the network, by lookup only, then 0, `samples` steps each) at a batch size
+        only while the model says it could pay: with no engine time yet, or when even free drafting would beat plain
+        decoding by `explore_margin` by the engine times measured so far (at any batch size with the same tokens per
+        step); trying is not free, every row must first be caught up. Then the best choice by the model; k = max is
         measured again after `explore_every` steps, an interval that doubles each time it loses."""
         self.steps += 1
         if self.fixed is not None:
-            return self.fixed
+            return self.fixed, True
         bucket = batch_bucket(batch_size)
+        sources = (True, False) if self.lookup else (True,)  # with the network; by lookup only
+        options = [(k, net) for k in range(1, self.max_tokens + 1) for net in sources]
         plain = self.throughput(batch_size, 0)
-        ks = range(1, self.max_tokens + 1)
-        best_free = max((self.throughput(batch_size, k, optimistic=True) or 0.0) for k in ks)
+        best_free = max((self.throughput(batch_size, k, optimistic=True, network=n) or 0.0) for k, n in options)
         could_pay = plain is None or best_free > self.explore_margin * plain  # trying costs rows' catch-up
         if could_pay:
-            for k in (self.max_tokens, 0):  # measure both ends at this batch size
-                if self._measured(batch_size, k) < self.samples:
-                    return self._chose(bucket, k)
-        scores = {k: self.throughput(batch_size, k) for k in range(self.max_tokens + 1)}
-        best = max((k for k in scores if scores[k] is not None), key=lambda k: scores[k], default=0)
+            for k, net in [(self.max_tokens, n) for n in sources] + [(0, True)]:
+                if self._measured(batch_size, k, net) < self.samples:  # measure both ends at this batch size
+                    return self._chose(bucket, k, net)
+        scores = {(0, True): self.throughput(batch_size, 0)}
+        scores.update({(k, n): self.throughput(batch_size, k, network=n) for k, n in options})
+        known = [c for c in scores if scores[c] is not None]
+        k, net = max(known, key=lambda c: scores[c], default=(0, True))
         interval = self.explore_every * self.backoff.get(bucket, 1)
-        if could_pay and best < self.max_tokens and self.steps - self.last_max.get(bucket, 0) > interval:
+        full = (self.max_tokens, True)  # k = max with the network: what acceptance drift could make pay again
+        if could_pay and (k, net) != full and self.steps - self.last_max.get(bucket, 0) > interval:
             self.backoff[bucket] = 2 * self.backoff.get(bucket, 1)  # look again, later each time it loses
-            return self._chose(bucket, self.max_tokens)
-        if best == self.max_tokens:
+            return self._chose(bucket, *full)
+        if (k, net) == full:
             self.backoff[bucket] = 1
-        return self._chose(bucket, best)
+        return self._chose(bucket, k, net)
 
-    def _chose(self, bucket: int, k: int) -> int:
-        if k == self.max_tokens:
+    def _chose(self, bucket: int, k: int, network: bool = True) -> tuple[int, bool]:
+        if (k, network) == (self.max_tokens, True):
             self.last_max[bucket] = self.steps
-        return k
+        return k, network
 
     def as_dict(self) -> dict:
         return {
             "acceptance_by_position": [round(a, 4) for a in self.acceptance_rates()],
+            "lookup_acceptance_by_position": [round(a, 4) for a in self.acceptance_rates(by_lookup=True)],
+            "lookup_share": round(self.lookup_share(), 4),
             "engine_s_by_tokens": {n: round(statistics.median(t), 5) for n, t in sorted(self.engine_times.items())},
-            "draft_s": {f"batch<={b},k={k}": round(statistics.median(t), 5) for (b, k), t in self.draft_times.items()},
+            "draft_s": {
+                f"batch<={b},k={k}{'' if net else ',lookup only'}": round(statistics.median(t), 5)
+                for (b, k, net), t in self.draft_times.items()
+            },
         }

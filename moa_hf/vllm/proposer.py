@@ -6,12 +6,13 @@ keys/values into the paged cache. One step, for all rows at once:
 1. **Rows**: each row's verified tokens (`token_ids_cpu[row, :num_tokens_no_spec[row]]`) are matched with the drafter
    state of the row whose fed tokens they extend (rows move, join and leave between steps; a row preempted,
    recomputed or served from the prefix cache matches the same way); a row with no match starts a fresh state.
-2. **Draft length** k for the step, from measured step costs at this batch size (`DraftLengthPolicy`); k = 0 skips
-   the drafter entirely (rows catch up lazily when drafting resumes).
+2. **Draft length** k for the step, and whether the network drafts where lookup has nothing, from measured step
+   costs at this batch size (`DraftLengthPolicy`); k = 0 skips the drafter entirely, and so does a lookup-only step
+   for the network (rows catch up lazily when the network drafts again).
 3. **Lookup**: the drafter's prompt lookup proposes per row; when every row has a proposal no network runs.
 4. **Catch-up**: the newly verified tokens of every row, context read from vLLM's paged cache at each token's
-   previous position (`PagedKVReader`), in one `tree_catch_up` for the continuing rows and one for the new rows,
-   joined into one batched state (`MoATreeState.concat_rows`).
+   previous position (`PagedKVReader`), in one `tree_catch_up` for the continuing rows and one per new row (read
+   from its last `catch_up_window` tokens), joined into one batched state (`MoATreeState.concat_rows`).
 5. **Draft**: a chain of k tokens per row, one drafter forward per position for all rows (`tree_step`, parents =
    the previous position), greedy, stopping a row at EOS or below the drafter's confidence threshold.
 
@@ -36,7 +37,7 @@ from .kv_cache import PagedKVReader, UnsupportedCacheError, layout_for, slots_of
 from .policy import DraftLengthPolicy
 from .target import StepTap, TargetView
 
-__all__ = ["MoAProposer", "MoAVllmOptions"]
+__all__ = ["MoAProposer", "MoAVllmOptions", "match_rows"]
 
 logger = logging.getLogger("vllm.moa_hf")  # under vLLM's logger: shown with its output
 
@@ -50,6 +51,10 @@ class MoAVllmOptions:
     lookup: bool = True  # the drafter's own prompt lookup (its config's `lookup_*`), as in the transformers path
     allow_other_target: bool = False  # serve a target whose weights differ from the drafter's recorded ones
     allow_untested_vllm: bool = False  # run on a vLLM version moa-hf was not tested with
+    # a row the drafter starts on (a new request, or one whose drafter state fell further behind than this) is read
+    # from its last `catch_up_window` verified tokens only (None: all): a long prompt's full read costs about a tenth
+    # of its prefill, which the few tokens a tail of drafting gains do not repay; prompt lookup still sees everything
+    catch_up_window: int | None = 256
 
     @classmethod
     def from_vllm(cls, vllm_config) -> MoAVllmOptions:
@@ -97,6 +102,7 @@ class _Row:
 
     fed: np.ndarray
     draft: list = field(default_factory=list)
+    by_lookup: bool = False  # the draft came from prompt lookup (else from the network)
 
 
 class MoAProposer:
@@ -119,7 +125,7 @@ class MoAProposer:
         self.state = None  # MoATreeState of `rows`
         self.rows: list[_Row] = []
         self._steady = True  # the last propose drafted in steady state (no row caught up from scratch)
-        self._last_step: tuple[int, int, float, float] | None = None  # (rows, k, propose start, propose end)
+        self._last_step: tuple | None = None  # (rows, k, network, propose start, propose end)
         self.stats = {
             "steps": 0,
             "drafted_steps": 0,
@@ -159,6 +165,7 @@ class MoAProposer:
         eos = drafter.config.eos_token_id if gc.eos_token_id is None else gc.eos_token_id
         self.eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), dtype=torch.long)
         self.lookup = drafter.lookup_settings if self.options.lookup else None
+        self.policy.lookup = self.lookup is not None
 
     def dummy_run(self, *args, **kwargs) -> None:  # vLLM's warm-up: nothing to warm
         return None
@@ -178,7 +185,7 @@ class MoAProposer:
         t1 = time.perf_counter()
         self.stats["propose_s"] += t1 - t0
         if self._last_step is not None:
-            self._last_step = (*self._last_step[:3], t1)
+            self._last_step = (*self._last_step[:4], t1)
         if self.stats["steps"] % 500 == 0:
             logger.info("MoA proposer: %s; %s", self.stats, self.policy.as_dict())
         return drafts
@@ -190,75 +197,57 @@ class MoAProposer:
         active = [j for j in range(B) if sampled_token_ids[j] and num_tokens_no_spec[j] < self.max_model_len]
         histories = {j: np.asarray(token_ids_cpu[j, : int(num_tokens_no_spec[j])]) for j in active}
         self._record_step(now, len(active), meta)
-        for j in active:  # the draft of the last step: how much of it the target accepted
-            row = self._match(histories[j], prefer=j)
+        window = self.options.catch_up_window
+        matches = match_rows([row.fed for row in self.rows], [histories[j] for j in active], window)
+        for j, index in zip(active, matches):  # the draft of the last step: how much of it the target accepted
+            row = None if index is None else self.rows[index]
             if row is not None and row.draft:
-                self.policy.record_acceptance(len(row.draft), len(sampled_token_ids[j]) - 1)
-        k = self.policy.choose(len(active)) if active else 0
-        logger.debug("MoA proposer: %d rows, draft length %d", len(active), k)
+                self.policy.record_acceptance(len(row.draft), len(sampled_token_ids[j]) - 1, row.by_lookup)
+        k, network = self.policy.plan(len(active)) if active else (0, True)
+        logger.debug("MoA proposer: %d rows, draft length %d, network %s", len(active), k, network)
         self.stats["steps"] += 1
-        self._last_step = (len(active), k, now, now)
+        self._last_step = (len(active), k, network, now, now)
         self._steady = True
         drafts = [[] for _ in range(B)]
+        for row in self.rows:
+            row.draft = []
         if k == 0:
-            for row in self.rows:
-                row.draft = []
             return drafts
         self.stats["drafted_steps"] += 1
         limits = {j: min(k, self.max_model_len - len(histories[j]) - 1) for j in active}
         lookup = {j: self._lookup(histories[j], limits[j]) for j in active}
-        network = [j for j in active if lookup[j] is None and limits[j] > 0]
+        network = [j for j in active if network and lookup[j] is None and limits[j] > 0]
+        self.policy.record_rows(sum(v is not None for v in lookup.values()), len(active))
         if network:
-            chains = self._draft(active, histories, meta, k)
+            chains = self._draft(active, histories, matches, meta, k)  # self.rows now follow `active`
+            matches = list(range(len(active)))
             for j, chain in zip(active, chains):
                 if lookup[j] is None:
                     drafts[j] = chain[: max(limits[j], 0)]
         for j in active:
             if lookup[j] is not None:
                 drafts[j] = lookup[j]
+        for j, index in zip(active, matches):  # each row's draft on its state row, for the next step's accounting
+            if index is not None:
+                self.rows[index].draft, self.rows[index].by_lookup = list(drafts[j]), lookup[j] is not None
         self.stats["lookup_rows"] += sum(v is not None for v in lookup.values())
         self.stats["network_rows"] += len(network)
-        self._remember_drafts(active, histories, drafts)
         return drafts
 
-    # -- rows and their drafter state ---------------------------------------------------------------------------------
-    def _match_index(self, history: np.ndarray, prefer: int, taken: set = frozenset()) -> int | None:
-        """The index of the state row whose fed tokens `history` extends by at least one token (index `prefer`
-        first; none of `taken`); a row with nothing new starts afresh."""
-        order = [prefer] if prefer < len(self.rows) else []
-        order += [i for i in range(len(self.rows)) if i != prefer]
-        for i in order:
-            fed = self.rows[i].fed
-            if i not in taken and len(fed) < len(history) and np.array_equal(history[: len(fed)], fed):
-                return i
-        return None
-
-    def _match(self, history: np.ndarray, prefer: int) -> _Row | None:
-        index = self._match_index(history, prefer)
-        return None if index is None else self.rows[index]
-
-    def _remember_drafts(self, active: list, histories: dict, drafts: list) -> None:
-        """Record each active row's draft on its state row (matched again by history)."""
-        for row in self.rows:
-            row.draft = []
-        for j in active:
-            row = self._match(histories[j], prefer=j)
-            if row is not None:
-                row.draft = list(drafts[j])
-
+    # -- the drafter state of the rows ------------------------------------------------------------------------------
     def _record_step(self, now: float, num_rows: int, meta) -> None:
         """Time the step that just ran when it was a plain decoding/verification step of the last step's rows (every
         row's query at most 1 + the draft length: no prefill chunk in it): the engine's time (from the end of the
         last `propose` to now) by the tokens it verified, and the last `propose`'s own time."""
         if self._last_step is None or meta is None:
             return
-        rows, k, started, ended = self._last_step
+        rows, k, network, started, ended = self._last_step
         if rows == 0 or rows != num_rows:
             return
         starts = meta.query_start_loc
         if int((starts[1:] - starts[:-1]).max()) <= k + 1:
             draft_s = ended - started if self._steady else None  # rows caught up from scratch: a one-off cost
-            self.policy.record_step(rows, k, int(starts[-1]), now - ended, draft_s)
+            self.policy.record_step(rows, k, int(starts[-1]), now - ended, draft_s, network)
 
     def _read_kv(self) -> PagedKVReader:
         """The reader of the target's paged cache, built at the first draft (caches are bound after load_model);
@@ -279,34 +268,31 @@ class MoAProposer:
             self.reader = PagedKVReader([layer.kv_cache for layer in layers], layout, dtype=self.drafter.dtype)
         return self.reader
 
-    def _draft(self, active: list, histories: dict, meta, k: int) -> list[list[int]]:
-        """Catch every active row up and draft a chain of up to k tokens per row, batched."""
+    def _draft(self, active: list, histories: dict, matches: list, meta, k: int) -> list[list[int]]:
+        """Catch every active row up (`matches`: its state row, or None to start it afresh) and draft a chain of up
+        to k tokens per row, batched."""
         drafter, reader = self.drafter, self._read_kv()
         if meta is None:
             raise RuntimeError("No attention metadata was recorded for this step (the target's forward hook).")
         table = meta.block_table[: len(meta.seq_lens)]  # [B, max_blocks]: this step's rows, in vLLM's order
-        kept, fresh = [], []  # (active position, old state row or None)
-        taken = set()
-        for pos, j in enumerate(active):
-            index = self._match_index(histories[j], prefer=j, taken=taken)  # rows with one history: one state each
-            if index is not None:
-                taken.add(index)
-            (kept if index is not None else fresh).append((pos, index))
+        kept = [(pos, index) for pos, index in enumerate(matches) if index is not None]
+        fresh = [pos for pos, index in enumerate(matches) if index is None]
+        window = self.options.catch_up_window
         parts, root_logits, order = [], [], []
         lag = 0  # the most tokens a continuing row catches up: more than a step verifies after a pause in drafting
         if kept:
             self.state.select_rows(torch.tensor([i for _, i in kept]))
-            old = [self.rows[i].fed for _, i in kept]
             rows = [active[p] for p, _ in kept]
-            lag = max(len(histories[j]) - len(f) for j, f in zip(rows, old))
-            root_logits.append(self._catch_up(self.state, rows, old, histories, table, reader))
+            starts = [len(self.rows[i].fed) for _, i in kept]
+            lag = max(len(histories[j]) - start for j, start in zip(rows, starts))
+            root_logits.append(self._catch_up(self.state, rows, starts, histories, table, reader))
             parts.append(self.state)
             order += [p for p, _ in kept]
-        for p, _ in fresh:  # one at a time: prompts differ in length, and padding them together costs
+        for p in fresh:  # one at a time: prompts differ in length, and padding them together costs
             self.stats["rebuilt_rows"] += 1
-            state = drafter.tree_start(1)
-            none = [np.zeros(0, dtype=np.int64)]
-            root_logits.append(self._catch_up(state, [active[p]], none, histories, table, reader))
+            state, j = drafter.tree_start(1), active[p]
+            start = 0 if window is None else max(0, len(histories[j]) - window)
+            root_logits.append(self._catch_up(state, [j], [start], histories, table, reader))
             parts.append(state)
             order.append(p)
         self._steady = not fresh and lag <= self.max_tokens + 1  # this step's time is a per-step drafting cost
@@ -320,16 +306,17 @@ class MoAProposer:
         positions = torch.tensor([len(histories[j]) for j in active])  # [B] position of the first drafted token
         return self._chain(logits, positions, k)
 
-    def _catch_up(self, state, rows: list, fed: list, histories: dict, table, reader) -> torch.Tensor:
-        """Feed each row's verified tokens after its `fed` ones (right-aligned, left-padded); root logits [b, V]."""
-        new = [histories[j][len(f) :] for j, f in zip(rows, fed)]
+    def _catch_up(self, state, rows: list, starts: list, histories: dict, table, reader) -> torch.Tensor:
+        """Feed each row's verified tokens from position `starts[b]` on (right-aligned, left-padded); root logits
+        [b, V]."""
+        new = [histories[j][start:] for j, start in zip(rows, starts)]
         n = max(len(t) for t in new)
         tokens = torch.zeros(len(rows), n, dtype=torch.long)
         positions = torch.zeros(len(rows), n, dtype=torch.long)
         valid = torch.zeros(len(rows), n, dtype=torch.bool)
-        for b, (t, f) in enumerate(zip(new, fed)):
+        for b, (t, start) in enumerate(zip(new, starts)):
             tokens[b, n - len(t) :] = torch.from_numpy(t.astype(np.int64))
-            positions[b, n - len(t) :] = torch.arange(len(f), len(f) + len(t))
+            positions[b, n - len(t) :] = torch.arange(start, start + len(t))
             valid[b, n - len(t) :] = True
         prev = torch.where(valid, positions - 1, -1)  # [b, n] the context of token p is the target's state at p-1
         prev_slots = slots_of(table[rows], prev, reader.block_size)
@@ -366,6 +353,30 @@ class MoAProposer:
             return None
         proposal = self.lookup.propose(torch.from_numpy(history.astype(np.int64)), limit, 0, self.eos)
         return None if proposal is None or proposal.numel() == 0 else proposal.tolist()
+
+
+def match_rows(fed: list, histories: list, window: int | None = None) -> list[int | None]:
+    """For each row's verified tokens `histories[b]` (vLLM's row order), the index of the drafter state row that it
+    continues: whose `fed` tokens it extends by at least one and (with a `window`) at most `window` tokens, the state
+    row at the same position tried first, each state row matched once. None: the row starts afresh (a new request; a
+    row preempted and recomputed, or one with nothing new; one further behind than `window`, cheaper read anew from
+    its last `window` tokens)."""
+    taken: set[int] = set()
+    matches: list[int | None] = []
+    for b, history in enumerate(histories):
+        order = ([b] if b < len(fed) else []) + [i for i in range(len(fed)) if i != b]
+        found = None
+        for i in order:
+            n = len(fed[i])
+            if i in taken or not n < len(history) or (window is not None and len(history) - n > window):
+                continue
+            if np.array_equal(history[:n], fed[i]):
+                found = i
+                break
+        if found is not None:
+            taken.add(found)
+        matches.append(found)
+    return matches
 
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
