@@ -30,7 +30,7 @@ from moa_hf.vllm.kv_cache import (
 )
 from moa_hf.vllm.policy import DraftLengthPolicy, batch_bucket
 
-from factory import make_target, sorted_drafter
+from factory import make_independent, make_target, sorted_drafter
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Synthetic paged caches: [num_blocks, Hkv, block_size, 2*hd], written as each backend writes them
@@ -733,3 +733,16 @@ def test_policy_without_lookup_never_plans_lookup_only():
     assert p.lookup_share() == 0.0
     chosen = _simulate(p, 1, _engine_cost(0.0005), 20)
     assert all(p.plan(1)[1] for _ in range(10)) and chosen[-5:] == [3] * 5
+
+
+def test_only_kinds_registered_for_vllm_draft_there():
+    from moa_hf.drafter_types import drafter_type
+    from moa_hf.vllm.proposer import unsupported_drafter_reason
+
+    target = make_target()
+    moa = sorted_drafter(target, num_blocks=1)
+    assert drafter_type(moa).vllm_support and unsupported_drafter_reason(moa) is None
+    reason = unsupported_drafter_reason(make_independent())
+    assert "'independent'" in reason and "moa" in reason and "transformers" in reason
+    tli = sorted_drafter(target, num_blocks=1, target_layer_inference=1)
+    assert "Target Layer Inference (N=1)" in unsupported_drafter_reason(tli)

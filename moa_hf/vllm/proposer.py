@@ -31,13 +31,14 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
+from ..drafter_types import drafter_type, drafter_types
 from ..loading import load_drafter
 from . import CONFIG_KEY, TESTED_VLLM_VERSIONS
 from .kv_cache import PagedKVReader, UnsupportedCacheError, layout_for, slots_of
 from .policy import DraftLengthPolicy
 from .target import StepTap, TargetView
 
-__all__ = ["MoAProposer", "MoAVllmOptions", "match_rows"]
+__all__ = ["MoAProposer", "MoAVllmOptions", "match_rows", "unsupported_drafter_reason"]
 
 logger = logging.getLogger("vllm.moa_hf")  # under vLLM's logger: shown with its output
 
@@ -96,6 +97,25 @@ def unsupported_reason(vllm_config, options: MoAVllmOptions) -> str | None:
     return None
 
 
+def unsupported_drafter_reason(drafter) -> str | None:
+    """Why moa_hf.vllm cannot draft with this drafter (a sentence), or None: its kind in the drafter-type registry
+    must declare `vllm_support`, and it must not infer the target's last layers (TLI)."""
+    record = drafter_type(drafter)
+    if not record.vllm_support:
+        served = ", ".join(t.kind for t in drafter_types() if t.vllm_support)
+        return (
+            f"it is a {record.label} (kind {record.kind!r}), which moa_hf.vllm does not serve (it serves: {served}). "
+            "Serve it with transformers (`moa_hf.generate` or `assistant_model=`)."
+        )
+    if getattr(drafter.config, "target_layer_inference", 0) > 0:
+        return (
+            f"it uses Target Layer Inference (N={drafter.config.target_layer_inference}): it runs the target's last "
+            "layers on every drafted token, which inside vLLM would need the target's own layers and paged cache for "
+            "drafted positions. Use a drafter with target_layer_inference=0 in vLLM."
+        )
+    return None
+
+
 @dataclass
 class _Row:
     """A row of the drafter's batched state: the verified tokens fed to it (SA and CA) and its latest draft."""
@@ -140,13 +160,10 @@ class MoAProposer:
         """Load the drafter, attach it to a transformers-shaped view of vLLM's target (signature and weights
         fingerprint checked as `attach` does) and hook the target's forward to record each step's block tables."""
         model_config = self.vllm_config.model_config
-        drafter = load_drafter(self.options.drafter, dtype=model_config.dtype, device="cpu", kind="moa")
-        if drafter.config.target_layer_inference > 0:
-            raise ValueError(
-                f"This drafter uses Target Layer Inference (N={drafter.config.target_layer_inference}): it runs the "
-                "target's last layers on every drafted token, which inside vLLM would need the target's own layers "
-                "and paged cache for drafted positions. Use a drafter with target_layer_inference=0 in vLLM."
-            )
+        drafter = load_drafter(self.options.drafter, dtype=model_config.dtype, device="cpu")
+        reason = unsupported_drafter_reason(drafter)
+        if reason is not None:
+            raise ValueError(f"The drafter {self.options.drafter!r} cannot draft in vLLM: {reason}")
         view = TargetView(target_model, model_config.hf_config, model_config.model)
         drafter.attach(view, allow_other_target=self.options.allow_other_target)
         if drafter.config.num_blocks > 1:
