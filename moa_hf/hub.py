@@ -71,7 +71,8 @@ FOLDER_BENCHMARK_FILES = ("benchmark.json", "bench.json", BENCHMARK_FILE)
 FOLDER_TRAINING_INFO_FILES = (TRAINING_INFO_FILE,)
 # transformers' `custom_generate` folder, copied from modeling/custom_generate/ (generate.py's DRAFTER_* filled in)
 CUSTOM_GENERATE_DIR = "custom_generate"
-CUSTOM_GENERATE_FILES = tuple(f"{CUSTOM_GENERATE_DIR}/{name}" for name in ("generate.py", "engine.py"))
+_CUSTOM_GENERATE_NAMES = ("generate.py", "engine.py", "tree.py", "accept.py", "policy.py")  # the loop and its pages
+CUSTOM_GENERATE_FILES = tuple(f"{CUSTOM_GENERATE_DIR}/{name}" for name in _CUSTOM_GENERATE_NAMES)
 _RECORDED_LINE = re.compile(r"^(DRAFTER_REPO|DRAFTER_FOLDER): str \| None = None\b.*$", re.MULTILINE)
 REQUIRED_FILES = (
     "config.json",

@@ -58,12 +58,17 @@ def _recorded(folder: Path) -> dict[str, str | None]:
 # The repo folder (in this process)
 # ---------------------------------------------------------------------------------------------------------------------
 def test_folder_carries_custom_generate_and_the_tag(built):
-    """(d) custom_generate/ holds generate.py (recording the drafter) and engine.py; the card has the tag."""
+    """(d) custom_generate/ holds generate.py (recording the drafter) and every other file of the package's folder
+    (the loop and the pages it imports: engine.py, tree.py, accept.py, policy.py), unchanged; the card has the tag."""
     repo = built["repo"]
     package = resources.files("moa_hf.modeling") / "custom_generate"
-    assert set(CUSTOM_GENERATE_FILES) == {"custom_generate/generate.py", "custom_generate/engine.py"}
-    assert sorted(p.name for p in (repo / "custom_generate").iterdir()) == ["engine.py", "generate.py"]
-    assert (repo / "custom_generate" / "engine.py").read_bytes() == (package / "engine.py").read_bytes()
+    files = sorted(p.name for p in package.iterdir() if p.name.endswith(".py") and p.name != "__init__.py")
+    assert {"engine.py", "tree.py", "accept.py", "policy.py", "generate.py"} <= set(files)
+    assert sorted(CUSTOM_GENERATE_FILES) == [f"custom_generate/{name}" for name in files]
+    assert sorted(p.name for p in (repo / "custom_generate").iterdir()) == files
+    for name in files:
+        if name != "generate.py":
+            assert (repo / "custom_generate" / name).read_bytes() == (package / name).read_bytes()
     assert _recorded(repo) == {"DRAFTER_REPO": REPO_ID, "DRAFTER_FOLDER": str(repo.resolve())}
     # generate.py is the package's file with those two lines filled in, nothing else changed
     ours, theirs = (package / "generate.py").read_text().splitlines(), (repo / "custom_generate" / "generate.py")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from moa_hf.modeling.custom_generate import engine
+from moa_hf.modeling.custom_generate.accept import accept_path, greedy_accept_tree
 from moa_hf.modeling.custom_generate.engine import (
     Costs,
     Tree,
@@ -23,6 +24,7 @@ from moa_hf.modeling.custom_generate.engine import (
     speculative_generate,
     tree_attention_mask,
 )
+from moa_hf.modeling.custom_generate.tree import ancestors
 
 from factory import make_target
 
@@ -33,7 +35,7 @@ class ModelTreeDrafter:
     """The drafter tree API over `model` run on whole sequences: logits = model's + noise (fixed per sequence)."""
 
     needs_target_hidden = False
-    _attachment = None
+    num_exits = 1
 
     def __init__(self, model, noise: float = 0.0, lookup: list | None = None):
         self.model, self.noise, self.config, self.dtype = model, noise, model.config, model.dtype
@@ -312,13 +314,13 @@ def test_tree_pieces():
         real=torch.ones(1, 4, dtype=torch.bool),
         lookup=torch.zeros(1, 4, dtype=torch.bool),
     )
-    merged = add_chain(tree, [torch.tensor([10, 13, 20])], log_prob=math.log(0.5))
+    merged = add_chain(tree, [torch.tensor([10, 13, 20])], math.log(0.5))
     assert merged.tokens[0].tolist() == [10, 11, 12, 13, 20]
     assert merged.parents[0].tolist() == [-1, -1, 0, 0, 3]
     assert merged.lookup[0].tolist() == [False] * 4 + [True]
     assert merged.score[0, 3] == pytest.approx(2 * math.log(0.5))  # raised from -3.0
     for budget in range(6):
-        cut = cut_to_budget(merged, budget, 64, FLAT_COSTS, 0.0)
+        cut = cut_to_budget(merged, budget, 64)
         parents = cut.parents[0].tolist()
         assert len(parents) == budget and all(p < i for i, p in enumerate(parents))
     # a mask: the root sees the cache's valid slots within the window and itself
@@ -327,6 +329,56 @@ def test_tree_pieces():
         torch.tensor([[[True, False], [True, True]]]), window=2,
     )  # fmt: skip
     assert mask[0, 0].tolist() == [[False, False, True, True, False], [False, False, False, True, True]]
+    # budget None: the n that maximises expected tokens per second (here verifying is free up to 2 nodes)
+    seconds = torch.tensor([1.0, 1.0, 1.0, 10.0, 10.0, 10.0])
+    assert cut_to_budget(merged, None, 64, seconds).size == 2
+
+
+def _random_tree(B, N, V, generator):
+    """A random tree per row (parents first, distinct sibling tokens) with fillers at the end of some rows."""
+    tokens = torch.zeros(B, N, dtype=torch.long)
+    parents = torch.full((B, N), -1, dtype=torch.long)
+    depth = torch.ones(B, N, dtype=torch.long)
+    real = torch.ones(B, N, dtype=torch.bool)
+    for b in range(B):
+        used = {}
+        for i in range(N):
+            open_ = [q for q in range(-1, i) if len(used.setdefault(q, set())) < V]  # nodes with a free token
+            p = open_[int(torch.randint(len(open_), (), generator=generator))]
+            free = [t for t in range(V) if t not in used[p]]
+            t = free[int(torch.randint(len(free), (), generator=generator))]
+            used[p].add(t)
+            tokens[b, i], parents[b, i] = t, p
+            depth[b, i] = 1 if p < 0 else depth[b, p] + 1
+        real[b, N - b :] = False  # row b: b fillers
+    return tokens, parents, depth, real
+
+
+def test_greedy_tree_acceptance_is_the_walk():
+    """The vectorised rule (accepted iff every ancestor-or-self matches the target's argmax) gives the path and the
+    next token of the node-by-node walk, on random trees whose argmax often follows a branch."""
+    g = torch.Generator().manual_seed(0)
+    B, N, V = 4, 12, 3
+    for _ in range(50):
+        tokens, parents, depth, real = _random_tree(B, N, V, g)
+        argmax = torch.randint(V, (B, 1 + N), generator=g)
+        anc = ancestors(parents, depth)
+        for b in range(B):  # brute force ancestors
+            for i in range(N):
+                chain, j = set(), i
+                while j >= 0:
+                    chain.add(j)
+                    j = int(parents[b, j])
+                assert {j for j in range(N) if anc[b, i, j]} == chain
+        length, path, nxt = greedy_accept_tree(tokens, parents, depth, real, anc, argmax, int(depth.max()))
+        for b in range(B):
+            row = argmax[b]
+            walk, token = accept_path(
+                tokens[b].tolist(), parents[b].tolist(), real[b].tolist(),
+                lambda node, p, row=row: torch.nn.functional.one_hot(row[node + 1], V), do_sample=False,
+            )  # fmt: skip
+            assert int(length[b]) == len(walk) and path[b, : len(walk)].tolist() == walk and int(nxt[b]) == token
+            assert (path[b, len(walk) :] == -1).all()
 
 
 def test_compact_cache_moves_the_accepted_path():

@@ -19,6 +19,7 @@ import os
 from transformers import AutoModel
 
 from .engine import speculative_generate
+from .tree import TreeDrafter
 
 __all__ = ["DRAFTER_FOLDER", "DRAFTER_REPO", "generate"]
 
@@ -34,7 +35,7 @@ _LOADED_DRAFTERS: dict[tuple[str, str, str], object] = {}
 
 
 def _is_drafter(model) -> bool:
-    return hasattr(model, "tree_catch_up") and hasattr(model, "_draft_with_network")
+    return isinstance(model, TreeDrafter)
 
 
 def _load_drafter(repo: str, dtype, device):
