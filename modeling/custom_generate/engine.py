@@ -88,7 +88,7 @@ class EngineStats:
     draft_time_s: float = 0.0  # the batch's times while this row was in it
     verify_time_s: float = 0.0
     exit_counts: list[int] = field(default_factory=list)  # drafted nodes per drafter exit (prompt lookup's not in it)
-    loop_time_s: float = 0.0  # the batch's cycle time beyond drafting and verifying while this row was in it
+    loop_time_s: float = 0.0  # the batch's cycle time that was no target or drafter forward (the loop's own)
 
     @property
     def target_calls(self) -> int:
@@ -268,11 +268,12 @@ class _Run:
     def cycle(self) -> None:
         """Draft, verify, accept: the whole loop in one page."""
         t0 = time.perf_counter()
+        self.forward_s = 0.0  # seconds in the target's and the drafter's forwards this cycle
         remaining = self.gc.max_length - self.prompt_len - max(len(t) for t in self.lists)  # tokens still to come
         if self.policy is None:  # the first cycle: the drafter catches up, then the costs of this batch are measured
             root_logits = self.catch_up()
             self.start_policy()
-            t0 = time.perf_counter()
+            t0, self.forward_s = time.perf_counter(), 0.0
             shape = self.policy.plan(remaining)
             draft_s0 = 0.0
         else:
@@ -309,7 +310,7 @@ class _Run:
         self.emit(new_tokens, self.root_pos + 1, slots_from=start)
         seconds = time.perf_counter() - t0
         self.policy.update(tree, [len(t) - 1 for t in new_tokens], look, seconds, draft_s, verify_s)
-        loop_s = max(0.0, seconds - draft_s - verify_s)
+        loop_s = max(0.0, seconds - self.forward_s)  # everything that was no target or drafter forward
         for i, b in enumerate(rows):
             s = self.stats[b]
             s.tree_sizes.append(sizes[i])
@@ -329,7 +330,7 @@ class _Run:
         t0 = time.perf_counter()
         policy = self.policy
         tree = build_tree(
-            self.drafter, self.draft_state, root_logits, self.root_pos, shape.depth, shape.top_k, shape.widths,
+            _Timed(self), self.draft_state, root_logits, self.root_pos, shape.depth, shape.top_k, shape.widths,
             policy.gamma,
         )  # fmt: skip
         chains = None
@@ -371,7 +372,10 @@ class _Run:
         visible = torch.ones(B, 1 + N, 1 + N, dtype=torch.bool, device=ids.device)  # row 0 / column 0: the root
         visible[:, 0, 1:] = False
         visible[:, 1:, 1:] = anc
-        return self.target_forward(ids, q_pos, visible)
+        t0 = time.perf_counter()
+        out = self.target_forward(ids, q_pos, visible)
+        self.forward_s += time.perf_counter() - t0
+        return out
 
     def accept(self, tree: Tree, anc: torch.Tensor, logits: torch.Tensor):
         """lengths [B] (accepted drafts), new tokens per row (accepted drafts, then the target's token) and keep
@@ -504,7 +508,10 @@ class _Run:
             )
             hidden = hidden * (prev >= 0)[..., None].to(hidden.dtype)  # [B, n, d]
         self.pending = [[] for _ in range(B)]
-        return self.drafter.tree_catch_up(self.draft_state, tokens, positions, valid, prev, self.cache, hidden)
+        t0 = time.perf_counter()
+        logits = self.drafter.tree_catch_up(self.draft_state, tokens, positions, valid, prev, self.cache, hidden)
+        self.forward_s += time.perf_counter() - t0
+        return logits
 
     def output(self):
         for i, b in enumerate(self.rows):
@@ -523,6 +530,19 @@ class _Run:
         if not self.gc.return_dict_in_generate:
             return out
         return EngineOutput(sequences=out, speculation_stats=self.stats, costs=self.costs, policy=summary)
+
+
+class _Timed:
+    """The run's drafter as `build_tree` calls it, adding the time of each `tree_step` to the run's forward time."""
+
+    def __init__(self, run: _Run):
+        self.run = run
+
+    def tree_step(self, *args):
+        t0 = time.perf_counter()
+        logits = self.run.drafter.tree_step(*args)
+        self.run.forward_s += time.perf_counter() - t0
+        return logits
 
 
 def _first(value, default):
