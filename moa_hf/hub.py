@@ -3,7 +3,7 @@
 A repo folder holds everything `AutoModel.from_pretrained(repo_id, trust_remote_code=True)` needs without `moa_hf`:
 `config.json` (with `auto_map`), the remote code (`REMOTE_CODE_FILES`: `configuration_moa.py`, `modeling_moa.py` and
 the sibling files they import), `model.safetensors`, `generation_config.json` and the model card `README.md` (plus
-the benchmark / training-info JSON the card quotes). Its `custom_generate/` folder (`generate.py` and `engine.py` from
+the benchmark / training-info JSON the card quotes). Its `custom_generate/` folder (`CUSTOM_GENERATE_FILES`, from
 `modeling/custom_generate/`) lets `target.generate(**inputs, custom_generate=REPO, trust_remote_code=True)` decode
 with the drafter: `generate.py` records where to load it from (`DRAFTER_REPO`: the Hub repo id; `DRAFTER_FOLDER`:
 also the folder's absolute path when it is not pushed, loaded while it exists).
