@@ -3,6 +3,7 @@
 import contextlib
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -466,3 +467,10 @@ def test_moa_costs_reports_the_engines_measured_costs():
     assert all(v > 0 for v in [*engine["target_verify_ms"].values(), *engine["drafter_depth_ms"].values()])
     assert engine["cycles"] >= 1 and engine["mean_accepted_length"] >= 1.0
     json.dumps(result)  # `moa costs` prints it as JSON
+
+
+def test_default_questions_path_is_the_shared_folder_beside_the_checkout():
+    from moa_hf.bench import default_questions_path
+
+    root = Path(__file__).resolve().parents[1]  # the checkout (tests/ is at its top)
+    assert default_questions_path() == root.parent / "shared" / "data" / "spec_bench" / "question.jsonl"

@@ -26,7 +26,8 @@ class BenchError(ValueError):
 # ---------------------------------------------------------------------------------------------------------------------
 def default_questions_path() -> Path:
     """`<repo root>/../shared/data/spec_bench/question.jsonl`, relative to this package's repository checkout."""
-    return Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+    root = Path(__file__).resolve().parents[2]  # moa_hf/bench/data.py -> the checkout
+    return root.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
 def category_of(raw: str) -> str:
