@@ -746,3 +746,51 @@ def test_only_kinds_registered_for_vllm_draft_there():
     assert "'independent'" in reason and "moa" in reason and "transformers" in reason
     tli = sorted_drafter(target, num_blocks=1, target_layer_inference=1)
     assert "Target Layer Inference (N=1)" in unsupported_drafter_reason(tli)
+
+
+# -- a row's one-off catch-up against the tokens it has left ---------------------------------------------------------
+def test_output_lengths_remaining():
+    from moa_hf.vllm.policy import OutputLengths
+
+    lengths = OutputLengths(prior=50.0)
+    assert lengths.remaining(10) == 50.0  # nothing finished yet: the prior
+    for n in (20, 40, 96, 96):
+        lengths.record(n)
+    assert lengths.remaining(30) == pytest.approx((10 + 66 + 66) / 3)
+    assert lengths.remaining(0) == pytest.approx((20 + 40 + 96 + 96) / 4)
+    assert lengths.remaining(200) == 50.0  # past every length seen
+
+
+def test_row_lives_follow_rows_that_move_join_and_leave():
+    from moa_hf.vllm.policy import OutputLengths, RowLives
+
+    lengths = OutputLengths()
+    lives = RowLives(lengths, signature=4)
+    a, b, c = np.arange(100), np.arange(1000, 1100), np.arange(2000, 2100)
+    assert lives.update([a[:10], b[:20]]) == [1, 1]  # first seen: one token sampled after the prompt
+    assert lives.update([b[:23], a[:12]]) == [4, 3]  # moved, and grew
+    assert lives.update([a[:15], c[:7]]) == [6, 1]  # b left (finished), c joined
+    assert list(lengths.finished) == [4]
+    assert lives.update([c[:9]]) == [3]
+    assert list(lengths.finished) == [4, 6]
+
+
+def test_network_needing_a_long_catch_up_stays_off_when_few_tokens_are_left():
+    p = DraftLengthPolicy(max_tokens=3, lookup=True, explore_every=10**6)
+    _simulate_sources(p, 60, network_s=0.001, accept_network=0.8)  # a strong, cheap network
+    assert p.plan(1) == (3, True)
+    p.record_catch_up(256, 0.256)  # 1 ms per token caught up
+    assert p.catch_up_seconds(10) == pytest.approx(0.010)
+    assert p.plan(1, catch_up=256, remaining=4)[1] is False  # 0.26 s for a row with ~2 steps left: lookup only
+    assert p.plan(1, catch_up=256, remaining=10_000) == (3, True)  # spread over thousands of tokens it pays
+    assert p.plan(1, catch_up=0, remaining=4) == (3, True)  # rows already followed: nothing to catch up
+
+
+def test_network_not_explored_where_its_catch_up_could_not_pay():
+    p = DraftLengthPolicy(max_tokens=3, lookup=True, explore_every=10**6)
+    for _ in range(4):
+        p.record_step(2, 0, 2, 0.020, 0.0)
+        p.record_step(2, 0, 8, 0.022, 0.0)  # verifying 4 tokens per row costs about what 1 does
+    p.record_catch_up(100, 1.0)  # 10 ms per token
+    assert p.plan(2, catch_up=512, remaining=8) == (3, False)  # lookup only is measured, not the network
+    assert p.plan(2, catch_up=0) == (3, True)  # with nothing to catch up the network is measured first

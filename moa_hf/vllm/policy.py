@@ -21,6 +21,13 @@ the rest need the network; a step either runs the network for them or leaves the
 sources keep their own acceptance, so a row gains p E_lookup(k) + (1 - p) E_network(k) with the network and
 p E_lookup(k) + (1 - p) without, the step verifying B (1 + k) or B (1 + p k) tokens, and D is measured for each: the
 network runs only where what it adds pays for its time.
+
+Before the network drafts for a row it has not followed (a new request, or one it stopped following while it did
+not draft), it reads the row's verified tokens once (*catch-up*, C seconds per token, measured). That one-off cost
+is spread over the steps the row has left, R / E tokens, R estimated from how many tokens the requests seen to
+finish generated (`OutputLengths`; vLLM does not tell a proposer its requests' `max_tokens`): a step that needs n
+tokens caught up pays C n E / R more. Where few steps are left (the tail of a batch whose long rows are still
+running), the catch-up of a long prompt does not pay and the network stays off.
 """
 
 from __future__ import annotations
@@ -29,12 +36,66 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["DraftLengthPolicy", "batch_bucket"]
+import numpy as np
+
+__all__ = ["DraftLengthPolicy", "OutputLengths", "RowLives", "batch_bucket"]
 
 
 def batch_bucket(batch_size: int) -> int:
     """Batch sizes share draft-time measurements within powers of two: 1, 2, 4 (3-4), 8 (5-8), ..."""
     return 1 << max(0, batch_size - 1).bit_length()
+
+
+@dataclass
+class OutputLengths:
+    """How many tokens requests generate, from the rows seen to finish: how many a running row has left."""
+
+    prior: float = 64.0  # tokens left assumed before any row finished (or for a row past every length seen)
+    finished: deque = field(default_factory=lambda: deque(maxlen=256))  # generated tokens of the latest finished rows
+
+    def record(self, generated: int) -> None:
+        self.finished.append(generated)
+
+    def remaining(self, generated: int) -> float:
+        """Expected tokens still to come for a row that generated `generated`: the mean excess of the finished rows
+        that generated more."""
+        longer = [n - generated for n in self.finished if n > generated]
+        return sum(longer) / len(longer) if longer else self.prior
+
+
+class RowLives:
+    """Follows vLLM's rows from step to step (rows move, join and leave) by the tokens each was first seen with, and
+    counts what each generated; a row no longer seen has finished and its length goes to `lengths`."""
+
+    def __init__(self, lengths: OutputLengths, signature: int = 16):
+        self.lengths, self.signature = lengths, signature
+        self.lives: list[tuple[int, np.ndarray, int]] = []  # (length first seen, its last tokens, length last seen)
+
+    def update(self, histories: list) -> list[int]:
+        """Each row's generated tokens so far (`histories[b]`: its verified tokens this step)."""
+        taken: set[int] = set()
+        generated, lives = [], []
+        for b, history in enumerate(histories):
+            order = ([b] if b < len(self.lives) else []) + list(range(len(self.lives)))
+            found = next((i for i in order if i not in taken and self._continues(self.lives[i], history)), None)
+            if found is None:
+                born = len(history)
+                lives.append((born, np.array(history[max(0, born - self.signature) : born]), born))
+            else:
+                taken.add(found)
+                born, tail, _ = self.lives[found]
+                lives.append((born, tail, len(history)))
+            generated.append(len(history) - lives[-1][0] + 1)
+        for i, (born, _, last) in enumerate(self.lives):
+            if i not in taken:
+                self.lengths.record(last - born + 1)
+        self.lives = lives
+        return generated
+
+    @staticmethod
+    def _continues(life: tuple, history) -> bool:
+        born, tail, last = life
+        return len(history) >= last and np.array_equal(history[born - len(tail) : born], tail)
 
 
 @dataclass
@@ -56,6 +117,8 @@ class DraftLengthPolicy:
     draft_times: dict = field(default_factory=dict)  # (bucket, k, network) -> deque of proposer seconds per step
     last_max: dict = field(default_factory=dict)  # bucket -> step of the latest k = max
     backoff: dict = field(default_factory=dict)  # bucket -> multiplier of explore_every
+    catch_up_times: deque = field(default_factory=lambda: deque(maxlen=32))  # seconds per token of catch-ups
+    lengths: OutputLengths = field(default_factory=OutputLengths)
     steps: int = 0
 
     def __post_init__(self):
@@ -88,6 +151,15 @@ class DraftLengthPolicy:
         if draft_s is not None:
             key = (batch_bucket(batch_size), k, network or k == 0)
             self.draft_times.setdefault(key, deque(maxlen=self.window)).append(draft_s)
+
+    def record_catch_up(self, tokens: int, seconds: float) -> None:
+        """A row's one-off catch-up: `tokens` verified tokens read in `seconds`."""
+        if tokens > 0:
+            self.catch_up_times.append(seconds / tokens)
+
+    def catch_up_seconds(self, tokens: int) -> float:
+        """C n: the time to catch `tokens` tokens up (0 before the first catch-up is measured)."""
+        return statistics.median(self.catch_up_times) * tokens if self.catch_up_times and tokens else 0.0
 
     def acceptance_rates(self, by_lookup: bool = False) -> list[float]:
         """a_i, the share of (network or lookup) drafts reaching position i that were accepted there (a prior of
@@ -137,9 +209,18 @@ class DraftLengthPolicy:
             return None
         return statistics.median(top) * (1 + k) / (1 + self.max_tokens)
 
-    def throughput(self, batch_size: int, k: int, optimistic: bool = False, network: bool = True) -> float | None:
+    def throughput(
+        self,
+        batch_size: int,
+        k: int,
+        optimistic: bool = False,
+        network: bool = True,
+        catch_up: int = 0,
+        remaining: float | None = None,
+    ) -> float | None:
         """Tokens per second the model predicts at draft length k, drafting with the network or by lookup only (None:
-        unmeasured); `optimistic`: with drafting free (what drafting could at best give)."""
+        unmeasured); `optimistic`: with drafting free (what drafting could at best give) but for the one-off catch-up
+        of `catch_up` tokens the network needs first, spread over the `remaining` tokens (mean) its rows have left."""
         p = self.lookup_share() if k else 0.0
         by_network = self.expected_tokens(k) if network else 1.0
         gained = p * self.expected_tokens(k, by_lookup=True) + (1 - p) * by_network  # per row
@@ -148,7 +229,11 @@ class DraftLengthPolicy:
         draft = 0.0 if optimistic else self.draft_seconds(batch_size, k, network)
         if engine is None or draft is None:
             return None
-        return batch_size * gained / (engine + draft)
+        one_off = 0.0
+        if network and k and catch_up:
+            steps_left = max(1.0, (self.lengths.prior if remaining is None else remaining) / gained)
+            one_off = self.catch_up_seconds(catch_up) / steps_left
+        return batch_size * gained / (engine + draft + one_off)
 
     # -- the choice ---------------------------------------------------------------------------------------------------
     def _measured(self, batch_size: int, k: int, network: bool = True) -> int:
@@ -158,7 +243,7 @@ class DraftLengthPolicy:
         """The draft length for the next step at `batch_size` rows (see `plan`)."""
         return self.plan(batch_size)[0]
 
-    def plan(self, batch_size: int) -> tuple[int, bool]:
+    def plan(self, batch_size: int, catch_up: int = 0, remaining: float | None = None) -> tuple[int, bool]:
         """The draft length for the next step at `batch_size` rows, and whether the network drafts (False: rows
         without a lookup proposal stay undrafted).
 
@@ -166,7 +251,9 @@ class DraftLengthPolicy:
         only while the model says it could pay: with no engine time yet, or when even free drafting would beat plain
         decoding by `explore_margin` by the engine times measured so far (at any batch size with the same tokens per
         step); trying is not free, every row must first be caught up. Then the best choice by the model; k = max is
-        measured again after `explore_every` steps, an interval that doubles each time it loses."""
+        measured again after `explore_every` steps, an interval that doubles each time it loses. `catch_up`: the
+        verified tokens the network would read first (rows it does not follow yet), `remaining`: the mean tokens
+        those rows have left (see `throughput`)."""
         self.steps += 1
         if self.fixed is not None:
             return self.fixed, True
@@ -174,19 +261,22 @@ class DraftLengthPolicy:
         sources = (True, False) if self.lookup else (True,)  # with the network; by lookup only
         options = [(k, net) for k in range(1, self.max_tokens + 1) for net in sources]
         plain = self.throughput(batch_size, 0)
-        best_free = max((self.throughput(batch_size, k, optimistic=True, network=n) or 0.0) for k, n in options)
-        could_pay = plain is None or best_free > self.explore_margin * plain  # trying costs rows' catch-up
+        extra = {"catch_up": catch_up, "remaining": remaining}
+        ks = range(1, 1 + self.max_tokens)
+        free = {n: max((self.throughput(batch_size, k, True, n, **extra) or 0.0) for k in ks) for n in sources}
+        pays = {n: plain is None or free[n] > self.explore_margin * plain for n in sources}  # could drafting pay
+        could_pay = any(pays.values())
         if could_pay:
-            for k, net in [(self.max_tokens, n) for n in sources] + [(0, True)]:
+            for k, net in [(self.max_tokens, n) for n in sources if pays[n]] + [(0, True)]:
                 if self._measured(batch_size, k, net) < self.samples:  # measure both ends at this batch size
                     return self._chose(bucket, k, net)
         scores = {(0, True): self.throughput(batch_size, 0)}
-        scores.update({(k, n): self.throughput(batch_size, k, network=n) for k, n in options})
+        scores.update({(k, n): self.throughput(batch_size, k, network=n, **extra) for k, n in options})
         known = [c for c in scores if scores[c] is not None]
         k, net = max(known, key=lambda c: scores[c], default=(0, True))
         interval = self.explore_every * self.backoff.get(bucket, 1)
         full = (self.max_tokens, True)  # k = max with the network: what acceptance drift could make pay again
-        if could_pay and (k, net) != full and self.steps - self.last_max.get(bucket, 0) > interval:
+        if pays[True] and (k, net) != full and self.steps - self.last_max.get(bucket, 0) > interval:
             self.backoff[bucket] = 2 * self.backoff.get(bucket, 1)  # look again, later each time it loses
             return self._chose(bucket, *full)
         if (k, net) == full:
@@ -203,6 +293,10 @@ class DraftLengthPolicy:
             "acceptance_by_position": [round(a, 4) for a in self.acceptance_rates()],
             "lookup_acceptance_by_position": [round(a, 4) for a in self.acceptance_rates(by_lookup=True)],
             "lookup_share": round(self.lookup_share(), 4),
+            "catch_up_s_per_token": round(self.catch_up_seconds(1), 7),
+            "finished_rows_mean_tokens": round(statistics.mean(self.lengths.finished), 1)
+            if self.lengths.finished
+            else None,
             "engine_s_by_tokens": {n: round(statistics.median(t), 5) for n, t in sorted(self.engine_times.items())},
             "draft_s": {
                 f"batch<={b},k={k}{'' if net else ',lookup only'}": round(statistics.median(t), 5)

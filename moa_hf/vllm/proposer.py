@@ -8,7 +8,8 @@ keys/values into the paged cache. One step, for all rows at once:
    recomputed or served from the prefix cache matches the same way); a row with no match starts a fresh state.
 2. **Draft length** k for the step, and whether the network drafts where lookup has nothing, from measured step
    costs at this batch size (`DraftLengthPolicy`); k = 0 skips the drafter entirely, and so does a lookup-only step
-   for the network (rows catch up lazily when the network drafts again).
+   for the network (rows catch up lazily when the network drafts again). The tokens the network would first have to
+   catch up, and how many tokens those rows have left (`RowLives`), weigh against running it.
 3. **Lookup**: the drafter's prompt lookup proposes per row; when every row has a proposal no network runs.
 4. **Catch-up**: the newly verified tokens of every row, context read from vLLM's paged cache at each token's
    previous position (`PagedKVReader`), in one `tree_catch_up` for the continuing rows and one per new row (read
@@ -35,7 +36,7 @@ from ..drafter_types import drafter_type, drafter_types
 from ..loading import load_drafter
 from . import CONFIG_KEY, TESTED_VLLM_VERSIONS
 from .kv_cache import PagedKVReader, UnsupportedCacheError, layout_for, slots_of
-from .policy import DraftLengthPolicy
+from .policy import DraftLengthPolicy, RowLives
 from .target import StepTap, TargetView
 
 __all__ = ["MoAProposer", "MoAVllmOptions", "match_rows", "unsupported_drafter_reason"]
@@ -138,6 +139,7 @@ class MoAProposer:
         self.max_tokens = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.policy = DraftLengthPolicy(self.max_tokens, fixed=self.options.draft_length)
+        self.lives = RowLives(self.policy.lengths)  # each row's generated tokens; finished rows' lengths
         self.drafter = None
         self.reader: PagedKVReader | None = None
         self.tap = StepTap()
@@ -220,7 +222,9 @@ class MoAProposer:
             row = None if index is None else self.rows[index]
             if row is not None and row.draft:
                 self.policy.record_acceptance(len(row.draft), len(sampled_token_ids[j]) - 1, row.by_lookup)
-        k, network = self.policy.plan(len(active)) if active else (0, True)
+        generated = self.lives.update([histories[j] for j in active])
+        catch_up, remaining = self._catch_up_debt(active, histories, matches, generated)
+        k, network = self.policy.plan(len(active), catch_up, remaining) if active else (0, True)
         logger.debug("MoA proposer: %d rows, draft length %d, network %s", len(active), k, network)
         self.stats["steps"] += 1
         self._last_step = (len(active), k, network, now, now)
@@ -252,6 +256,21 @@ class MoAProposer:
         return drafts
 
     # -- the drafter state of the rows ------------------------------------------------------------------------------
+    def _catch_up_debt(
+        self, active: list, histories: dict, matches: list, generated: list
+    ) -> tuple[int, float | None]:
+        """The verified tokens the network would read before drafting beyond a steady step's (rows it starts on, or
+        fell behind on while not drafting), and the mean tokens those rows have left (None: no such row)."""
+        window = self.options.catch_up_window
+        tokens, left = 0, []
+        for j, index, done in zip(active, matches, generated):
+            n = len(histories[j])
+            lag = min(n, window or n) if index is None else n - len(self.rows[index].fed)
+            if index is None or lag > self.max_tokens + 1:
+                tokens += lag
+                left.append(self.policy.lengths.remaining(done))
+        return tokens, (sum(left) / len(left) if left else None)
+
     def _record_step(self, now: float, num_rows: int, meta) -> None:
         """Time the step that just ran when it was a plain decoding/verification step of the last step's rows (every
         row's query at most 1 + the draft length: no prefill chunk in it): the engine's time (from the end of the
@@ -309,7 +328,9 @@ class MoAProposer:
             self.stats["rebuilt_rows"] += 1
             state, j = drafter.tree_start(1), active[p]
             start = 0 if window is None else max(0, len(histories[j]) - window)
+            t0 = time.perf_counter()
             root_logits.append(self._catch_up(state, [j], [start], histories, table, reader))
+            self.policy.record_catch_up(len(histories[j]) - start, time.perf_counter() - t0)
             parts.append(state)
             order.append(p)
         self._steady = not fresh and lag <= self.max_tokens + 1  # this step's time is a per-step drafting cost
