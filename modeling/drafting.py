@@ -536,6 +536,11 @@ class DrafterMixin:
     def is_attached(self) -> bool:
         return self._attachment is not None
 
+    @property
+    def attached_target(self) -> PreTrainedModel | None:
+        """The target model this drafter is attached to, None when detached."""
+        return None if self._attachment is None else self._attachment.target
+
     def _signature_differences(self, target: PreTrainedModel) -> list[str]:
         """What differs between the target's signature and the drafter's ("key: drafter x != target y")."""
         sig = target_signature(target.config)

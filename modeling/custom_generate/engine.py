@@ -13,7 +13,7 @@ loop does the rest, gpt-fast's `speculative_decode` for a batch of trees:
                 the accepted path's keys/values move into place          (`compact_cache`)
                 policy.update(what the cycle measured)
 
-With a shape that is 0 drafter steps deep (the policy's back-off) a cycle is plain decoding.
+With a shape that is 0 drafter steps deep (the policy's plain arm) a cycle is plain decoding.
 
 The folder ships inside every published drafter repo as transformers' `custom_generate/` (see `generate.py`): its
 files import only torch, transformers and each other.
@@ -213,6 +213,7 @@ class _Run:
         if self.lookup is None:
             self.lookup = drafter.lookup_settings is not None
         self.exit_totals = torch.zeros(B, self.num_exits, dtype=torch.long, device=device)
+        self.debug = logger.isEnabledFor(logging.DEBUG)  # each cycle's shape and why, logged
 
     # ----- the target ---------------------------------------------------------------------------------------------
     def target_forward(self, ids, q_pos, q_visible, logits_to_keep: int = 0):
@@ -283,6 +284,8 @@ class _Run:
                 t_catch = time.perf_counter()
                 root_logits = self.catch_up()
                 draft_s0 = time.perf_counter() - t_catch
+        if self.debug:
+            logger.debug("cycle: %d rows, depth %d, top-k %d: %s", len(self.rows), shape.depth, shape.top_k, shape.why)
         if shape.depth:
             tree, chains = self.draft(root_logits, shape, draft_s0, remaining)
         else:
@@ -323,7 +326,7 @@ class _Run:
     def start_policy(self) -> None:
         if self.costs is None:
             self.costs = _costs_for(self)
-        self.policy = ShapePolicy(self.settings, self.costs, len(self.rows), self.lookup)
+        self.policy = ShapePolicy(self.settings, self.costs, len(self.rows), self.lookup, self.costs.arm_rates)
 
     def draft(self, root_logits: torch.Tensor, shape, draft_s0: float, remaining: int):
         """This cycle's tree, cut to the budget, and the lookup chain per row (None where none)."""
@@ -383,7 +386,7 @@ class _Run:
         B, N = tree.tokens.shape
         device = logits.device
         if self.greedy:
-            argmax = logits.argmax(-1)  # [B, 1+N]
+            argmax = logits.float().argmax(-1)  # [B, 1+N] (in float32 as `generate`; a bf16 argmax is slower here)
             if N == 0:
                 return (
                     torch.zeros(B, dtype=torch.long, device=device),
@@ -525,6 +528,8 @@ class _Run:
         if self.streamer is not None:
             self.streamer.end()
         summary = None if self.policy is None else self.policy.summary()
+        if self.policy is not None:
+            self.costs.arm_rates = self.policy.arm_rates()  # the next call with these costs starts from them
         if summary is not None and logger.isEnabledFor(logging.DEBUG):
             logger.debug("speculative engine call, batch %d: %s", len(self.stats), summary)
         if not self.gc.return_dict_in_generate:
@@ -661,7 +666,7 @@ def speculative_generate(
         criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
         criteria.append(StopStringCriteria(tokenizer, stop_strings))
         kwargs["stopping_criteria"] = criteria
-    if getattr(drafter, "is_attached", False) and _attached_target(drafter) is target:
+    if drafter.attached_target is target:
         context = contextlib.nullcontext()
     else:
         context = drafter.attached(target, allow_other_target=allow_other_target)
@@ -670,12 +675,3 @@ def speculative_generate(
     )
     with context:
         return target.generate(*args, custom_generate=loop, streamer=streamer, **kwargs)
-
-
-def _attached_target(drafter):
-    """The target `drafter` is attached to (its public `attached_target` where it has one), else None."""
-    target = getattr(drafter, "attached_target", None)
-    if target is not None:
-        return target
-    attachment = getattr(drafter, "_attachment", None)  # drafters of this library before `attached_target`
-    return None if attachment is None else attachment.target

@@ -13,8 +13,9 @@ E[tokens] = B + sum_i p_i for the batch of B rows, and costs T(n) = fixed + D + 
                             accepted drafts track the accepted ones                                 (`update`)
     weights lookup          prompt lookup's token j by its measured hit rates: the first token's, then the
                             rate of a token given that the previous one was right (lookup is right in runs)
-    backs off               to plain decoding while the measured seconds per token of speculating exceed plain
-                            decoding's (4 cycles' evidence; then 8, 16, ... 64 plain cycles before trying again)
+    plays arms              plain decoding, a chain (top-k 1) and the tree, each with lookup as a branch: the arm
+                            with the fewest measured seconds per token (decayed over its latest cycles), the others
+                            probed again at doubling intervals (`ShapePolicy`)
 
 Drafting (tree.py: `build_tree`, `add_chain`, `cut_to_budget`) is kept apart from adapting (`ShapePolicy.update`), as
 transformers keeps `get_candidates` apart from `update_candidate_strategy`. Fixed settings (`TreeSettings`) bypass
@@ -73,6 +74,9 @@ class Costs:
     verify: dict[int, float]
     step: dict[int, float]
     _table: dict = field(default_factory=dict, repr=False, compare=False)
+    # the shape policy's arms' rates {arm: (decayed seconds, tokens)} after the latest call with these costs: the
+    # next call starts from them instead of probing every arm again
+    arm_rates: dict = field(default_factory=dict, repr=False, compare=False)
 
     @staticmethod
     def _interp(table: dict[int, float], n: float) -> float:
@@ -150,42 +154,102 @@ class Shape:
 
 class ShapePolicy:
     """Chooses each cycle's shape (`plan`, `widths`, `cycle_seconds`, `lookup_log_probs`) and adapts from what the
-    cycles measured (`update`). One per engine call; `batch` rows; `costs` as measured."""
+    cycles measured (`update`). One per engine call; `batch` rows; `costs` as measured; `carried`: the arms' measured
+    rates of an earlier call with the same costs (a prior this call's cycles soon outweigh).
 
-    def __init__(self, settings: TreeSettings, costs: Costs, batch: int, lookup: bool):
+    Arms: the shape families the policy plays (`ARMS`): plain decoding, a chain (top-k 1, lookup as a branch) and
+    the tree (top-k from the costs). Each keeps decayed sums of the seconds and tokens of the cycles it played, so
+    its rate (seconds per token of the batch) follows the context as it grows. Each arm is probed `PROBE` cycles,
+    then the policy plays the arm with the lowest rate, and every `explore_every` cycles probes the others again
+    (the interval doubling each time the incumbent stays best, up to `MAX_EXPLORE`): its choice is never worse, for
+    long, than the best of the shapes it could have fixed, plain decoding included.
+    """
+
+    PROBE = 2  # cycles each arm is played before the policy compares them
+    DECAY = 0.85  # weight of an arm's past cycles per newer cycle of it
+    EXPLORE_EVERY = 12
+    MAX_EXPLORE = 96
+
+    def __init__(self, settings: TreeSettings, costs: Costs, batch: int, lookup: bool, carried: dict | None = None):
         self.settings, self.costs, self.batch, self.lookup = settings, costs, batch, lookup
         self.step_s = costs.verify_cost(1)  # a plain decoding cycle of the batch: tracked from the plain cycles
         self.fixed_s = 0.0  # the speculative cycle's time beyond drafting and verifying (catch-up, loop): tracked
-        self.plain_fixed_s = 0.0  # the same for a plain cycle
-        self.spec_rate = None  # seconds per token of the batch while speculating, tracked over the current probe
-        self.probe_cycles = 0
         self.gamma, self.predicted, self.realised = 1.0, 1.0, 1.0  # calibration of the drafter's probabilities
-        self.backoff, self.plain_left = 8, 0  # plain cycles after speculation stopped paying
         self.look_first = [1.2, 2.0]  # lookup's first token: right / tried (a prior of 0.6)
         self.look_next = [1.6, 2.0]  # a lookup token given the previous one right: right / tried (a prior of 0.8)
         self.node_cost = max(costs.verify_cost(2) - costs.verify_cost(1), 1e-9)  # one more verified node (batch)
-        self.chosen: dict[tuple, int] = {}  # (depth, verified nodes) -> cycles, for the call's debug summary
+        self.verify_scale = 1.0  # measured verification time / the table's: follows the context as it grows
+        self.chosen: dict[tuple, int] = {}  # (arm, depth, verified nodes) -> cycles, for the call's debug summary
+        self.arms = self._arms(settings)
+        self.sums = {arm: [0.0, 0.0, 0] for arm in self.arms}  # arm -> [decayed seconds, decayed tokens, cycles]
+        for arm, (sec, tok) in (carried or {}).items():
+            if arm in self.sums and tok > 0:  # an earlier call's rate, weighted as one cycle
+                self.sums[arm] = [sec / tok, 1.0, self.PROBE]
+        self.arm = self.arms[0]
+        self.cycles, self.explore_every, self.explore_at, self.probing = 0, self.EXPLORE_EVERY, self.EXPLORE_EVERY, 0
+
+    @staticmethod
+    def _arms(s: TreeSettings) -> tuple:
+        if not s.automatic:
+            return ("fixed",)
+        families = ("tree", "chain") if s.top_k is None else ("fixed",)
+        return (*families, "plain")
+
+    def rate(self, arm: str) -> float | None:
+        """Seconds per token of the batch that `arm` measured (decayed), None before it played."""
+        sec, tok, _ = self.sums[arm]
+        return sec / tok if tok > 0 else None
+
+    def _next_arm(self) -> str:
+        """The arm of the next cycle: an arm not probed yet; else the best, but for a probe every `explore_every`."""
+        if len(self.arms) == 1:
+            return self.arms[0]
+        for arm in self.arms:
+            if self.sums[arm][2] < self.PROBE:
+                return arm
+        best = min(self.arms, key=lambda a: self.rate(a))
+        if self.probing > 0:  # finish probing the arm being probed
+            self.probing -= 1
+            return self.arm
+        if self.cycles >= self.explore_at:
+            others = sorted((a for a in self.arms if a != best), key=lambda a: self.sums[a][2])
+            if self.arm == best and others:
+                self.explore_every = min(self.MAX_EXPLORE, 2 * self.explore_every)
+            self.explore_at = self.cycles + self.explore_every
+            self.probing = self.PROBE - 1
+            return others[0]
+        return best
+
+    def arm_rates(self) -> dict:
+        """{arm: (seconds, tokens)} to carry to the next call with these costs."""
+        return {arm: (sec, tok) for arm, (sec, tok, _) in self.sums.items() if tok > 0}
 
     # ----- drafting side: what to draft this cycle ----------------------------------------------------------------
     @property
     def token_s(self) -> float:
-        """Seconds one more token of the batch is worth: the current seconds per token (speculating when known)."""
-        return self.spec_rate if self.spec_rate is not None else self.step_s / self.batch
+        """Seconds one more token of the batch is worth: the best arm's measured rate (plain decoding's before)."""
+        known = [r for r in map(self.rate, self.arms) if r is not None]
+        return min(known) if known else self.step_s / self.batch
 
     def plan(self, remaining: int) -> Shape:
         """This cycle's shape; `remaining`: tokens the longest row may still generate."""
         s = self.settings
         if remaining <= 1 or s.budget == 0:
             return Shape(0, 1, why="no room for drafts" if remaining <= 1 else "budget 0")
-        if s.automatic and self.plain_left > 0:
-            self.plain_left -= 1
-            return Shape(0, 1, why=f"backed off: speculating cost more per token than plain ({self.plain_left} left)")
+        self.arm = self._next_arm()
+        if self.arm == "plain":
+            return Shape(0, 1, why=self._why())
+        top_k = 1 if self.arm == "chain" else s.top_k or s.max_top_k
+        fixed_k = 1 if self.arm == "chain" else s.top_k
         depth = min(s.depth or s.max_depth, remaining - 1)
-        top_k = s.top_k or s.max_top_k
         widths = None
-        if s.depth is None or s.top_k is None:
-            widths = functools.partial(self._width, fixed_depth=s.depth is not None, fixed_k=s.top_k)
-        return Shape(depth, top_k, widths, s.budget, bool(self.lookup), why="automatic" if s.automatic else "fixed")
+        if s.depth is None or fixed_k is None:
+            widths = functools.partial(self._width, fixed_depth=s.depth is not None, fixed_k=fixed_k)
+        return Shape(depth, top_k, widths, s.budget, bool(self.lookup), why=self._why())
+
+    def _why(self) -> str:
+        rates = ", ".join(f"{a} {1000 * r:.1f}" for a in self.arms if (r := self.rate(a)) is not None)
+        return f"arm {self.arm} (ms per token: {rates or 'none measured'})"
 
     def _width(self, d: int, newest: torch.Tensor, fixed_depth: bool, fixed_k: int | None) -> int:
         """The frontier at depth d (0: stop drafting): the newest nodes whose path probability pays for verifying
@@ -194,7 +258,7 @@ class ShapePolicy:
         k = min(fixed_k or self.settings.max_top_k, newest.shape[1])
         if fixed_k is None:  # columns of the batch's nodes, most probable first, that pay for their verification
             columns = p.sort(dim=-1, descending=True).values.sum(0)  # [c]
-            k = max(1, min(k, int((columns * self.token_s > self.node_cost).sum())))
+            k = max(1, min(k, int((columns * self.token_s > self.verify_scale * self.node_cost).sum())))
         if not fixed_depth:
             front = p.topk(k, dim=-1).values.sum()  # the batch's expected tokens below the frontier, at most
             if float(front) * self.token_s < self.costs.step_cost(k):
@@ -203,7 +267,7 @@ class ShapePolicy:
 
     def cycle_seconds(self, limit: int, draft_s: float) -> torch.Tensor:
         """[limit+1]: the cycle's predicted seconds with n = 0..limit nodes verified."""
-        return self.fixed_s + draft_s + self.costs.verify_costs(limit + 1)
+        return self.fixed_s + draft_s + self.verify_scale * self.costs.verify_costs(limit + 1)
 
     def lookup_log_probs(self, n: int) -> list[float]:
         """Estimated log probability that lookup's first j tokens are all right, j = 1..n."""
@@ -217,12 +281,17 @@ class ShapePolicy:
         right) pairs for lookup's chain ((first tried, first right), (next tried, next right)), the cycle's wall
         `seconds` of which `draft_s` drafting and `verify_s` verifying."""
         tokens = sum(lengths) + len(lengths)
+        predicted = self.costs.verify_cost(1 + tree.size)  # the table's time for this verification
+        self.verify_scale = 0.8 * self.verify_scale + 0.2 * min(8.0, max(0.25, verify_s / predicted))
+        sums = self.sums[self.arm]  # a cycle of a drafting arm that drafted nothing counts for it: its own choice
+        sums[0], sums[1], sums[2] = self.DECAY * sums[0] + seconds, self.DECAY * sums[1] + tokens, sums[2] + 1
+        self.cycles += 1
         if tree.size == 0:  # a plain cycle
-            self.plain_fixed_s = 0.8 * self.plain_fixed_s + 0.2 * max(0.0, seconds - verify_s)
             self.step_s = 0.8 * self.step_s + 0.2 * verify_s
             return
         self.fixed_s = 0.8 * self.fixed_s + 0.2 * max(0.0, seconds - draft_s - verify_s)
-        self.chosen[(int(tree.depth.max()), tree.size)] = self.chosen.get((int(tree.depth.max()), tree.size), 0) + 1
+        key = (self.arm, int(tree.depth.max()), tree.size)
+        self.chosen[key] = self.chosen.get(key, 0) + 1
         for (ft, fr), (nt, nr) in lookup_right:
             self.look_first[0] += fr
             self.look_first[1] += ft
@@ -234,30 +303,19 @@ class ShapePolicy:
         self.realised = 0.8 * self.realised + 0.2 * sum(lengths)
         ratio = max(self.predicted, 1e-3) / max(self.realised, 1e-3)
         self.gamma = min(2.0, max(0.2, self.gamma * ratio**0.1))
-        rate = seconds / tokens
-        self.spec_rate = rate if self.spec_rate is None else 0.8 * self.spec_rate + 0.2 * rate
-        self.probe_cycles += 1
-        if not self.settings.automatic or self.probe_cycles < 4:
-            return
-        plain_rate = (self.step_s + self.plain_fixed_s) / len(lengths)
-        if self.spec_rate > 1.05 * plain_rate:
-            logger.debug(
-                "backing off for %d cycles: %.1f ms per token speculating > %.1f ms plain",
-                self.backoff, 1000 * self.spec_rate, 1000 * plain_rate,
-            )  # fmt: skip
-            self.plain_left, self.backoff = self.backoff, min(2 * self.backoff, 64)
-            self.spec_rate, self.probe_cycles = None, 0
-        else:
-            self.backoff = 8
 
     def summary(self) -> dict:
         """What the policy chose and measured over the call (the debug log, `moa costs`)."""
+        plain = self.sums.get("plain", [0, 0, 0])[2]
         return {
-            "shapes": {f"depth {d}, {n} nodes": c for (d, n), c in sorted(self.chosen.items())},
+            "shapes": {f"{a}: depth {d}, {n} nodes": c for (a, d, n), c in sorted(self.chosen.items())},
+            "plain_cycles": plain,
+            "arm_ms_per_token": {a: 1000 * r for a in self.arms if (r := self.rate(a)) is not None},
+            "arm_cycles": {a: self.sums[a][2] for a in self.arms},
             "gamma": self.gamma,
             "lookup_first_right": self.look_first[0] / self.look_first[1],
             "lookup_next_right": self.look_next[0] / self.look_next[1],
             "fixed_ms": 1000 * self.fixed_s,
             "plain_step_ms": 1000 * self.step_s,
-            "spec_ms_per_token": None if self.spec_rate is None else 1000 * self.spec_rate,
+            "verify_over_table": self.verify_scale,
         }

@@ -49,12 +49,14 @@ class TreeDrafter(Protocol):
     continuation [n] or None; `lookup_settings` None when lookup is off; `needs_target_hidden`: tree_catch_up reads
     the target's final hidden states; `num_exits` the drafter's exits (1 but for sorted drafters, whose state then
     carries `root_exits` [B] and `node_exits` [B, w]); `tree_unsupported_reason()` None or why it cannot draft trees;
-    `attached(target, allow_other_target)` a context manager attaching it to the target.
+    `attached(target, allow_other_target)` a context manager attaching it to the target; `attached_target` the target
+    it is attached to (None: detached; the engine attaches it for the call unless it is attached to the call's target).
     """
 
     needs_target_hidden: bool
     num_exits: int
     lookup_settings: object
+    attached_target: object
 
     def tree_unsupported_reason(self) -> str | None: ...
 
