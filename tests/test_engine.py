@@ -306,6 +306,29 @@ def test_lookup_branch_joins_the_tree(right):
         assert lengths["hybrid"] > lengths["network"] + 1
 
 
+@pytest.mark.parametrize("right", [True, False])
+def test_a_chain_verifies_lookup_alone_where_it_has_a_continuation(right):
+    """A chain (top-k 1) drafts by prompt lookup alone where every row has a continuation, as the `assistant_model`
+    path does: no drafter step that cycle (the drafter catches up later). Right or wrong, the output is generate's."""
+    target = _peaked()
+    ids = torch.tensor([[9, 8, 7, 6, 5]])
+    ref = target.generate(ids, max_new_tokens=30, do_sample=False)
+    drafter = ModelTreeDrafter(target, noise=3.0, lookup=ref[0].tolist() if right else [3] * 40)
+    steps = []
+    step = drafter.tree_step
+    drafter.tree_step = lambda *args: steps.append(1) or step(*args)
+    out = speculative_generate(
+        target, drafter, ids, max_new_tokens=30, do_sample=False, return_dict_in_generate=True,
+        costs=FLAT_COSTS, tree_depth=3, tree_top_k=1, tree_budget=3,
+    )  # fmt: skip
+    assert torch.equal(out.sequences, ref)
+    stats = out.speculation_stats[0]
+    assert stats.lookup_tokens == stats.drafted_tokens > 0  # every drafted token came from lookup
+    assert steps == []  # the network never drafted: lookup always had a continuation
+    if right:
+        assert stats.mean_accepted_length > 3  # the budget's 3 drafts and the target's token, nearly every cycle
+
+
 def test_tree_pieces():
     """add_chain merges a chain into existing nodes; a budget cut keeps a tree (every kept node's parent kept)."""
     tree = Tree(
@@ -429,7 +452,7 @@ def test_shape_policy_plays_the_arm_that_measured_fastest(best):
     policy = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
     played = _play(policy, rates, 300)
     assert set(played[: 3 * ShapePolicy.PROBE]) == {"tree", "chain", "plain"}  # every arm probed first
-    assert played[-100:].count(best) >= 90  # then the best, probing the others ever more rarely
+    assert played[-100:].count(best) >= 85  # then the best, probing the others one cycle in 8
     assert 0 < played[100:].count("plain" if best != "plain" else "tree") < 20
     assert policy.summary()["arm_ms_per_token"][best] == pytest.approx(6.0)
 

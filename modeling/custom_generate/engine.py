@@ -271,22 +271,25 @@ class _Run:
         t0 = time.perf_counter()
         self.forward_s = 0.0  # seconds in the target's and the drafter's forwards this cycle
         remaining = self.gc.max_length - self.prompt_len - max(len(t) for t in self.lists)  # tokens still to come
+        root_logits, chains, draft_s0 = None, None, 0.0
         if self.policy is None:  # the first cycle: the drafter catches up, then the costs of this batch are measured
             root_logits = self.catch_up()
             self.start_policy()
             t0, self.forward_s = time.perf_counter(), 0.0
-            shape = self.policy.plan(remaining)
-            draft_s0 = 0.0
-        else:
-            shape = self.policy.plan(remaining)
-            root_logits, draft_s0 = None, 0.0
-            if shape.depth:
-                t_catch = time.perf_counter()
-                root_logits = self.catch_up()
-                draft_s0 = time.perf_counter() - t_catch
+        shape = self.policy.plan(remaining)
+        if shape.lookup_first:  # lookup alone where every row has a continuation: the drafter waits
+            chains = [self.lookup_chain(i, max(1, remaining - 1)) for i in range(len(self.rows))]
+            if any(c is None for c in chains):
+                chains = None
+        if shape.depth and chains is None and root_logits is None:
+            t_catch = time.perf_counter()
+            root_logits = self.catch_up()
+            draft_s0 = time.perf_counter() - t_catch
         if self.debug:
             logger.debug("cycle: %d rows, depth %d, top-k %d: %s", len(self.rows), shape.depth, shape.top_k, shape.why)
-        if shape.depth:
+        if chains is not None:
+            tree, chains = self.lookup_tree(chains), chains
+        elif shape.depth:
             tree, chains = self.draft(root_logits, shape, draft_s0, remaining)
         else:
             tree, chains = empty_tree(len(self.rows), self.roots.device), None
@@ -347,6 +350,16 @@ class _Run:
         seconds = None if shape.budget is not None else policy.cycle_seconds(limit, draft_s)
         return cut_to_budget(tree, shape.budget, self.settings.max_budget, seconds), chains
 
+    def lookup_tree(self, chains: list) -> Tree:
+        """Prompt lookup's continuations alone (every row has one), cut to what pays for its verification."""
+        policy = self.policy
+        tree = add_chain(
+            empty_tree(len(chains), self.roots.device), chains, policy.lookup_log_probs(max(map(len, chains)))
+        )
+        limit = min(tree.size, self.settings.max_budget)
+        seconds = None if self.settings.budget is not None else policy.cycle_seconds(limit, 0.0)
+        return cut_to_budget(tree, self.settings.budget, self.settings.max_budget, seconds)
+
     def lookup_chain(self, i: int, room: int):
         """Prompt lookup's continuation [n] for active row i (at most `room` tokens), or None."""
         ids = self.seqs[i][self.prompt_len - int(self.slot_valid[i, : self.prompt_len].sum()) :]  # row without padding
@@ -355,16 +368,16 @@ class _Run:
 
     @staticmethod
     def lookup_outcomes(chains, new_tokens) -> list:
-        """Per row with a chain: ((first tried, first right), (next tried, next right)) by the tokens emitted."""
+        """Per row with a chain: (its tokens checked against the tokens emitted, the right prefix among them)."""
         out = []
         for chain, toks in zip(chains, new_tokens):
             if not chain:
                 continue
-            m = 0
-            while m < min(len(chain), len(toks)) and chain[m] == toks[m]:
-                m += 1
-            wrong_next = 1 if 1 <= m < min(len(chain), len(toks)) else 0
-            out.append(((1, int(m >= 1)), (max(0, m - 1) + wrong_next, max(0, m - 1))))
+            checked = min(len(chain), len(toks))
+            right = 0
+            while right < checked and chain[right] == toks[right]:
+                right += 1
+            out.append((min(checked, right + 1), right))  # tokens after the first wrong one were not checked
         return out
 
     def verify(self, tree: Tree, anc: torch.Tensor):

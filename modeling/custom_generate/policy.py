@@ -13,9 +13,10 @@ E[tokens] = B + sum_i p_i for the batch of B rows, and costs T(n) = fixed + D + 
                             accepted drafts track the accepted ones                                 (`update`)
     weights lookup          prompt lookup's token j by its measured hit rates: the first token's, then the
                             rate of a token given that the previous one was right (lookup is right in runs)
-    plays arms              plain decoding, a chain (top-k 1) and the tree, each with lookup as a branch: the arm
+    plays arms              plain decoding, a chain (top-k 1, lookup's continuation alone where it has one) and the
+                            tree (lookup as a branch): the arm
                             with the fewest measured seconds per token (decayed over its latest cycles), the others
-                            probed again at doubling intervals (`ShapePolicy`)
+                            probed one cycle in `EXPLORE_EVERY` (`ShapePolicy`)
 
 Drafting (tree.py: `build_tree`, `add_chain`, `cut_to_budget`) is kept apart from adapting (`ShapePolicy.update`), as
 transformers keeps `get_candidates` apart from `update_candidate_strategy`. Fixed settings (`TreeSettings`) bypass
@@ -142,7 +143,8 @@ def measure_costs(target, drafter, run, verify_sizes=VERIFY_SIZES, step_widths=S
 class Shape:
     """One cycle's plan: drafter steps (`depth`, 0: plain decoding), children per node (`top_k`), `widths`: the
     frontier per depth (a function of the newest scores, or None: top_k), `budget` (None: by expected tokens per
-    second), `lookup`, and why (for the debug log)."""
+    second), `lookup`, `lookup_first` (where every row has a lookup continuation, verify it alone: no drafter call,
+    the drafter catches up later), and why (for the debug log)."""
 
     depth: int
     top_k: int
@@ -150,6 +152,7 @@ class Shape:
     budget: int | None = None
     lookup: bool = False
     why: str = ""
+    lookup_first: bool = False
 
 
 class ShapePolicy:
@@ -157,26 +160,28 @@ class ShapePolicy:
     cycles measured (`update`). One per engine call; `batch` rows; `costs` as measured; `carried`: the arms' measured
     rates of an earlier call with the same costs (a prior this call's cycles soon outweigh).
 
-    Arms: the shape families the policy plays (`ARMS`): plain decoding, a chain (top-k 1, lookup as a branch) and
-    the tree (top-k from the costs). Each keeps decayed sums of the seconds and tokens of the cycles it played, so
+    Arms: the shape families the policy plays: plain decoding, a chain (top-k 1; where prompt lookup has a
+    continuation for every row, that alone, as the `assistant_model` path drafts) and the tree (top-k from the costs,
+    lookup as a branch). Each keeps decayed sums of the seconds and tokens of the cycles it played, so
     its rate (seconds per token of the batch) follows the context as it grows. Each arm is probed `PROBE` cycles,
-    then the policy plays the arm with the lowest rate, and every `explore_every` cycles probes the others again
-    (the interval doubling each time the incumbent stays best, up to `MAX_EXPLORE`): its choice is never worse, for
-    long, than the best of the shapes it could have fixed, plain decoding included.
+    then the policy plays the arm with the lowest rate, and every `EXPLORE_EVERY` cycles one cycle of another arm
+    (the one played longest ago): its choice is never worse, for long, than the best of the shapes it could have
+    fixed, plain decoding included, at the price of those probes.
     """
 
     PROBE = 2  # cycles each arm is played before the policy compares them
-    DECAY = 0.85  # weight of an arm's past cycles per newer cycle of it
-    EXPLORE_EVERY = 12
-    MAX_EXPLORE = 96
+    DECAY = 0.9  # weight of an arm's past cycles per newer cycle of it
+    EXPLORE_EVERY = 8  # every this many cycles, one cycle of the arm other than the best played longest ago
 
     def __init__(self, settings: TreeSettings, costs: Costs, batch: int, lookup: bool, carried: dict | None = None):
         self.settings, self.costs, self.batch, self.lookup = settings, costs, batch, lookup
         self.step_s = costs.verify_cost(1)  # a plain decoding cycle of the batch: tracked from the plain cycles
         self.fixed_s = 0.0  # the speculative cycle's time beyond drafting and verifying (catch-up, loop): tracked
         self.gamma, self.predicted, self.realised = 1.0, 1.0, 1.0  # calibration of the drafter's probabilities
-        self.look_first = [1.2, 2.0]  # lookup's first token: right / tried (a prior of 0.6)
-        self.look_next = [1.6, 2.0]  # a lookup token given the previous one right: right / tried (a prior of 0.8)
+        # lookup's token j (0-based) given tokens < j right: right / tried, per position (priors 0.6, then 0.8):
+        # lookup is right in runs (a copied passage), so deep positions that are reached are right more often
+        self.look_right = [1.2] + [1.6] * (settings.max_budget - 1)
+        self.look_tried = [2.0] * settings.max_budget
         self.node_cost = max(costs.verify_cost(2) - costs.verify_cost(1), 1e-9)  # one more verified node (batch)
         self.verify_scale = 1.0  # measured verification time / the table's: follows the context as it grows
         self.chosen: dict[tuple, int] = {}  # (arm, depth, verified nodes) -> cycles, for the call's debug summary
@@ -186,7 +191,8 @@ class ShapePolicy:
             if arm in self.sums and tok > 0:  # an earlier call's rate, weighted as one cycle
                 self.sums[arm] = [sec / tok, 1.0, self.PROBE]
         self.arm = self.arms[0]
-        self.cycles, self.explore_every, self.explore_at, self.probing = 0, self.EXPLORE_EVERY, self.EXPLORE_EVERY, 0
+        self.cycles, self.explore_at = 0, self.EXPLORE_EVERY
+        self.last_played = {arm: -1 for arm in self.arms}
 
     @staticmethod
     def _arms(s: TreeSettings) -> tuple:
@@ -201,23 +207,17 @@ class ShapePolicy:
         return sec / tok if tok > 0 else None
 
     def _next_arm(self) -> str:
-        """The arm of the next cycle: an arm not probed yet; else the best, but for a probe every `explore_every`."""
+        """The arm of the next cycle: an arm not probed yet; else the best, but every `EXPLORE_EVERY` cycles the
+        arm played longest ago (an arm's rate drifts with the context and the text being written)."""
         if len(self.arms) == 1:
             return self.arms[0]
         for arm in self.arms:
             if self.sums[arm][2] < self.PROBE:
                 return arm
         best = min(self.arms, key=lambda a: self.rate(a))
-        if self.probing > 0:  # finish probing the arm being probed
-            self.probing -= 1
-            return self.arm
         if self.cycles >= self.explore_at:
-            others = sorted((a for a in self.arms if a != best), key=lambda a: self.sums[a][2])
-            if self.arm == best and others:
-                self.explore_every = min(self.MAX_EXPLORE, 2 * self.explore_every)
-            self.explore_at = self.cycles + self.explore_every
-            self.probing = self.PROBE - 1
-            return others[0]
+            self.explore_at = self.cycles + self.EXPLORE_EVERY
+            return min((a for a in self.arms if a != best), key=lambda a: self.last_played[a])
         return best
 
     def arm_rates(self) -> dict:
@@ -245,7 +245,8 @@ class ShapePolicy:
         widths = None
         if s.depth is None or fixed_k is None:
             widths = functools.partial(self._width, fixed_depth=s.depth is not None, fixed_k=fixed_k)
-        return Shape(depth, top_k, widths, s.budget, bool(self.lookup), why=self._why())
+        lookup = bool(self.lookup)
+        return Shape(depth, top_k, widths, s.budget, lookup, self._why(), lookup_first=lookup and top_k == 1)
 
     def _why(self) -> str:
         rates = ", ".join(f"{a} {1000 * r:.1f}" for a in self.arms if (r := self.rate(a)) is not None)
@@ -271,20 +272,24 @@ class ShapePolicy:
 
     def lookup_log_probs(self, n: int) -> list[float]:
         """Estimated log probability that lookup's first j tokens are all right, j = 1..n."""
-        first = math.log(min(0.95, max(0.05, self.look_first[0] / self.look_first[1])))
-        nxt = math.log(min(0.98, max(0.05, self.look_next[0] / self.look_next[1])))
-        return [first + j * nxt for j in range(n)]
+        out, total = [], 0.0
+        for j in range(n):
+            i = min(j, len(self.look_right) - 1)
+            total += math.log(min(0.98, max(0.05, self.look_right[i] / self.look_tried[i])))
+            out.append(total)
+        return out
 
     # ----- adapting side: what the cycle measured ------------------------------------------------------------------
     def update(self, tree, lengths: list, lookup_right: list, seconds: float, draft_s: float, verify_s: float):
-        """After a cycle: `tree` verified, `lengths` [B] accepted drafts per row, `lookup_right` per row (tried,
-        right) pairs for lookup's chain ((first tried, first right), (next tried, next right)), the cycle's wall
-        `seconds` of which `draft_s` drafting and `verify_s` verifying."""
+        """After a cycle: `tree` verified, `lengths` [B] accepted drafts per row, `lookup_right` per row with a lookup
+        chain (tokens of it checked, of which right: a prefix), the cycle's wall `seconds` of which `draft_s` drafting
+        and `verify_s` verifying."""
         tokens = sum(lengths) + len(lengths)
         predicted = self.costs.verify_cost(1 + tree.size)  # the table's time for this verification
         self.verify_scale = 0.8 * self.verify_scale + 0.2 * min(8.0, max(0.25, verify_s / predicted))
         sums = self.sums[self.arm]  # a cycle of a drafting arm that drafted nothing counts for it: its own choice
         sums[0], sums[1], sums[2] = self.DECAY * sums[0] + seconds, self.DECAY * sums[1] + tokens, sums[2] + 1
+        self.last_played[self.arm] = self.cycles
         self.cycles += 1
         if tree.size == 0:  # a plain cycle
             self.step_s = 0.8 * self.step_s + 0.2 * verify_s
@@ -292,11 +297,10 @@ class ShapePolicy:
         self.fixed_s = 0.8 * self.fixed_s + 0.2 * max(0.0, seconds - draft_s - verify_s)
         key = (self.arm, int(tree.depth.max()), tree.size)
         self.chosen[key] = self.chosen.get(key, 0) + 1
-        for (ft, fr), (nt, nr) in lookup_right:
-            self.look_first[0] += fr
-            self.look_first[1] += ft
-            self.look_next[0] += nr
-            self.look_next[1] += nt
+        for checked, right in lookup_right:
+            for j in range(min(checked, len(self.look_tried))):  # token j was checked: the ones before were right
+                self.look_tried[j] += 1
+                self.look_right[j] += j < right
         # calibration: the expected accepted drafts (sum of the verified nodes' path probabilities) track the accepted
         expected = float(torch.where(tree.real, tree.score.exp(), 0.0).sum())
         self.predicted = 0.8 * self.predicted + 0.2 * expected
@@ -313,8 +317,7 @@ class ShapePolicy:
             "arm_ms_per_token": {a: 1000 * r for a in self.arms if (r := self.rate(a)) is not None},
             "arm_cycles": {a: self.sums[a][2] for a in self.arms},
             "gamma": self.gamma,
-            "lookup_first_right": self.look_first[0] / self.look_first[1],
-            "lookup_next_right": self.look_next[0] / self.look_next[1],
+            "lookup_right_by_position": [round(r / t, 3) for r, t in zip(self.look_right[:8], self.look_tried[:8])],
             "fixed_ms": 1000 * self.fixed_s,
             "plain_step_ms": 1000 * self.step_s,
             "verify_over_table": self.verify_scale,
