@@ -127,7 +127,9 @@ def engine_costs(target, drafter, input_ids: torch.Tensor, gen_tokens: int = 64)
     `moa_hf.modeling.custom_generate.engine`, taken on the engine's first cycle in a process and kept for its later
     calls), read from the output's `costs`. Then, from a second generation (the first one measured and warmed up):
     cycles, mean accepted length and tree size, and per cycle the draft and verify time and the rest
-    (`overhead_per_cycle_ms`: the loop around the two models' forwards).
+    (`overhead_per_cycle_ms`: the loop around the two models' forwards; `loop_per_cycle_ms`: the cycle's time outside
+    the target's and the drafter's forwards, drafting's own Python included); `shape_policy`: what the engine's shape
+    policy measured and chose (its arms' seconds per token and cycles, the shapes it verified).
     """
     from .modeling.custom_generate.engine import speculative_generate
 
@@ -162,4 +164,6 @@ def engine_costs(target, drafter, input_ids: torch.Tensor, gen_tokens: int = 64)
         "draft_time_per_cycle_ms": 1000 * stats.draft_time_s / cycles,
         "verify_time_per_cycle_ms": 1000 * stats.verify_time_s / cycles,
         "overhead_per_cycle_ms": 1000 * (wall - stats.draft_time_s - stats.verify_time_s) / cycles,
+        "loop_per_cycle_ms": 1000 * stats.loop_time_s / cycles,
+        "shape_policy": out.policy,
     }
