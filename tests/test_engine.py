@@ -473,6 +473,14 @@ def test_shape_policy_fixed_shapes_and_carried_rates():
     assert set(_play(fixed, {"fixed": 0.02}, 30)) == {"fixed"}  # a fixed shape never decodes plainly
     top1 = ShapePolicy(TreeSettings(top_k=1), FLAT_COSTS, batch=1, lookup=False)
     assert top1.arms == ("fixed", "plain")
-    carried = {"tree": (0.004, 1.0), "chain": (0.008, 1.0), "plain": (0.010, 1.0)}
+    first = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
+    _play(first, {"tree": 0.004, "chain": 0.008, "plain": 0.010}, 40)
+    one = torch.ones(1, 1, dtype=torch.long)
+    node = Tree(one, one * -1, one, torch.zeros(1, 1), one.bool(), one.bool())
+    first.update(node, [0], [(10, 10)] * 100, 0.01, 0.0, 0.0)  # lookup right in long runs
+    carried = first.learned()
+    assert carried["arms"]["tree"][0] / carried["arms"]["tree"][1] == pytest.approx(0.004, rel=0.2)
     warm = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True, carried=carried)
+    assert warm.lookup_log_probs(5)[-1] > first.lookup_log_probs(5)[-1] - 0.2  # lookup's rates carried (weighted)
+    assert warm.look_tried[0] == ShapePolicy.CARRIED_TRIES
     assert _play(warm, {"tree": 0.004, "chain": 0.008, "plain": 0.010}, 5) == ["tree"] * 5  # no probing again

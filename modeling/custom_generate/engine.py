@@ -329,7 +329,7 @@ class _Run:
     def start_policy(self) -> None:
         if self.costs is None:
             self.costs = _costs_for(self)
-        self.policy = ShapePolicy(self.settings, self.costs, len(self.rows), self.lookup, self.costs.arm_rates)
+        self.policy = ShapePolicy(self.settings, self.costs, len(self.rows), self.lookup, self.costs.learned)
 
     def draft(self, root_logits: torch.Tensor, shape, draft_s0: float, remaining: int):
         """This cycle's tree, cut to the budget, and the lookup chain per row (None where none)."""
@@ -542,7 +542,7 @@ class _Run:
             self.streamer.end()
         summary = None if self.policy is None else self.policy.summary()
         if self.policy is not None:
-            self.costs.arm_rates = self.policy.arm_rates()  # the next call with these costs starts from them
+            self.costs.learned = self.policy.learned()  # the next call with these costs starts from it
         if summary is not None and logger.isEnabledFor(logging.DEBUG):
             logger.debug("speculative engine call, batch %d: %s", len(self.stats), summary)
         if not self.gc.return_dict_in_generate:

@@ -75,9 +75,9 @@ class Costs:
     verify: dict[int, float]
     step: dict[int, float]
     _table: dict = field(default_factory=dict, repr=False, compare=False)
-    # the shape policy's arms' rates {arm: (decayed seconds, tokens)} after the latest call with these costs: the
-    # next call starts from them instead of probing every arm again
-    arm_rates: dict = field(default_factory=dict, repr=False, compare=False)
+    # what the shape policy learned in the latest call with these costs (`ShapePolicy.learned`: its arms' rates,
+    # lookup's right rates, the calibration): the next call starts from it instead of from priors
+    learned: dict = field(default_factory=dict, repr=False, compare=False)
 
     @staticmethod
     def _interp(table: dict[int, float], n: float) -> float:
@@ -157,8 +157,8 @@ class Shape:
 
 class ShapePolicy:
     """Chooses each cycle's shape (`plan`, `widths`, `cycle_seconds`, `lookup_log_probs`) and adapts from what the
-    cycles measured (`update`). One per engine call; `batch` rows; `costs` as measured; `carried`: the arms' measured
-    rates of an earlier call with the same costs (a prior this call's cycles soon outweigh).
+    cycles measured (`update`). One per engine call; `batch` rows; `costs` as measured; `carried`: what an earlier
+    call with the same costs learned (`learned`; a prior this call's cycles soon outweigh).
 
     Arms: the shape families the policy plays: plain decoding, a chain (top-k 1; where prompt lookup has a
     continuation for every row, that alone, as the `assistant_model` path drafts) and the tree (top-k from the costs,
@@ -172,6 +172,7 @@ class ShapePolicy:
     PROBE = 2  # cycles each arm is played before the policy compares them
     DECAY = 0.9  # weight of an arm's past cycles per newer cycle of it
     EXPLORE_EVERY = 8  # every this many cycles, one cycle of the arm other than the best played longest ago
+    CARRIED_TRIES = 16  # the most weight an earlier call's lookup right rate keeps per position
 
     def __init__(self, settings: TreeSettings, costs: Costs, batch: int, lookup: bool, carried: dict | None = None):
         self.settings, self.costs, self.batch, self.lookup = settings, costs, batch, lookup
@@ -187,9 +188,16 @@ class ShapePolicy:
         self.chosen: dict[tuple, int] = {}  # (arm, depth, verified nodes) -> cycles, for the call's debug summary
         self.arms = self._arms(settings)
         self.sums = {arm: [0.0, 0.0, 0] for arm in self.arms}  # arm -> [decayed seconds, decayed tokens, cycles]
-        for arm, (sec, tok) in (carried or {}).items():
+        carried = carried or {}
+        for arm, (sec, tok) in carried.get("arms", {}).items():
             if arm in self.sums and tok > 0:  # an earlier call's rate, weighted as one cycle
                 self.sums[arm] = [sec / tok, 1.0, self.PROBE]
+        if "lookup" in carried:  # an earlier call's right rates, weighted as at most `CARRIED_TRIES` tries each
+            for j, (right, tried) in enumerate(zip(*carried["lookup"])):
+                if j < len(self.look_tried) and tried > 0:
+                    w = min(1.0, self.CARRIED_TRIES / tried)
+                    self.look_right[j], self.look_tried[j] = w * right, w * tried
+        self.gamma = carried.get("gamma", self.gamma)
         self.arm = self.arms[0]
         self.cycles, self.explore_at = 0, self.EXPLORE_EVERY
         self.last_played = {arm: -1 for arm in self.arms}
@@ -220,9 +228,11 @@ class ShapePolicy:
             return min((a for a in self.arms if a != best), key=lambda a: self.last_played[a])
         return best
 
-    def arm_rates(self) -> dict:
-        """{arm: (seconds, tokens)} to carry to the next call with these costs."""
-        return {arm: (sec, tok) for arm, (sec, tok, _) in self.sums.items() if tok > 0}
+    def learned(self) -> dict:
+        """What to carry to the next call with these costs: the arms' {arm: (seconds, tokens)}, lookup's (right,
+        tried) per position and the calibration gamma."""
+        arms = {arm: (sec, tok) for arm, (sec, tok, _) in self.sums.items() if tok > 0}
+        return {"arms": arms, "lookup": (list(self.look_right), list(self.look_tried)), "gamma": self.gamma}
 
     # ----- drafting side: what to draft this cycle ----------------------------------------------------------------
     @property
