@@ -2,7 +2,8 @@
 
 Costs (`measure_costs`, once per target, drafter, batch size and process): `verify[n]` the seconds of one target
 forward over n new tokens per row (a tree of n - 1 nodes and its root), `step[w]` of one drafter depth over w nodes.
-The cycle's own time beyond them (the drafter's catch-up and the loop) is tracked from the cycles themselves.
+The cycle's own time beyond them (the drafter's catch-up and the loop) is tracked from the cycles themselves, and
+the verification table is scaled by what the cycles' verifications took (it follows the context length).
 
 A cycle with n verified nodes of path probabilities p_i (the drafter's, calibrated) and drafting time D gains
 E[tokens] = B + sum_i p_i for the batch of B rows, and costs T(n) = fixed + D + verify(n + 1). The policy
@@ -11,12 +12,13 @@ E[tokens] = B + sum_i p_i for the batch of B rows, and costs T(n) = fixed + D + 
     cuts the tree to the n  that maximises E[tokens] / T(n)                                    (`cut_to_budget`)
     calibrates              the drafter's probabilities: score = gamma x log p, gamma fitted so that the expected
                             accepted drafts track the accepted ones                                 (`update`)
-    weights lookup          prompt lookup's token j by its measured hit rates: the first token's, then the
-                            rate of a token given that the previous one was right (lookup is right in runs)
+    weights lookup          prompt lookup's token j by its measured right rate at position j given the earlier
+                            ones right (lookup is right in runs: reached deep positions are right more often)
     plays arms              plain decoding, a chain (top-k 1, lookup's continuation alone where it has one) and the
-                            tree (lookup as a branch): the arm
-                            with the fewest measured seconds per token (decayed over its latest cycles), the others
-                            probed one cycle in `EXPLORE_EVERY` (`ShapePolicy`)
+                            tree (lookup as a branch): the arm with the fewest measured seconds per token (decayed
+                            over its latest cycles), the others probed one cycle in `EXPLORE_EVERY` (`ShapePolicy`)
+    carries                 what a call learned (arms' rates, lookup's rates, gamma) to the next call with the same
+                            costs (`Costs.learned`), as a prior
 
 Drafting (tree.py: `build_tree`, `add_chain`, `cut_to_budget`) is kept apart from adapting (`ShapePolicy.update`), as
 transformers keeps `get_candidates` apart from `update_candidate_strategy`. Fixed settings (`TreeSettings`) bypass
