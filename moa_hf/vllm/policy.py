@@ -38,12 +38,27 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["DraftLengthPolicy", "OutputLengths", "RowLives", "batch_bucket"]
+__all__ = ["DraftLengthPolicy", "OutputLengths", "RowLives", "batch_bucket", "pair_rows"]
 
 
 def batch_bucket(batch_size: int) -> int:
     """Batch sizes share draft-time measurements within powers of two: 1, 2, 4 (3-4), 8 (5-8), ..."""
     return 1 << max(0, batch_size - 1).bit_length()
+
+
+def pair_rows(states: list, histories: list, continues) -> list[int | None]:
+    """For each row's verified tokens `histories[b]` (vLLM's row order), the index of the state that it continues
+    (`continues(state, history)`), the state at the same position tried first, each state paired once; None: none.
+    vLLM's rows move, join and leave between steps, so what the proposer keeps per row is found again this way."""
+    taken: set[int] = set()
+    pairs: list[int | None] = []
+    for b, history in enumerate(histories):
+        order = ([b] if b < len(states) else []) + [i for i in range(len(states)) if i != b]
+        found = next((i for i in order if i not in taken and continues(states[i], history)), None)
+        if found is not None:
+            taken.add(found)
+        pairs.append(found)
+    return pairs
 
 
 @dataclass
@@ -73,24 +88,20 @@ class RowLives:
 
     def update(self, histories: list) -> list[int]:
         """Each row's generated tokens so far (`histories[b]`: its verified tokens this step)."""
-        taken: set[int] = set()
-        generated, lives = [], []
-        for b, history in enumerate(histories):
-            order = ([b] if b < len(self.lives) else []) + list(range(len(self.lives)))
-            found = next((i for i in order if i not in taken and self._continues(self.lives[i], history)), None)
+        pairs = pair_rows(self.lives, histories, self._continues)
+        lives = []
+        for history, found in zip(histories, pairs):
             if found is None:
                 born = len(history)
                 lives.append((born, np.array(history[max(0, born - self.signature) : born]), born))
             else:
-                taken.add(found)
                 born, tail, _ = self.lives[found]
                 lives.append((born, tail, len(history)))
-            generated.append(len(history) - lives[-1][0] + 1)
-        for i, (born, _, last) in enumerate(self.lives):
-            if i not in taken:
-                self.lengths.record(last - born + 1)
+        for i in sorted(set(range(len(self.lives))) - set(pairs)):  # rows no longer seen: finished
+            born, _, last = self.lives[i]
+            self.lengths.record(last - born + 1)
         self.lives = lives
-        return generated
+        return [len(history) - born + 1 for history, (born, _, _) in zip(histories, lives)]
 
     @staticmethod
     def _continues(life: tuple, history) -> bool:

@@ -36,7 +36,7 @@ from ..drafter_types import drafter_type, drafter_types
 from ..loading import load_drafter
 from . import CONFIG_KEY, TESTED_VLLM_VERSIONS
 from .kv_cache import PagedKVReader, UnsupportedCacheError, layout_for, slots_of
-from .policy import DraftLengthPolicy, RowLives
+from .policy import DraftLengthPolicy, RowLives, pair_rows
 from .target import StepTap, TargetView
 
 __all__ = ["MoAProposer", "MoAVllmOptions", "match_rows", "unsupported_drafter_reason"]
@@ -399,22 +399,14 @@ def match_rows(fed: list, histories: list, window: int | None = None) -> list[in
     row at the same position tried first, each state row matched once. None: the row starts afresh (a new request; a
     row preempted and recomputed, or one with nothing new; one further behind than `window`, cheaper read anew from
     its last `window` tokens)."""
-    taken: set[int] = set()
-    matches: list[int | None] = []
-    for b, history in enumerate(histories):
-        order = ([b] if b < len(fed) else []) + [i for i in range(len(fed)) if i != b]
-        found = None
-        for i in order:
-            n = len(fed[i])
-            if i in taken or not n < len(history) or (window is not None and len(history) - n > window):
-                continue
-            if np.array_equal(history[:n], fed[i]):
-                found = i
-                break
-        if found is not None:
-            taken.add(found)
-        matches.append(found)
-    return matches
+
+    def continues(state_fed, history) -> bool:
+        n = len(state_fed)
+        if not n < len(history) or (window is not None and len(history) - n > window):
+            return False
+        return np.array_equal(history[:n], state_fed)
+
+    return pair_rows(fed, histories, continues)
 
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")

@@ -277,20 +277,18 @@ class _Run:
             self.start_policy()
             t0, self.forward_s = time.perf_counter(), 0.0
         shape = self.policy.plan(remaining)
+        lookup_only = False
         if shape.lookup_first:  # lookup alone where every row has a continuation: the drafter waits
             chains = [self.lookup_chain(i, max(1, remaining - 1)) for i in range(len(self.rows))]
-            if any(c is None for c in chains):
-                chains = None
-        if shape.depth and chains is None and root_logits is None:
+            lookup_only = all(c is not None for c in chains)
+        if shape.depth and not lookup_only and root_logits is None:
             t_catch = time.perf_counter()
             root_logits = self.catch_up()
             draft_s0 = time.perf_counter() - t_catch
         if self.debug:
             logger.debug("cycle: %d rows, depth %d, top-k %d: %s", len(self.rows), shape.depth, shape.top_k, shape.why)
-        if chains is not None:
-            tree, chains = self.lookup_tree(chains), chains
-        elif shape.depth:
-            tree, chains = self.draft(root_logits, shape, draft_s0, remaining)
+        if shape.depth:
+            tree, chains = self.draft(None if lookup_only else root_logits, shape, draft_s0, remaining, chains)
         else:
             tree, chains = empty_tree(len(self.rows), self.roots.device), None
         t1 = time.perf_counter()
@@ -331,34 +329,28 @@ class _Run:
             self.costs = _costs_for(self)
         self.policy = ShapePolicy(self.settings, self.costs, len(self.rows), self.lookup, self.costs.learned)
 
-    def draft(self, root_logits: torch.Tensor, shape, draft_s0: float, remaining: int):
-        """This cycle's tree, cut to the budget, and the lookup chain per row (None where none)."""
+    def draft(self, root_logits, shape, draft_s0: float, remaining: int, chains: list | None = None):
+        """This cycle's tree, cut to the budget, and the lookup chain per row (None where none; `chains`: already
+        looked up). `root_logits` None: lookup's continuations alone (every row has one), no drafter call."""
         t0 = time.perf_counter()
         policy = self.policy
-        tree = build_tree(
-            _Timed(self), self.draft_state, root_logits, self.root_pos, shape.depth, shape.top_k, shape.widths,
-            policy.gamma,
-        )  # fmt: skip
-        chains = None
-        if shape.lookup:
+        if root_logits is None:
+            tree = empty_tree(len(self.rows), self.roots.device)
+        else:
+            tree = build_tree(
+                _Timed(self), self.draft_state, root_logits, self.root_pos, shape.depth, shape.top_k, shape.widths,
+                policy.gamma,
+            )  # fmt: skip
+        if shape.lookup and chains is None:
             chains = [self.lookup_chain(i, max(1, remaining - 1)) for i in range(len(self.rows))]
-            if any(c is not None for c in chains):
-                tree = add_chain(tree, chains, policy.lookup_log_probs(max(len(c) for c in chains if c is not None)))
-        self.drafter.tree_end(self.draft_state)
+        if chains is not None and any(c is not None for c in chains):
+            tree = add_chain(tree, chains, policy.lookup_log_probs(max(len(c) for c in chains if c is not None)))
+        if root_logits is not None:
+            self.drafter.tree_end(self.draft_state)
         draft_s = draft_s0 + time.perf_counter() - t0
         limit = min(tree.size, self.settings.max_budget)
         seconds = None if shape.budget is not None else policy.cycle_seconds(limit, draft_s)
         return cut_to_budget(tree, shape.budget, self.settings.max_budget, seconds), chains
-
-    def lookup_tree(self, chains: list) -> Tree:
-        """Prompt lookup's continuations alone (every row has one), cut to what pays for its verification."""
-        policy = self.policy
-        tree = add_chain(
-            empty_tree(len(chains), self.roots.device), chains, policy.lookup_log_probs(max(map(len, chains)))
-        )
-        limit = min(tree.size, self.settings.max_budget)
-        seconds = None if self.settings.budget is not None else policy.cycle_seconds(limit, 0.0)
-        return cut_to_budget(tree, self.settings.budget, self.settings.max_budget, seconds)
 
     def lookup_chain(self, i: int, room: int):
         """Prompt lookup's continuation [n] for active row i (at most `room` tokens), or None."""
@@ -540,8 +532,9 @@ class _Run:
             out[b, : s.shape[0]] = s
         if self.streamer is not None:
             self.streamer.end()
-        summary = None if self.policy is None else self.policy.summary()
+        summary = None
         if self.policy is not None:
+            summary = self.policy.summary()
             self.costs.learned = self.policy.learned()  # the next call with these costs starts from it
         if summary is not None and logger.isEnabledFor(logging.DEBUG):
             logger.debug("speculative engine call, batch %d: %s", len(self.stats), summary)
