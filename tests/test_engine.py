@@ -329,6 +329,37 @@ def test_a_chain_verifies_lookup_alone_where_it_has_a_continuation(right):
         assert stats.mean_accepted_length > 3  # the budget's 3 drafts and the target's token, nearly every cycle
 
 
+@pytest.mark.parametrize("right", [True, False])
+def test_the_plain_arm_verifies_lookup_without_the_drafter(right):
+    """The policy's plain arm calls no drafter forward: where prompt lookup has a continuation it is verified (cut by
+    cost), else the cycle decodes plainly; with lookup off the arm is plain decoding. Output = generate's."""
+    from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
+
+    assert ShapePolicy(TreeSettings(), FLAT_COSTS, 1, lookup=False)._arms(TreeSettings())[-1] == "plain"
+    policy = ShapePolicy(TreeSettings(), FLAT_COSTS, 1, lookup=False)
+    policy.sums["plain"] = [0.001, 1.0, ShapePolicy.PROBE]
+    policy.sums["tree"] = policy.sums["chain"] = [1.0, 1.0, ShapePolicy.PROBE]
+    assert policy.plan(remaining=100).depth == 0  # lookup off: plain decoding
+    target = _peaked()
+    ids = torch.tensor([[9, 8, 7, 6, 5]])
+    ref = target.generate(ids, max_new_tokens=30, do_sample=False)
+    drafter = ModelTreeDrafter(target, noise=3.0, lookup=ref[0].tolist() if right else [3] * 40)
+    steps = []
+    step = drafter.tree_step
+    drafter.tree_step = lambda *args: steps.append(1) or step(*args)
+    costs = Costs(verify=FLAT_COSTS.verify, step=FLAT_COSTS.step)
+    costs.learned = {"arms": {"plain": (0.001, 1.0), "tree": (1.0, 1.0), "chain": (1.0, 1.0)}}  # plain is fastest
+    out = speculative_generate(
+        target, drafter, ids, max_new_tokens=30, do_sample=False, return_dict_in_generate=True, costs=costs
+    )
+    assert torch.equal(out.sequences, ref)
+    stats = out.speculation_stats[0]
+    assert stats.lookup_tokens > 0 and out.policy["arm_cycles"]["plain"] > 0
+    assert len(steps) <= 10 * (out.policy["arm_cycles"]["tree"] + out.policy["arm_cycles"]["chain"])  # probes only
+    if right:
+        assert stats.mean_accepted_length > 3
+
+
 def test_tree_pieces():
     """add_chain merges a chain into existing nodes; a budget cut keeps a tree (every kept node's parent kept)."""
     tree = Tree(

@@ -278,9 +278,9 @@ class _Run:
             t0, self.forward_s = time.perf_counter(), 0.0
         shape = self.policy.plan(remaining)
         lookup_only = False
-        if shape.lookup_first:  # lookup alone where every row has a continuation: the drafter waits
+        if shape.lookup_first:  # lookup alone where every row has a continuation (or no network): the drafter waits
             chains = [self.lookup_chain(i, max(1, remaining - 1)) for i in range(len(self.rows))]
-            lookup_only = all(c is not None for c in chains)
+            lookup_only = not shape.network or all(c is not None for c in chains)
         if shape.depth and not lookup_only and root_logits is None:
             t_catch = time.perf_counter()
             root_logits = self.catch_up()

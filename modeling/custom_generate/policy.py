@@ -14,9 +14,10 @@ E[tokens] = B + sum_i p_i for the batch of B rows, and costs T(n) = fixed + D + 
                             accepted drafts track the accepted ones                                 (`update`)
     weights lookup          prompt lookup's token j by its measured right rate at position j given the earlier
                             ones right (lookup is right in runs: reached deep positions are right more often)
-    plays arms              plain decoding, a chain (top-k 1, lookup's continuation alone where it has one) and the
-                            tree (lookup as a branch): the arm with the fewest measured seconds per token (decayed
-                            over its latest cycles), the others probed one cycle in `EXPLORE_EVERY` (`ShapePolicy`)
+    plays arms              plain decoding (no drafter forward: lookup's continuation where a row has one), a chain
+                            (top-k 1, lookup's continuation alone where every row has one) and the tree (lookup as
+                            a branch): the arm with the fewest measured seconds per token (decayed over its latest
+                            cycles), the others probed one cycle in `EXPLORE_EVERY` (`ShapePolicy`)
     carries                 what a call learned (arms' rates, lookup's rates, gamma) to the next call with the same
                             costs (`Costs.learned`), as a prior
 
@@ -146,7 +147,8 @@ class Shape:
     """One cycle's plan: drafter steps (`depth`, 0: plain decoding), children per node (`top_k`), `widths`: the
     frontier per depth (a function of the newest scores, or None: top_k), `budget` (None: by expected tokens per
     second), `lookup`, `lookup_first` (where every row has a lookup continuation, verify it alone: no drafter call,
-    the drafter catches up later), and why (for the debug log)."""
+    the drafter catches up later), `network` (False: the drafter is not called, lookup's continuations alone, where
+    rows have one), and why (for the debug log)."""
 
     depth: int
     top_k: int
@@ -155,6 +157,7 @@ class Shape:
     lookup: bool = False
     why: str = ""
     lookup_first: bool = False
+    network: bool = True
 
 
 class ShapePolicy:
@@ -249,8 +252,10 @@ class ShapePolicy:
         if remaining <= 1 or s.budget == 0:
             return Shape(0, 1, why="no room for drafts" if remaining <= 1 else "budget 0")
         self.arm = self._next_arm()
-        if self.arm == "plain":
-            return Shape(0, 1, why=self._why())
+        if self.arm == "plain":  # no drafter forward: lookup's continuations (cut by cost) where rows have one
+            if not self.lookup:
+                return Shape(0, 1, why=self._why())
+            return Shape(1, 1, None, s.budget, True, self._why(), lookup_first=True, network=False)
         top_k = 1 if self.arm == "chain" else s.top_k or s.max_top_k
         fixed_k = 1 if self.arm == "chain" else s.top_k
         depth = min(s.depth or s.max_depth, remaining - 1)
