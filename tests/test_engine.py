@@ -488,6 +488,15 @@ def test_shape_policy_plays_the_arm_that_measured_fastest(best):
     assert policy.summary()["arm_ms_per_token"][best] == pytest.approx(6.0)
 
 
+def test_shape_policy_probes_a_far_slower_arm_rarely():
+    from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
+
+    policy = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
+    played = _play(policy, {"tree": 0.010, "chain": 0.011, "plain": 0.040}, 300)[50:]  # plain 4x slower
+    assert 0 < played.count("plain") <= 250 // ShapePolicy.MAX_EXPLORE_GAP + 1  # once per gap at most
+    assert played.count("chain") >= 2 * played.count("plain")  # an arm close to the best is looked at more often
+
+
 def test_shape_policy_follows_an_arm_that_becomes_slower():
     from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
 

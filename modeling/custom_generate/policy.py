@@ -17,7 +17,8 @@ E[tokens] = B + sum_i p_i for the batch of B rows, and costs T(n) = fixed + D + 
     plays arms              plain decoding (no drafter forward: lookup's continuation where a row has one), a chain
                             (top-k 1, lookup's continuation alone where every row has one) and the tree (lookup as
                             a branch): the arm with the fewest measured seconds per token (decayed over its latest
-                            cycles), the others probed one cycle in `EXPLORE_EVERY` (`ShapePolicy`)
+                            cycles), each other arm probed again after EXPLORE_EVERY x (its rate / the best's)^2
+                            cycles (at most `MAX_EXPLORE_GAP`): a far slower arm is probed rarely (`ShapePolicy`)
     carries                 what a call learned (arms' rates, lookup's rates, gamma) to the next call with the same
                             costs (`Costs.learned`), as a prior
 
@@ -169,14 +170,16 @@ class ShapePolicy:
     continuation for every row, that alone, as the `assistant_model` path drafts) and the tree (top-k from the costs,
     lookup as a branch). Each keeps decayed sums of the seconds and tokens of the cycles it played, so
     its rate (seconds per token of the batch) follows the context as it grows. Each arm is probed `PROBE` cycles,
-    then the policy plays the arm with the lowest rate, and every `EXPLORE_EVERY` cycles one cycle of another arm
-    (the one played longest ago): its choice is never worse, for long, than the best of the shapes it could have
-    fixed, plain decoding included, at the price of those probes.
+    then the policy plays the arm with the lowest rate, and one cycle of another arm once it has not played for
+    `EXPLORE_EVERY` x (its rate / the best's)^2 cycles (at most `MAX_EXPLORE_GAP`): an arm close to the best is
+    looked at often (it may overtake), a far slower one rarely (each look costs). Its choice is never worse, for
+    long, than the best of the shapes it could have fixed, plain decoding included, at the price of those probes.
     """
 
     PROBE = 2  # cycles each arm is played before the policy compares them
     DECAY = 0.9  # weight of an arm's past cycles per newer cycle of it
-    EXPLORE_EVERY = 8  # every this many cycles, one cycle of the arm other than the best played longest ago
+    EXPLORE_EVERY = 16  # cycles between two plays of an arm as fast as the best (more for slower arms)
+    MAX_EXPLORE_GAP = 48  # the most cycles an arm goes unplayed
     CARRIED_TRIES = 16  # the most weight an earlier call's lookup right rate keeps per position
 
     def __init__(self, settings: TreeSettings, costs: Costs, batch: int, lookup: bool, carried: dict | None = None):
@@ -204,7 +207,7 @@ class ShapePolicy:
                     self.look_right[j], self.look_tried[j] = w * right, w * tried
         self.gamma = carried.get("gamma", self.gamma)
         self.arm = self.arms[0]
-        self.cycles, self.explore_at = 0, self.EXPLORE_EVERY
+        self.cycles = 0
         self.last_played = {arm: -1 for arm in self.arms}
 
     @staticmethod
@@ -220,18 +223,22 @@ class ShapePolicy:
         return sec / tok if tok > 0 else None
 
     def _next_arm(self) -> str:
-        """The arm of the next cycle: an arm not probed yet; else the best, but every `EXPLORE_EVERY` cycles the
-        arm played longest ago (an arm's rate drifts with the context and the text being written)."""
+        """The arm of the next cycle: an arm not probed yet; else the best, but an arm unplayed for its interval
+        (`EXPLORE_EVERY` x (its rate / the best's)^2, at most `MAX_EXPLORE_GAP`) first: an arm's rate drifts with the
+        context and the text being written."""
         if len(self.arms) == 1:
             return self.arms[0]
         for arm in self.arms:
             if self.sums[arm][2] < self.PROBE:
                 return arm
         best = min(self.arms, key=lambda a: self.rate(a))
-        if self.cycles >= self.explore_at:
-            self.explore_at = self.cycles + self.EXPLORE_EVERY
-            return min((a for a in self.arms if a != best), key=lambda a: self.last_played[a])
-        return best
+        top = max(self.rate(best), 1e-9)
+
+        def interval(arm: str) -> float:
+            return min(self.MAX_EXPLORE_GAP, self.EXPLORE_EVERY * (self.rate(arm) / top) ** 2)
+
+        due = [a for a in self.arms if a != best and self.cycles - self.last_played[a] >= interval(a)]
+        return min(due, key=lambda a: self.last_played[a]) if due else best
 
     def learned(self) -> dict:
         """What to carry to the next call with these costs: the arms' {arm: (seconds, tokens)}, lookup's (right,
