@@ -517,10 +517,18 @@ def test_shape_policy_fixed_shapes_and_carried_rates():
     _play(first, {"tree": 0.004, "chain": 0.008, "plain": 0.010}, 40)
     one = torch.ones(1, 1, dtype=torch.long)
     node = Tree(one, one * -1, one, torch.zeros(1, 1), one.bool(), one.bool())
-    first.update(node, [0], [(10, 10)] * 100, 0.01, 0.0, 0.0)  # lookup right in long runs
+    first.update(node, [0], [(10, 10, 16)] * 100 + [(1, 0, 2)] * 100, 0.01, 0.0, 0.0)  # long ones right, short wrong
+    assert (
+        first.lookup_log_probs(1, length=16)[0]
+        > math.log(0.9)
+        > math.log(0.1)
+        > first.lookup_log_probs(1, length=2)[0]
+    )
     carried = first.learned()
     assert carried["arms"]["tree"][0] / carried["arms"]["tree"][1] == pytest.approx(0.004, rel=0.2)
     warm = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True, carried=carried)
-    assert warm.lookup_log_probs(5)[-1] > first.lookup_log_probs(5)[-1] - 0.2  # lookup's rates carried (weighted)
-    assert warm.look_tried[0] == ShapePolicy.CARRIED_TRIES
+    long = ShapePolicy.lookup_class(16)  # rates carried (weighted) per class of proposal length
+    assert warm.lookup_log_probs(5, length=16)[-1] > first.lookup_log_probs(5, length=16)[-1] - 0.2
+    assert warm.lookup_log_probs(1, length=2)[0] < math.log(0.2)
+    assert warm.look_tried[long][0] == ShapePolicy.CARRIED_TRIES
     assert _play(warm, {"tree": 0.004, "chain": 0.008, "plain": 0.010}, 5) == ["tree"] * 5  # no probing again

@@ -344,7 +344,7 @@ class _Run:
         if shape.lookup and chains is None:
             chains = [self.lookup_chain(i, max(1, remaining - 1)) for i in range(len(self.rows))]
         if chains is not None and any(c is not None for c in chains):
-            tree = add_chain(tree, chains, policy.lookup_log_probs(max(len(c) for c in chains if c is not None)))
+            tree = add_chain(tree, chains, [c and policy.lookup_log_probs(len(c)) for c in chains])
         if root_logits is not None:
             self.drafter.tree_end(self.draft_state)
         draft_s = draft_s0 + time.perf_counter() - t0
@@ -360,7 +360,8 @@ class _Run:
 
     @staticmethod
     def lookup_outcomes(chains, new_tokens) -> list:
-        """Per row with a chain: (its tokens checked against the tokens emitted, the right prefix among them)."""
+        """Per row with a chain: (its tokens checked against the tokens emitted, the right prefix among them, the
+        chain's length)."""
         out = []
         for chain, toks in zip(chains, new_tokens):
             if not chain:
@@ -369,7 +370,7 @@ class _Run:
             right = 0
             while right < checked and chain[right] == toks[right]:
                 right += 1
-            out.append((min(checked, right + 1), right))  # tokens after the first wrong one were not checked
+            out.append((min(checked, right + 1), right, len(chain)))  # after the first wrong one: not checked
         return out
 
     def verify(self, tree: Tree, anc: torch.Tensor):

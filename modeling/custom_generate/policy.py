@@ -13,7 +13,8 @@ E[tokens] = B + sum_i p_i for the batch of B rows, and costs T(n) = fixed + D + 
     calibrates              the drafter's probabilities: score = gamma x log p, gamma fitted so that the expected
                             accepted drafts track the accepted ones                                 (`update`)
     weights lookup          prompt lookup's token j by its measured right rate at position j given the earlier
-                            ones right (lookup is right in runs: reached deep positions are right more often)
+                            ones right (lookup is right in runs: reached deep positions are right more often), kept
+                            per class of proposal length (a longer proposal followed a longer matched n-gram)
     plays arms              plain decoding (no drafter forward: lookup's continuation where a row has one), a chain
                             (top-k 1, lookup's continuation alone where every row has one) and the tree (lookup as
                             a branch): the arm with the fewest measured seconds per token (decayed over its latest
@@ -181,16 +182,18 @@ class ShapePolicy:
     EXPLORE_EVERY = 16  # cycles between two plays of an arm as fast as the best (more for slower arms)
     MAX_EXPLORE_GAP = 48  # the most cycles an arm goes unplayed
     CARRIED_TRIES = 16  # the most weight an earlier call's lookup right rate keeps per position
+    LOOKUP_CLASSES = 5  # lookup proposals of 1, 2-3, 4-7, 8-15, 16+ tokens keep right rates apart
 
     def __init__(self, settings: TreeSettings, costs: Costs, batch: int, lookup: bool, carried: dict | None = None):
         self.settings, self.costs, self.batch, self.lookup = settings, costs, batch, lookup
         self.step_s = costs.verify_cost(1)  # a plain decoding cycle of the batch: tracked from the plain cycles
         self.fixed_s = 0.0  # the speculative cycle's time beyond drafting and verifying (catch-up, loop): tracked
         self.gamma, self.predicted, self.realised = 1.0, 1.0, 1.0  # calibration of the drafter's probabilities
-        # lookup's token j (0-based) given tokens < j right: right / tried, per position (priors 0.6, then 0.8):
-        # lookup is right in runs (a copied passage), so deep positions that are reached are right more often
-        self.look_right = [1.2] + [1.6] * (settings.max_budget - 1)
-        self.look_tried = [2.0] * settings.max_budget
+        # lookup's token j (0-based) given tokens < j right: right / tried, per class of proposal length (see
+        # `lookup_class`) and position (priors 0.6, then 0.8): lookup is right in runs (a copied passage), so deep
+        # positions that are reached are right more often
+        self.look_right = [[1.2] + [1.6] * (settings.max_budget - 1) for _ in range(self.LOOKUP_CLASSES)]
+        self.look_tried = [[2.0] * settings.max_budget for _ in range(self.LOOKUP_CLASSES)]
         self.node_cost = max(costs.verify_cost(2) - costs.verify_cost(1), 1e-9)  # one more verified node (batch)
         self.verify_scale = 1.0  # measured verification time / the table's: follows the context as it grows
         self.chosen: dict[tuple, int] = {}  # (arm, depth, verified nodes) -> cycles, for the call's debug summary
@@ -200,11 +203,11 @@ class ShapePolicy:
         for arm, (sec, tok) in carried.get("arms", {}).items():
             if arm in self.sums and tok > 0:  # an earlier call's rate, weighted as one cycle
                 self.sums[arm] = [sec / tok, 1.0, self.PROBE]
-        if "lookup" in carried:  # an earlier call's right rates, weighted as at most `CARRIED_TRIES` tries each
-            for j, (right, tried) in enumerate(zip(*carried["lookup"])):
-                if j < len(self.look_tried) and tried > 0:
+        for c, (rights, trieds) in enumerate(carried.get("lookup", ())):  # an earlier call's right rates, weighted
+            for j, (right, tried) in enumerate(zip(rights, trieds)):  # as at most `CARRIED_TRIES` tries each
+                if c < self.LOOKUP_CLASSES and j < len(self.look_tried[c]) and tried > 0:
                     w = min(1.0, self.CARRIED_TRIES / tried)
-                    self.look_right[j], self.look_tried[j] = w * right, w * tried
+                    self.look_right[c][j], self.look_tried[c][j] = w * right, w * tried
         self.gamma = carried.get("gamma", self.gamma)
         self.arm = self.arms[0]
         self.cycles = 0
@@ -244,7 +247,8 @@ class ShapePolicy:
         """What to carry to the next call with these costs: the arms' {arm: (seconds, tokens)}, lookup's (right,
         tried) per position and the calibration gamma."""
         arms = {arm: (sec, tok) for arm, (sec, tok, _) in self.sums.items() if tok > 0}
-        return {"arms": arms, "lookup": (list(self.look_right), list(self.look_tried)), "gamma": self.gamma}
+        lookup = [(list(r), list(t)) for r, t in zip(self.look_right, self.look_tried)]
+        return {"arms": arms, "lookup": lookup, "gamma": self.gamma}
 
     # ----- drafting side: what to draft this cycle ----------------------------------------------------------------
     @property
@@ -294,20 +298,29 @@ class ShapePolicy:
         """[limit+1]: the cycle's predicted seconds with n = 0..limit nodes verified."""
         return self.fixed_s + draft_s + self.verify_scale * self.costs.verify_costs(limit + 1)
 
-    def lookup_log_probs(self, n: int) -> list[float]:
-        """Estimated log probability that lookup's first j tokens are all right, j = 1..n."""
+    @classmethod
+    def lookup_class(cls, length: int) -> int:
+        """The class of a lookup proposal of `length` tokens: floor(log2(length)), at most LOOKUP_CLASSES - 1. A
+        drafter proposes more tokens after a longer matched n-gram (halving per shorter n-gram), which is right more
+        often: one set of right rates for all would cut a long match short and keep a 1-token match too long."""
+        return min(cls.LOOKUP_CLASSES - 1, max(0, length.bit_length() - 1))
+
+    def lookup_log_probs(self, n: int, length: int | None = None) -> list[float]:
+        """Estimated log probability that the first j tokens of a lookup proposal of `length` tokens (default n) are
+        all right, j = 1..n."""
+        right, tried = self.look_right[self.lookup_class(length or n)], self.look_tried[self.lookup_class(length or n)]
         out, total = [], 0.0
         for j in range(n):
-            i = min(j, len(self.look_right) - 1)
-            total += math.log(min(0.98, max(0.05, self.look_right[i] / self.look_tried[i])))
+            i = min(j, len(right) - 1)
+            total += math.log(min(0.98, max(0.05, right[i] / tried[i])))
             out.append(total)
         return out
 
     # ----- adapting side: what the cycle measured ------------------------------------------------------------------
     def update(self, tree, lengths: list, lookup_right: list, seconds: float, draft_s: float, verify_s: float):
         """After a cycle: `tree` verified, `lengths` [B] accepted drafts per row, `lookup_right` per row with a lookup
-        chain (tokens of it checked, of which right: a prefix), the cycle's wall `seconds` of which `draft_s` drafting
-        and `verify_s` verifying."""
+        chain (tokens of it checked, of which right: a prefix, and the proposal's length), the cycle's wall `seconds`
+        of which `draft_s` drafting and `verify_s` verifying."""
         tokens = sum(lengths) + len(lengths)
         predicted = self.costs.verify_cost(1 + tree.size)  # the table's time for this verification
         self.verify_scale = 0.8 * self.verify_scale + 0.2 * min(8.0, max(0.25, verify_s / predicted))
@@ -321,10 +334,11 @@ class ShapePolicy:
         self.fixed_s = 0.8 * self.fixed_s + 0.2 * max(0.0, seconds - draft_s - verify_s)
         key = (self.arm, int(tree.depth.max()), tree.size)
         self.chosen[key] = self.chosen.get(key, 0) + 1
-        for checked, right in lookup_right:
-            for j in range(min(checked, len(self.look_tried))):  # token j was checked: the ones before were right
-                self.look_tried[j] += 1
-                self.look_right[j] += j < right
+        for checked, right, length in lookup_right:
+            c = self.lookup_class(length)
+            for j in range(min(checked, len(self.look_tried[c]))):  # token j was checked: the ones before were right
+                self.look_tried[c][j] += 1
+                self.look_right[c][j] += j < right
         # calibration: the expected accepted drafts (sum of the verified nodes' path probabilities) track the accepted
         expected = float(torch.where(tree.real, tree.score.exp(), 0.0).sum())
         self.predicted = 0.8 * self.predicted + 0.2 * expected
@@ -341,7 +355,10 @@ class ShapePolicy:
             "arm_ms_per_token": {a: 1000 * r for a in self.arms if (r := self.rate(a)) is not None},
             "arm_cycles": {a: self.sums[a][2] for a in self.arms},
             "gamma": self.gamma,
-            "lookup_right_by_position": [round(r / t, 3) for r, t in zip(self.look_right[:8], self.look_tried[:8])],
+            "lookup_right_by_position": {
+                f"proposals of {2**c}+ tokens": [round(r / t, 3) for r, t in zip(rights[:8], trieds[:8])]
+                for c, (rights, trieds) in enumerate(zip(self.look_right, self.look_tried))
+            },
             "fixed_ms": 1000 * self.fixed_s,
             "plain_step_ms": 1000 * self.step_s,
             "verify_over_table": self.verify_scale,

@@ -189,9 +189,10 @@ def build_tree(drafter, state, root_logits, root_pos, depth: int, top_k: int, wi
 def add_chain(tree: Tree, chains: list, log_probs) -> Tree:
     """Add one chain of tokens per row under the root (prompt lookup's continuation; None: none for that row).
     Where a prefix of it is already in the tree it follows those nodes (raising their score to the chain's), the rest
-    becomes new nodes after the existing ones. Chain token j (1-based) scores log_probs[j-1] (a float: j x it), the
-    estimated log probability that the chain's first j tokens are all right. Rows are padded to one size with
-    fillers (children of the root that are never accepted, real False, and never chosen, score -inf)."""
+    becomes new nodes after the existing ones. Chain token j (1-based) scores log_probs[j-1] (a float: j x it; a
+    list per row: that row's), the estimated log probability that the chain's first j tokens are all right. Rows are
+    padded to one size with fillers (children of the root that are never accepted, real False, and never chosen,
+    score -inf)."""
     B, N = tree.tokens.shape
     device = tree.tokens.device
     chains = [None if c is None else (c.tolist() if torch.is_tensor(c) else list(c)) for c in chains]
@@ -200,6 +201,8 @@ def add_chain(tree: Tree, chains: list, log_probs) -> Tree:
         return tree
     if isinstance(log_probs, float):
         log_probs = [j * log_probs for j in range(1, longest + 1)]
+    if not log_probs or not isinstance(log_probs[0], (list, type(None))):
+        log_probs = [log_probs] * B  # one list for every row
     # follow the chain through existing nodes: only nodes whose parent is followed can match, so one pass in
     # parents-first order per chain token suffices; the tree is small, so this reads it once as lists
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
@@ -224,11 +227,11 @@ def add_chain(tree: Tree, chains: list, log_probs) -> Tree:
         for j, (t, i) in enumerate(zip(chains[b] or [], follow[b])):
             if i >= 0:
                 raise_idx.append((b, i))
-                raise_val.append(log_probs[j])
+                raise_val.append(log_probs[b][j])
                 prev = i
             else:
                 ext_tok[b, m], ext_par[b, m], ext_dep[b, m] = t, prev, j + 1
-                ext_sco[b, m], ext_real[b, m] = log_probs[j], True
+                ext_sco[b, m], ext_real[b, m] = log_probs[b][j], True
                 prev = N + m
                 m += 1
     score = tree.score.clone()
