@@ -306,10 +306,9 @@ def test_lookup_branch_joins_the_tree(right):
         assert lengths["hybrid"] > lengths["network"] + 1
 
 
-@pytest.mark.parametrize("right", [True, False])
-def test_a_chain_verifies_lookup_alone_where_it_has_a_continuation(right):
-    """A chain (top-k 1) drafts by prompt lookup alone where every row has a continuation, as the `assistant_model`
-    path does: no drafter step that cycle (the drafter catches up later). Right or wrong, the output is generate's."""
+def _counted_lookup_drafter(right: bool):
+    """A peaked target, its prompt and greedy output, and a drafter whose prompt lookup always proposes (the right
+    continuation or a wrong one) and whose network steps are counted in `steps`."""
     target = _peaked()
     ids = torch.tensor([[9, 8, 7, 6, 5]])
     ref = target.generate(ids, max_new_tokens=30, do_sample=False)
@@ -317,6 +316,14 @@ def test_a_chain_verifies_lookup_alone_where_it_has_a_continuation(right):
     steps = []
     step = drafter.tree_step
     drafter.tree_step = lambda *args: steps.append(1) or step(*args)
+    return target, ids, ref, drafter, steps
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_a_chain_verifies_lookup_alone_where_it_has_a_continuation(right):
+    """A chain (top-k 1) drafts by prompt lookup alone where every row has a continuation, as the `assistant_model`
+    path does: no drafter step that cycle (the drafter catches up later). Right or wrong, the output is generate's."""
+    target, ids, ref, drafter, steps = _counted_lookup_drafter(right)
     out = speculative_generate(
         target, drafter, ids, max_new_tokens=30, do_sample=False, return_dict_in_generate=True,
         costs=FLAT_COSTS, tree_depth=3, tree_top_k=1, tree_budget=3,
@@ -340,13 +347,7 @@ def test_the_plain_arm_verifies_lookup_without_the_drafter(right):
     policy.sums["plain"] = [0.001, 1.0, ShapePolicy.PROBE]
     policy.sums["tree"] = policy.sums["chain"] = [1.0, 1.0, ShapePolicy.PROBE]
     assert policy.plan(remaining=100).depth == 0  # lookup off: plain decoding
-    target = _peaked()
-    ids = torch.tensor([[9, 8, 7, 6, 5]])
-    ref = target.generate(ids, max_new_tokens=30, do_sample=False)
-    drafter = ModelTreeDrafter(target, noise=3.0, lookup=ref[0].tolist() if right else [3] * 40)
-    steps = []
-    step = drafter.tree_step
-    drafter.tree_step = lambda *args: steps.append(1) or step(*args)
+    target, ids, ref, drafter, steps = _counted_lookup_drafter(right)
     costs = Costs(verify=FLAT_COSTS.verify, step=FLAT_COSTS.step)
     costs.learned = {"arms": {"plain": (0.001, 1.0), "tree": (1.0, 1.0), "chain": (1.0, 1.0)}}  # plain is fastest
     out = speculative_generate(
