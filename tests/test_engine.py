@@ -337,25 +337,25 @@ def test_a_chain_verifies_lookup_alone_where_it_has_a_continuation(right):
 
 
 @pytest.mark.parametrize("right", [True, False])
-def test_the_plain_arm_verifies_lookup_without_the_drafter(right):
-    """The policy's plain arm calls no drafter forward: where prompt lookup has a continuation it is verified (cut by
-    cost), else the cycle decodes plainly; with lookup off the arm is plain decoding. Output = generate's."""
+def test_the_lookup_arm_verifies_lookup_without_the_drafter(right):
+    """The policy's lookup arm calls no drafter forward: where prompt lookup has a continuation it is verified (cut by
+    cost), else the cycle decodes plainly; with lookup off there is no lookup arm. Output = generate's."""
     from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
 
-    assert ShapePolicy(TreeSettings(), FLAT_COSTS, 1, lookup=False)._arms(TreeSettings())[-1] == "plain"
+    assert ShapePolicy(TreeSettings(), FLAT_COSTS, 1, lookup=False).arms == ("tree", "chain", "plain")
     policy = ShapePolicy(TreeSettings(), FLAT_COSTS, 1, lookup=False)
     policy.sums["plain"] = [0.001, 1.0, ShapePolicy.PROBE]
     policy.sums["tree"] = policy.sums["chain"] = [1.0, 1.0, ShapePolicy.PROBE]
     assert policy.plan(remaining=100).depth == 0  # lookup off: plain decoding
     target, ids, ref, drafter, steps = _counted_lookup_drafter(right)
     costs = Costs(verify=FLAT_COSTS.verify, step=FLAT_COSTS.step)
-    costs.learned = {"arms": {"plain": (0.001, 1.0), "tree": (1.0, 1.0), "chain": (1.0, 1.0)}}  # plain is fastest
+    costs.learned = {"arms": {"lookup": (0.001, 1.0), "tree": (1.0, 1.0), "chain": (1.0, 1.0), "plain": (1.0, 1.0)}}
     out = speculative_generate(
         target, drafter, ids, max_new_tokens=30, do_sample=False, return_dict_in_generate=True, costs=costs
     )
     assert torch.equal(out.sequences, ref)
     stats = out.speculation_stats[0]
-    assert stats.lookup_tokens > 0 and out.policy["arm_cycles"]["plain"] > 0
+    assert stats.lookup_tokens > 0 and out.policy["arm_cycles"]["lookup"] > 0
     assert len(steps) <= 10 * (out.policy["arm_cycles"]["tree"] + out.policy["arm_cycles"]["chain"])  # probes only
     if right:
         assert stats.mean_accepted_length > 3
@@ -475,15 +475,15 @@ def _play(policy, seconds_per_token: dict, cycles: int) -> list:
     return played
 
 
-@pytest.mark.parametrize("best", ["tree", "chain", "plain"])
+@pytest.mark.parametrize("best", ["tree", "chain", "lookup", "plain"])
 def test_shape_policy_plays_the_arm_that_measured_fastest(best):
     from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
 
-    rates = {"tree": 0.010, "chain": 0.010, "plain": 0.010}
+    rates = {"tree": 0.010, "chain": 0.010, "lookup": 0.010, "plain": 0.010}
     rates[best] = 0.006
     policy = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
     played = _play(policy, rates, 300)
-    assert set(played[: 3 * ShapePolicy.PROBE]) == {"tree", "chain", "plain"}  # every arm probed first
+    assert set(played[: 4 * ShapePolicy.PROBE]) == set(rates)  # every arm probed first
     assert played[-100:].count(best) >= 85  # then the best, probing the others one cycle in 8
     assert 0 < played[100:].count("plain" if best != "plain" else "tree") < 20
     assert policy.summary()["arm_ms_per_token"][best] == pytest.approx(6.0)
@@ -493,7 +493,7 @@ def test_shape_policy_probes_a_far_slower_arm_rarely():
     from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
 
     policy = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
-    played = _play(policy, {"tree": 0.010, "chain": 0.011, "plain": 0.040}, 300)[50:]  # plain 4x slower
+    played = _play(policy, {"tree": 0.010, "chain": 0.011, "lookup": 0.012, "plain": 0.040}, 300)[50:]  # plain 4x
     assert 0 < played.count("plain") <= 250 // ShapePolicy.MAX_EXPLORE_GAP + 1  # once per gap at most
     assert played.count("chain") >= 2 * played.count("plain")  # an arm close to the best is looked at more often
 
@@ -502,8 +502,8 @@ def test_shape_policy_follows_an_arm_that_becomes_slower():
     from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
 
     policy = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
-    _play(policy, {"tree": 0.005, "chain": 0.008, "plain": 0.010}, 60)
-    played = _play(policy, {"tree": 0.015, "chain": 0.008, "plain": 0.010}, 200)  # e.g. the context grew
+    _play(policy, {"tree": 0.005, "chain": 0.008, "lookup": 0.010, "plain": 0.010}, 60)
+    played = _play(policy, {"tree": 0.015, "chain": 0.008, "lookup": 0.010, "plain": 0.010}, 200)  # context grew
     assert played[-100:].count("chain") >= 85
 
 
@@ -515,7 +515,7 @@ def test_shape_policy_fixed_shapes_and_carried_rates():
     top1 = ShapePolicy(TreeSettings(top_k=1), FLAT_COSTS, batch=1, lookup=False)
     assert top1.arms == ("fixed", "plain")
     first = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
-    _play(first, {"tree": 0.004, "chain": 0.008, "plain": 0.010}, 40)
+    _play(first, {"tree": 0.004, "chain": 0.008, "lookup": 0.010, "plain": 0.010}, 40)
     one = torch.ones(1, 1, dtype=torch.long)
     node = Tree(one, one * -1, one, torch.zeros(1, 1), one.bool(), one.bool())
     first.update(node, [0], [(10, 10, 16)] * 100 + [(1, 0, 2)] * 100, 0.01, 0.0, 0.0)  # long ones right, short wrong
@@ -532,4 +532,4 @@ def test_shape_policy_fixed_shapes_and_carried_rates():
     assert warm.lookup_log_probs(5, length=16)[-1] > first.lookup_log_probs(5, length=16)[-1] - 0.2
     assert warm.lookup_log_probs(1, length=2)[0] < math.log(0.2)
     assert warm.look_tried[long][0] == ShapePolicy.CARRIED_TRIES
-    assert _play(warm, {"tree": 0.004, "chain": 0.008, "plain": 0.010}, 5) == ["tree"] * 5  # no probing again
+    assert _play(warm, {"tree": 0.004, "chain": 0.008, "lookup": 0.01, "plain": 0.01}, 5) == ["tree"] * 5  # no probes

@@ -15,11 +15,12 @@ E[tokens] = B + sum_i p_i for the batch of B rows, and costs T(n) = fixed + D + 
     weights lookup          prompt lookup's token j by its measured right rate at position j given the earlier
                             ones right (lookup is right in runs: reached deep positions are right more often), kept
                             per class of proposal length (a longer proposal followed a longer matched n-gram)
-    plays arms              plain decoding (no drafter forward: lookup's continuation where a row has one), a chain
-                            (top-k 1, lookup's continuation alone where every row has one) and the tree (lookup as
-                            a branch): the arm with the fewest measured seconds per token (decayed over its latest
-                            cycles), each other arm probed again after EXPLORE_EVERY x (its rate / the best's)^2
-                            cycles (at most `MAX_EXPLORE_GAP`): a far slower arm is probed rarely (`ShapePolicy`)
+    plays arms              plain decoding, lookup (no drafter forward: lookup's continuation where a row has one,
+                            plain decoding for the others), a chain (top-k 1, lookup's continuation alone where every
+                            row has one) and the tree (lookup as a branch): the arm with the fewest measured seconds
+                            per token (decayed over its latest cycles), each other arm probed again after
+                            EXPLORE_EVERY x (its rate / the best's)^2 cycles (at most `MAX_EXPLORE_GAP`): a far slower
+                            arm is probed rarely (`ShapePolicy`)
     carries                 what a call learned (arms' rates, lookup's rates, gamma) to the next call with the same
                             costs (`Costs.learned`), as a prior
 
@@ -167,7 +168,8 @@ class ShapePolicy:
     cycles measured (`update`). One per engine call; `batch` rows; `costs` as measured; `carried`: what an earlier
     call with the same costs learned (`learned`; a prior this call's cycles soon outweigh).
 
-    Arms: the shape families the policy plays: plain decoding, a chain (top-k 1; where prompt lookup has a
+    Arms: the shape families the policy plays: plain decoding, lookup (prompt lookup's continuations alone, no drafter
+    forward), a chain (top-k 1; where prompt lookup has a
     continuation for every row, that alone, as the `assistant_model` path drafts) and the tree (top-k from the costs,
     lookup as a branch). Each keeps decayed sums of the seconds and tokens of the cycles it played, so
     its rate (seconds per token of the batch) follows the context as it grows. Each arm is probed `PROBE` cycles,
@@ -197,7 +199,7 @@ class ShapePolicy:
         self.node_cost = max(costs.verify_cost(2) - costs.verify_cost(1), 1e-9)  # one more verified node (batch)
         self.verify_scale = 1.0  # measured verification time / the table's: follows the context as it grows
         self.chosen: dict[tuple, int] = {}  # (arm, depth, verified nodes) -> cycles, for the call's debug summary
-        self.arms = self._arms(settings)
+        self.arms = self._arms(settings, lookup)
         self.sums = {arm: [0.0, 0.0, 0] for arm in self.arms}  # arm -> [decayed seconds, decayed tokens, cycles]
         carried = carried or {}
         for arm, (sec, tok) in carried.get("arms", {}).items():
@@ -214,11 +216,11 @@ class ShapePolicy:
         self.last_played = {arm: -1 for arm in self.arms}
 
     @staticmethod
-    def _arms(s: TreeSettings) -> tuple:
+    def _arms(s: TreeSettings, lookup: bool = False) -> tuple:
         if not s.automatic:
             return ("fixed",)
         families = ("tree", "chain") if s.top_k is None else ("fixed",)
-        return (*families, "plain")
+        return (*families, *(("lookup",) if lookup else ()), "plain")
 
     def rate(self, arm: str) -> float | None:
         """Seconds per token of the batch that `arm` measured (decayed), None before it played."""
@@ -263,9 +265,9 @@ class ShapePolicy:
         if remaining <= 1 or s.budget == 0:
             return Shape(0, 1, why="no room for drafts" if remaining <= 1 else "budget 0")
         self.arm = self._next_arm()
-        if self.arm == "plain":  # no drafter forward: lookup's continuations (cut by cost) where rows have one
-            if not self.lookup:
-                return Shape(0, 1, why=self._why())
+        if self.arm == "plain":
+            return Shape(0, 1, why=self._why())
+        if self.arm == "lookup":  # no drafter forward: lookup's continuations (cut by cost) where rows have one
             return Shape(1, 1, None, s.budget, True, self._why(), lookup_first=True, network=False)
         top_k = 1 if self.arm == "chain" else s.top_k or s.max_top_k
         fixed_k = 1 if self.arm == "chain" else s.top_k
