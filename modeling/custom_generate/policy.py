@@ -310,7 +310,8 @@ class ShapePolicy:
     def lookup_log_probs(self, n: int, length: int | None = None) -> list[float]:
         """Estimated log probability that the first j tokens of a lookup proposal of `length` tokens (default n) are
         all right, j = 1..n."""
-        right, tried = self.look_right[self.lookup_class(length or n)], self.look_tried[self.lookup_class(length or n)]
+        c = self.lookup_class(length or n)
+        right, tried = self.look_right[c], self.look_tried[c]
         out, total = [], 0.0
         for j in range(n):
             i = min(j, len(right) - 1)
