@@ -342,21 +342,23 @@ def test_the_lookup_arm_verifies_lookup_without_the_drafter(right):
     cost), else the cycle decodes plainly; with lookup off there is no lookup arm. Output = generate's."""
     from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
 
-    assert ShapePolicy(TreeSettings(), FLAT_COSTS, 1, lookup=False).arms == ("tree", "chain", "plain")
-    policy = ShapePolicy(TreeSettings(), FLAT_COSTS, 1, lookup=False)
-    policy.sums["plain"] = [0.001, 1.0, ShapePolicy.PROBE]
-    policy.sums["tree"] = policy.sums["chain"] = [1.0, 1.0, ShapePolicy.PROBE]
-    assert policy.plan(remaining=100).depth == 0  # lookup off: plain decoding
+    off = ShapePolicy(TreeSettings(), FLAT_COSTS, 1, lookup=False)
+    assert off.arms == {"none": ("tree", "chain", "plain")}  # lookup off: every cycle is of context "none"
+    off.sums["plain"] = [0.001, 1.0, ShapePolicy.PROBE]
+    off.sums["none/tree"] = off.sums["none/chain"] = [1.0, 1.0, ShapePolicy.PROBE]
+    assert off.plan(remaining=100).depth == 0  # lookup off: plain decoding
     target, ids, ref, drafter, steps = _counted_lookup_drafter(right)
     costs = Costs(verify=FLAT_COSTS.verify, step=FLAT_COSTS.step)
-    costs.learned = {"arms": {"lookup": (0.001, 1.0), "tree": (1.0, 1.0), "chain": (1.0, 1.0), "plain": (1.0, 1.0)}}
+    slow = (1.0, 1.0)
+    costs.learned = {"arms": {"found/lookup": (0.001, 1.0), "found/tree": slow, "none/tree": slow, "none/chain": slow}}
     out = speculative_generate(
         target, drafter, ids, max_new_tokens=30, do_sample=False, return_dict_in_generate=True, costs=costs
     )
     assert torch.equal(out.sequences, ref)
     stats = out.speculation_stats[0]
-    assert stats.lookup_tokens > 0 and out.policy["arm_cycles"]["lookup"] > 0
-    assert len(steps) <= 10 * (out.policy["arm_cycles"]["tree"] + out.policy["arm_cycles"]["chain"])  # probes only
+    cycles = out.policy["arm_cycles"]
+    assert stats.lookup_tokens > 0 and cycles["found/lookup"] > 0
+    assert len(steps) <= 10 * (cycles["found/tree"] + cycles["none/tree"] + cycles["none/chain"])  # probes only
     if right:
         assert stats.mean_accepted_length > 3
 
@@ -458,15 +460,16 @@ def test_bad_settings_say_what_to_do():
 
 
 # -- the shape policy's arms ------------------------------------------------------------------------------------------
-def _play(policy, seconds_per_token: dict, cycles: int) -> list:
-    """Drive `policy` at batch 1: each cycle of arm a gains 2 tokens (1 plain) in 2 x seconds_per_token[a] seconds."""
+def _play(policy, seconds_per_token: dict, cycles: int, context: str = "none") -> list:
+    """Drive `policy` at batch 1 in `context`: each cycle of arm a gains 2 tokens (1 plain) in 2 x
+    seconds_per_token[a] seconds."""
     from moa_hf.modeling.custom_generate.tree import Tree
 
     one = torch.ones(1, 1, dtype=torch.long)
     node = Tree(one, one * -1, one, torch.zeros(1, 1), one.bool(), one.bool() & False)
     played = []
     for _ in range(cycles):
-        shape = policy.plan(remaining=100)
+        shape = policy.plan(remaining=100, context=context)
         arm = policy.arm
         played.append(arm)
         tokens = 1 if arm == "plain" else 2
@@ -475,25 +478,74 @@ def _play(policy, seconds_per_token: dict, cycles: int) -> list:
     return played
 
 
-@pytest.mark.parametrize("best", ["tree", "chain", "lookup", "plain"])
-def test_shape_policy_plays_the_arm_that_measured_fastest(best):
+@pytest.mark.parametrize(
+    "context,best", [("none", "tree"), ("none", "chain"), ("none", "plain"), ("found", "tree"), ("found", "lookup")]
+)
+def test_shape_policy_plays_the_arm_that_measured_fastest(context, best):
     from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
 
-    rates = {"tree": 0.010, "chain": 0.010, "lookup": 0.010, "plain": 0.010}
-    rates[best] = 0.006
     policy = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
-    played = _play(policy, rates, 300)
-    assert set(played[: 4 * ShapePolicy.PROBE]) == set(rates)  # every arm probed first
-    assert played[-100:].count(best) >= 85  # then the best, probing the others one cycle in 8
-    assert 0 < played[100:].count("plain" if best != "plain" else "tree") < 20
-    assert policy.summary()["arm_ms_per_token"][best] == pytest.approx(6.0)
+    arms = policy.arms[context]
+    assert arms == {"none": ("tree", "chain", "plain"), "found": ("tree", "lookup")}[context]
+    rates = dict.fromkeys(arms, 0.010)
+    rates[best] = 0.006
+    played = _play(policy, rates, 300, context)
+    assert set(played[: len(arms) * ShapePolicy.PROBE]) == set(arms)  # every arm probed first
+    assert played[-100:].count(best) >= 85  # then the best, probing the others now and then
+    other = next(a for a in arms if a != best)
+    assert 0 < played[100:].count(other) < 20
+    key = ShapePolicy.key(context, best)
+    assert policy.summary()["arm_ms_per_token"][key] == pytest.approx(6.0)
+
+
+def test_shape_policy_keeps_rates_per_context():
+    """Cycles with a lookup continuation for every row ("found") and without ("none") keep their arms' rates apart:
+    lookup that pays where it has a continuation is played there while plain decoding wins elsewhere. Where a further
+    verified token is cheap there is no plain arm beside lookup's (its cut is plain decoding where lookup does not
+    pay), and at larger batches the lookup arm takes plain decoding's place where some rows have no continuation;
+    where it is dear, plain decoding is measured beside lookup."""
+    from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
+
+    policy = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
+    found, none = [], []
+    for _ in range(150):
+        found += _play(policy, {"lookup": 0.005, "tree": 0.02}, 1, "found")
+        none += _play(policy, {"tree": 0.03, "chain": 0.03, "plain": 0.01}, 1, "none")
+    assert found[-50:].count("lookup") >= 45 and none[-50:].count("plain") >= 45
+    rates = policy.summary()["arm_ms_per_token"]
+    assert rates["found/lookup"] == pytest.approx(5.0) and rates["plain"] == pytest.approx(10.0)
+    assert ShapePolicy(TreeSettings(), FLAT_COSTS, batch=4, lookup=True).arms["none"] == ("tree", "chain", "lookup")
+    dear = Costs(verify={1: 1.0, 2: 1.3, 64: 5.0}, step={1: 0.01})  # a further verified token: 30% of a step
+    assert ShapePolicy(TreeSettings(), dear, batch=8, lookup=True).arms == {  # plain decoding measured beside lookup
+        "found": ("tree", "lookup", "plain"),
+        "none": ("tree", "chain", "lookup", "plain"),
+    }
+    assert ShapePolicy.context_of([[1, 2], [3]]) == "found"
+    assert ShapePolicy.context_of([[1, 2], None]) == ShapePolicy.context_of(None) == "none"
+
+
+def test_verify_fit_follows_the_cost_of_more_tokens():
+    """The verification table's one-token cost and its further tokens' cost are fitted separately: a context where
+    each more token costs twice the table's (and the first 1.2x) is priced so, and the cut follows it."""
+    from moa_hf.modeling.custom_generate.policy import VerifyFit
+
+    costs = Costs(verify={1: 0.04, 8: 0.05, 64: 0.12}, step={1: 0.003})
+    fit = VerifyFit(costs)
+    assert fit.seconds(8)[-1] == pytest.approx(0.05)
+    for n in [1, 4, 8, 16, 2, 12] * 10:
+        fit.update(n, 1.2 * costs.verify_cost(1) + 2.0 * (costs.verify_cost(n) - costs.verify_cost(1)))
+    assert fit.base == pytest.approx(1.2, rel=0.05) and fit.extra == pytest.approx(2.0, rel=0.05)
+    assert fit.seconds(8)[-1] == pytest.approx(1.2 * 0.04 + 2.0 * 0.01, rel=0.05)
+    for _ in range(50):  # only plain steps lately: both scale alike, no division by nothing
+        fit.update(1, 0.05)
+    assert math.isfinite(fit.base) and math.isfinite(fit.extra) and fit.base == pytest.approx(1.25, rel=0.05)
 
 
 def test_shape_policy_probes_a_far_slower_arm_rarely():
     from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
 
     policy = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
-    played = _play(policy, {"tree": 0.010, "chain": 0.011, "lookup": 0.012, "plain": 0.040}, 300)[50:]  # plain 4x
+    played = _play(policy, {"tree": 0.010, "chain": 0.011, "plain": 0.040}, 300)[50:]  # plain 4x slower
     assert 0 < played.count("plain") <= 250 // ShapePolicy.MAX_EXPLORE_GAP + 1  # once per gap at most
     assert played.count("chain") >= 2 * played.count("plain")  # an arm close to the best is looked at more often
 
@@ -502,8 +554,8 @@ def test_shape_policy_follows_an_arm_that_becomes_slower():
     from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
 
     policy = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
-    _play(policy, {"tree": 0.005, "chain": 0.008, "lookup": 0.010, "plain": 0.010}, 60)
-    played = _play(policy, {"tree": 0.015, "chain": 0.008, "lookup": 0.010, "plain": 0.010}, 200)  # context grew
+    _play(policy, {"tree": 0.005, "chain": 0.008, "plain": 0.010}, 60)
+    played = _play(policy, {"tree": 0.015, "chain": 0.008, "plain": 0.010}, 200)  # context grew
     assert played[-100:].count("chain") >= 85
 
 
@@ -512,10 +564,10 @@ def test_shape_policy_fixed_shapes_and_carried_rates():
 
     fixed = ShapePolicy(TreeSettings(depth=3, top_k=2, budget=8), FLAT_COSTS, batch=1, lookup=False)
     assert set(_play(fixed, {"fixed": 0.02}, 30)) == {"fixed"}  # a fixed shape never decodes plainly
-    top1 = ShapePolicy(TreeSettings(top_k=1), FLAT_COSTS, batch=1, lookup=False)
-    assert top1.arms == ("fixed", "plain")
+    top1 = ShapePolicy(TreeSettings(top_k=1), FLAT_COSTS, batch=1, lookup=True)
+    assert top1.arms == {"none": ("fixed", "plain"), "found": ("fixed", "lookup")}
     first = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
-    _play(first, {"tree": 0.004, "chain": 0.008, "lookup": 0.010, "plain": 0.010}, 40)
+    _play(first, {"tree": 0.004, "chain": 0.008, "plain": 0.010}, 40)
     one = torch.ones(1, 1, dtype=torch.long)
     node = Tree(one, one * -1, one, torch.zeros(1, 1), one.bool(), one.bool())
     first.update(node, [0], [(10, 10, 16)] * 100 + [(1, 0, 2)] * 100, 0.01, 0.0, 0.0)  # long ones right, short wrong
@@ -526,10 +578,10 @@ def test_shape_policy_fixed_shapes_and_carried_rates():
         > first.lookup_log_probs(1, length=2)[0]
     )
     carried = first.learned()
-    assert carried["arms"]["tree"][0] / carried["arms"]["tree"][1] == pytest.approx(0.004, rel=0.2)
+    assert carried["arms"]["none/tree"][0] / carried["arms"]["none/tree"][1] == pytest.approx(0.004, rel=0.2)
     warm = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True, carried=carried)
     long = ShapePolicy.lookup_class(16)  # rates carried (weighted) per class of proposal length
     assert warm.lookup_log_probs(5, length=16)[-1] > first.lookup_log_probs(5, length=16)[-1] - 0.2
     assert warm.lookup_log_probs(1, length=2)[0] < math.log(0.2)
     assert warm.look_tried[long][0] == ShapePolicy.CARRIED_TRIES
-    assert _play(warm, {"tree": 0.004, "chain": 0.008, "lookup": 0.01, "plain": 0.01}, 5) == ["tree"] * 5  # no probes
+    assert _play(warm, {"tree": 0.004, "chain": 0.008, "plain": 0.01}, 5) == ["tree"] * 5  # no probes

@@ -276,11 +276,11 @@ class _Run:
             root_logits = self.catch_up()
             self.start_policy()
             t0, self.forward_s = time.perf_counter(), 0.0
-        shape = self.policy.plan(remaining)
-        lookup_only = False
-        if shape.lookup_first:  # lookup alone where every row has a continuation (or no network): the drafter waits
-            chains = [self.lookup_chain(i, max(1, remaining - 1)) for i in range(len(self.rows))]
-            lookup_only = not shape.network or all(c is not None for c in chains)
+        if self.lookup and remaining > 1 and self.settings.budget != 0:  # lookup per row (None: none): the context
+            chains = [self.lookup_chain(i, remaining - 1) for i in range(len(self.rows))]
+        shape = self.policy.plan(remaining, self.policy.context_of(chains))
+        # lookup alone where every row has a continuation (or no network): the drafter waits
+        lookup_only = shape.lookup_first and chains is not None and (not shape.network or None not in chains)
         if shape.depth and not lookup_only and root_logits is None:
             t_catch = time.perf_counter()
             root_logits = self.catch_up()
@@ -288,7 +288,7 @@ class _Run:
         if self.debug:
             logger.debug("cycle: %d rows, depth %d, top-k %d: %s", len(self.rows), shape.depth, shape.top_k, shape.why)
         if shape.depth:
-            tree, chains = self.draft(None if lookup_only else root_logits, shape, draft_s0, remaining, chains)
+            tree, chains = self.draft(None if lookup_only else root_logits, shape, draft_s0, chains)
         else:
             tree, chains = empty_tree(len(self.rows), self.roots.device), None
         t1 = time.perf_counter()
@@ -329,9 +329,9 @@ class _Run:
             self.costs = _costs_for(self)
         self.policy = ShapePolicy(self.settings, self.costs, len(self.rows), self.lookup, self.costs.learned)
 
-    def draft(self, root_logits, shape, draft_s0: float, remaining: int, chains: list | None = None):
-        """This cycle's tree, cut to the budget, and the lookup chain per row (None where none; `chains`: already
-        looked up). `root_logits` None: lookup's continuations alone (every row has one), no drafter call."""
+    def draft(self, root_logits, shape, draft_s0: float, chains: list | None):
+        """This cycle's tree, cut to the budget, and the lookup chain per row (`chains`: None where none, or None
+        with lookup off). `root_logits` None: lookup's continuations alone, no drafter call."""
         t0 = time.perf_counter()
         policy = self.policy
         if root_logits is None:
@@ -341,9 +341,7 @@ class _Run:
                 _Timed(self), self.draft_state, root_logits, self.root_pos, shape.depth, shape.top_k, shape.widths,
                 policy.gamma,
             )  # fmt: skip
-        if shape.lookup and chains is None:
-            chains = [self.lookup_chain(i, max(1, remaining - 1)) for i in range(len(self.rows))]
-        if chains is not None and any(c is not None for c in chains):
+        if shape.lookup and chains is not None and any(c is not None for c in chains):
             tree = add_chain(tree, chains, [c and policy.lookup_log_probs(len(c)) for c in chains])
         if root_logits is not None:
             self.drafter.tree_end(self.draft_state)

@@ -3,7 +3,7 @@
 Costs (`measure_costs`, once per target, drafter, batch size and process): `verify[n]` the seconds of one target
 forward over n new tokens per row (a tree of n - 1 nodes and its root), `step[w]` of one drafter depth over w nodes.
 The cycle's own time beyond them (the drafter's catch-up and the loop) is tracked from the cycles themselves, and
-the verification table is scaled by what the cycles' verifications took (it follows the context length).
+the verification table is fitted to what the cycles' verifications took (it follows the context length).
 
 A cycle with n verified nodes of path probabilities p_i (the drafter's, calibrated) and drafting time D gains
 E[tokens] = B + sum_i p_i for the batch of B rows, and costs T(n) = fixed + D + verify(n + 1). The policy
@@ -15,12 +15,18 @@ E[tokens] = B + sum_i p_i for the batch of B rows, and costs T(n) = fixed + D + 
     weights lookup          prompt lookup's token j by its measured right rate at position j given the earlier
                             ones right (lookup is right in runs: reached deep positions are right more often), kept
                             per class of proposal length (a longer proposal followed a longer matched n-gram)
-    plays arms              plain decoding, lookup (no drafter forward: lookup's continuation where a row has one,
-                            plain decoding for the others), a chain (top-k 1, lookup's continuation alone where every
-                            row has one) and the tree (lookup as a branch): the arm with the fewest measured seconds
-                            per token (decayed over its latest cycles), each other arm probed again after
-                            EXPLORE_EVERY x (its rate / the best's)^2 cycles (at most `MAX_EXPLORE_GAP`): a far slower
-                            arm is probed rarely (`ShapePolicy`)
+    plays arms              per context: where every row has a prompt lookup continuation ("found"), lookup alone
+                            (no drafter forward) or the tree (lookup as a branch); elsewhere ("none"), a chain (top-k
+                            1), the tree, and lookup where rows have one (batches) or else plain decoding; plain
+                            decoding beside lookup where a further verified token is dear (`PLAIN_MARGIN`). The lookup
+                            arm decodes plainly where its cut keeps no node. The arm with the fewest measured seconds
+                            per token in the cycle's context (decayed over its latest cycles) plays; each other arm is
+                            probed again after EXPLORE_EVERY x (its rate / the best's)^2 cycles of that context (at
+                            most `MAX_EXPLORE_GAP`): a far slower arm is probed rarely (`ShapePolicy`). Rates kept per
+                            context compare arms on the same kind of cycle; where further tokens are cheap, no plain
+                            arm beside lookup's: its noisy rate kept it playing where lookup paid (docs/design.md)
+    fits verification       the table's one-token cost and each further token's cost scaled separately to what the
+                            cycles' verifications took (`VerifyFit`): a longer context makes further tokens dearer
     carries                 what a call learned (arms' rates, lookup's rates, gamma) to the next call with the same
                             costs (`Costs.learned`), as a prior
 
@@ -37,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Costs", "ShapePolicy", "TreeSettings", "measure_costs", "VERIFY_SIZES", "STEP_WIDTHS"]
+__all__ = ["Costs", "ShapePolicy", "TreeSettings", "VerifyFit", "measure_costs", "VERIFY_SIZES", "STEP_WIDTHS"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +151,45 @@ def measure_costs(target, drafter, run, verify_sizes=VERIFY_SIZES, step_widths=S
     return Costs(verify=verify_t, step=step_t)
 
 
+class VerifyFit:
+    """What verifying n tokens per row takes now: `base` x verify[1] + `extra` x (verify[n] - verify[1]), the two
+    factors fitted to the cycles' verification times (least squares, the older cycles decayed, a prior of
+    `PRIOR` cycles at 1 and 1). One factor for the whole table cannot follow a longer context: attending over it
+    raises each more token's cost faster than the first's (at 1000 tokens of context verifying 12 cost 1.7 one-token
+    steps here, against 1.25 at 100)."""
+
+    DECAY = 0.95
+    PRIOR = 2.0
+
+    def __init__(self, costs: Costs):
+        self.costs = costs
+        one, more = costs.verify_cost(1), max(costs.verify_cost(8) - costs.verify_cost(1), 1e-9)
+        w = self.PRIOR
+        # decayed normal equations of time ~ base x one + extra x (table[n] - one), with the prior's rows in them
+        self.xx = [w * one * one, 0.0, w * more * more]  # sum x1^2, x1 x2, x2^2
+        self.xy = [w * one * one, w * more * more]  # sum x1 y, x2 y
+        self.base, self.extra = 1.0, 1.0
+
+    def seconds(self, limit: int) -> torch.Tensor:
+        """[limit]: the fitted seconds of verifying n = 1..limit tokens per row."""
+        table = self.costs.verify_costs(limit)
+        return self.base * table[0] + self.extra * (table - table[0])
+
+    def update(self, n: int, seconds: float) -> None:
+        x1 = self.costs.verify_cost(1)
+        x2 = self.costs.verify_cost(n) - x1
+        d = self.DECAY
+        self.xx = [d * self.xx[0] + x1 * x1, d * self.xx[1] + x1 * x2, d * self.xx[2] + x2 * x2]
+        self.xy = [d * self.xy[0] + x1 * seconds, d * self.xy[1] + x2 * seconds]
+        (a, b, c), (u, v) = self.xx, self.xy
+        det = a * c - b * b
+        if det <= 1e-12 * a * c:  # only one size verified lately: scale both alike
+            self.base = self.extra = min(8.0, max(0.25, u / max(a, 1e-12)))
+            return
+        self.base = min(8.0, max(0.25, (c * u - b * v) / det))
+        self.extra = min(16.0, max(0.1, (a * v - b * u) / det))
+
+
 @dataclass
 class Shape:
     """One cycle's plan: drafter steps (`depth`, 0: plain decoding), children per node (`top_k`), `widths`: the
@@ -168,15 +213,18 @@ class ShapePolicy:
     cycles measured (`update`). One per engine call; `batch` rows; `costs` as measured; `carried`: what an earlier
     call with the same costs learned (`learned`; a prior this call's cycles soon outweigh).
 
-    Arms: the shape families the policy plays: plain decoding, lookup (prompt lookup's continuations alone, no drafter
-    forward), a chain (top-k 1; where prompt lookup has a
-    continuation for every row, that alone, as the `assistant_model` path drafts) and the tree (top-k from the costs,
-    lookup as a branch). Each keeps decayed sums of the seconds and tokens of the cycles it played, so
-    its rate (seconds per token of the batch) follows the context as it grows. Each arm is probed `PROBE` cycles,
-    then the policy plays the arm with the lowest rate, and one cycle of another arm once it has not played for
-    `EXPLORE_EVERY` x (its rate / the best's)^2 cycles (at most `MAX_EXPLORE_GAP`): an arm close to the best is
-    looked at often (it may overtake), a far slower one rarely (each look costs). Its choice is never worse, for
-    long, than the best of the shapes it could have fixed, plain decoding included, at the price of those probes.
+    Contexts (`context`): "found" where prompt lookup has a continuation for every row, "none" elsewhere (and when
+    lookup is off). Arms: the shape families the policy plays in a context (`arms`): plain decoding, lookup (prompt
+    lookup's continuations, no drafter forward, plain decoding for rows without one), a chain (top-k 1, where some row
+    has no continuation: with one for every row the chain is lookup alone) and the tree (top-k from the costs, lookup
+    as a branch). Each (context, arm) keeps decayed sums of the seconds and tokens of the cycles it played (plain
+    decoding one set for both contexts: its cost does not depend on lookup), so its rate (seconds per token of the
+    batch) follows the context length as it grows. Each arm is probed `PROBE` cycles, then the policy plays the arm
+    with the lowest rate in the cycle's context, and one cycle of another arm once it has not played for
+    `EXPLORE_EVERY` x (its rate / the best's)^2 cycles of that context (at most `MAX_EXPLORE_GAP`): an arm close to
+    the best is looked at often (it may overtake), a far slower one rarely (each look costs). Its choice is never
+    worse, for long, than the best of the shapes it could have fixed per context, plain decoding included, at the
+    price of those probes.
     """
 
     PROBE = 2  # cycles each arm is played before the policy compares them
@@ -185,6 +233,7 @@ class ShapePolicy:
     MAX_EXPLORE_GAP = 48  # the most cycles an arm goes unplayed
     CARRIED_TRIES = 16  # the most weight an earlier call's lookup right rate keeps per position
     LOOKUP_CLASSES = 5  # lookup proposals of 1, 2-3, 4-7, 8-15, 16+ tokens keep right rates apart
+    PLAIN_MARGIN = 1.1  # verify[2] / verify[1] above which a plain arm plays beside lookup's
 
     def __init__(self, settings: TreeSettings, costs: Costs, batch: int, lookup: bool, carried: dict | None = None):
         self.settings, self.costs, self.batch, self.lookup = settings, costs, batch, lookup
@@ -197,58 +246,88 @@ class ShapePolicy:
         self.look_right = [[1.2] + [1.6] * (settings.max_budget - 1) for _ in range(self.LOOKUP_CLASSES)]
         self.look_tried = [[2.0] * settings.max_budget for _ in range(self.LOOKUP_CLASSES)]
         self.node_cost = max(costs.verify_cost(2) - costs.verify_cost(1), 1e-9)  # one more verified node (batch)
-        self.verify_scale = 1.0  # measured verification time / the table's: follows the context as it grows
-        self.chosen: dict[tuple, int] = {}  # (arm, depth, verified nodes) -> cycles, for the call's debug summary
-        self.arms = self._arms(settings, lookup)
-        self.sums = {arm: [0.0, 0.0, 0] for arm in self.arms}  # arm -> [decayed seconds, decayed tokens, cycles]
+        self.fit = VerifyFit(costs)  # the table scaled to what verifications take: follows the context as it grows
+        self.chosen: dict[tuple, int] = {}  # (arm key, depth, verified nodes) -> cycles, for the call's debug summary
+        contexts = self.CONTEXTS if lookup else ("none",)
+        # a further verified token costs more than PLAIN_MARGIN of a step: lookup's cut errs dearly, plain measures it
+        dear = costs.verify_cost(2) > self.PLAIN_MARGIN * costs.verify_cost(1)
+        self.arms = {c: self._arms(settings, lookup, c, batch, dear) for c in contexts}  # context -> its arms
+        keys = {self.key(c, a) for c, arms in self.arms.items() for a in arms}
+        self.sums = {k: [0.0, 0.0, 0] for k in sorted(keys)}  # arm key -> [decayed seconds, decayed tokens, cycles]
         carried = carried or {}
-        for arm, (sec, tok) in carried.get("arms", {}).items():
-            if arm in self.sums and tok > 0:  # an earlier call's rate, weighted as one cycle
-                self.sums[arm] = [sec / tok, 1.0, self.PROBE]
+        for k, (sec, tok) in carried.get("arms", {}).items():
+            if k in self.sums and tok > 0:  # an earlier call's rate, weighted as one cycle
+                self.sums[k] = [sec / tok, 1.0, self.PROBE]
         for c, (rights, trieds) in enumerate(carried.get("lookup", ())):  # an earlier call's right rates, weighted
             for j, (right, tried) in enumerate(zip(rights, trieds)):  # as at most `CARRIED_TRIES` tries each
                 if c < self.LOOKUP_CLASSES and j < len(self.look_tried[c]) and tried > 0:
                     w = min(1.0, self.CARRIED_TRIES / tried)
                     self.look_right[c][j], self.look_tried[c][j] = w * right, w * tried
         self.gamma = carried.get("gamma", self.gamma)
-        self.arm = self.arms[0]
-        self.cycles = 0
-        self.last_played = {arm: -1 for arm in self.arms}
+        self.context = "none"
+        self.arm = self.arms[self.context][0]
+        self.cycles = dict.fromkeys(self.CONTEXTS, 0)  # cycles per context
+        self.last_played = {(c, a): -1 for c, arms in self.arms.items() for a in arms}  # in cycles of the context
+
+    CONTEXTS = ("found", "none")
 
     @staticmethod
-    def _arms(s: TreeSettings, lookup: bool = False) -> tuple:
+    def key(context: str, arm: str) -> str:
+        """The name an arm's measured rate is kept under: plain decoding's is the same in every context."""
+        return arm if arm == "plain" else f"{context}/{arm}"
+
+    @staticmethod
+    def context_of(chains: list | None) -> str:
+        """The cycle's context: "found" where prompt lookup has a continuation for every row, else "none"."""
+        return "found" if chains and all(c is not None for c in chains) else "none"
+
+    @staticmethod
+    def _arms(s: TreeSettings, lookup: bool, context: str, batch: int, plain_beside_lookup: bool = False) -> tuple:
+        """The arms of a context. With a continuation for every row a chain is lookup alone (the lookup arm); at
+        batch 1 without one the lookup arm is plain decoding. Where the lookup arm plays, its cut verifies no node (a
+        plain cycle) where lookup's expected tokens do not pay for verifying them; a plain arm beside it measures
+        whether those expectations hold where verifying is dear (`plain_beside_lookup`)."""
         if not s.automatic:
             return ("fixed",)
-        families = ("tree", "chain") if s.top_k is None else ("fixed",)
-        return (*families, *(("lookup",) if lookup else ()), "plain")
+        found = lookup and context == "found"
+        if s.top_k is not None:
+            families = ("fixed",)
+        else:
+            families = ("tree",) if found else ("tree", "chain")
+        with_lookup = lookup and (found or batch > 1)
+        plain = not with_lookup or plain_beside_lookup
+        return (*families, *(("lookup",) if with_lookup else ()), *(("plain",) if plain else ()))
 
-    def rate(self, arm: str) -> float | None:
-        """Seconds per token of the batch that `arm` measured (decayed), None before it played."""
-        sec, tok, _ = self.sums[arm]
+    def rate(self, arm: str, context: str | None = None) -> float | None:
+        """Seconds per token of the batch that `arm` measured in `context` (default: the current one; decayed), None
+        before it played."""
+        sec, tok, _ = self.sums[self.key(context or self.context, arm)]
         return sec / tok if tok > 0 else None
 
     def _next_arm(self) -> str:
-        """The arm of the next cycle: an arm not probed yet; else the best, but an arm unplayed for its interval
-        (`EXPLORE_EVERY` x (its rate / the best's)^2, at most `MAX_EXPLORE_GAP`) first: an arm's rate drifts with the
-        context and the text being written."""
-        if len(self.arms) == 1:
-            return self.arms[0]
-        for arm in self.arms:
-            if self.sums[arm][2] < self.PROBE:
+        """The arm of the next cycle in the current context: an arm not probed yet; else the best, but an arm
+        unplayed for its interval (`EXPLORE_EVERY` x (its rate / the best's)^2 cycles of the context, at most
+        `MAX_EXPLORE_GAP`) first: an arm's rate drifts with the context length and the text being written."""
+        c, arms = self.context, self.arms[self.context]
+        if len(arms) == 1:
+            return arms[0]
+        for arm in arms:
+            if self.sums[self.key(c, arm)][2] < self.PROBE:
                 return arm
-        best = min(self.arms, key=lambda a: self.rate(a))
+        best = min(arms, key=lambda a: self.rate(a))
         top = max(self.rate(best), 1e-9)
 
         def interval(arm: str) -> float:
             return min(self.MAX_EXPLORE_GAP, self.EXPLORE_EVERY * (self.rate(arm) / top) ** 2)
 
-        due = [a for a in self.arms if a != best and self.cycles - self.last_played[a] >= interval(a)]
-        return min(due, key=lambda a: self.last_played[a]) if due else best
+        played = self.last_played
+        due = [a for a in arms if a != best and self.cycles[c] - played[c, a] >= interval(a)]
+        return min(due, key=lambda a: played[c, a]) if due else best
 
     def learned(self) -> dict:
         """What to carry to the next call with these costs: the arms' {arm: (seconds, tokens)}, lookup's (right,
         tried) per position and the calibration gamma."""
-        arms = {arm: (sec, tok) for arm, (sec, tok, _) in self.sums.items() if tok > 0}
+        arms = {k: (sec, tok) for k, (sec, tok, _) in self.sums.items() if tok > 0}
         lookup = [(list(r), list(t)) for r, t in zip(self.look_right, self.look_tried)]
         return {"arms": arms, "lookup": lookup, "gamma": self.gamma}
 
@@ -256,13 +335,16 @@ class ShapePolicy:
     @property
     def token_s(self) -> float:
         """Seconds one more token of the batch is worth: the best arm's measured rate (plain decoding's before)."""
-        known = [r for r in map(self.rate, self.arms) if r is not None]
+        known = [r for r in map(self.rate, self.arms[self.context]) if r is not None]
         return min(known) if known else self.step_s / self.batch
 
-    def plan(self, remaining: int) -> Shape:
-        """This cycle's shape; `remaining`: tokens the longest row may still generate."""
+    def plan(self, remaining: int, context: str = "none") -> Shape:
+        """This cycle's shape; `remaining`: tokens the longest row may still generate; `context`: `context_of` the
+        rows' lookup continuations."""
         s = self.settings
-        if remaining <= 1 or s.budget == 0:
+        self.context = context
+        if remaining <= 1 or s.budget == 0:  # a plain cycle: measured for plain decoding (or lookup's arm: its cut)
+            self.arm = self.arms[context][-1]
             return Shape(0, 1, why="no room for drafts" if remaining <= 1 else "budget 0")
         self.arm = self._next_arm()
         if self.arm == "plain":
@@ -279,8 +361,9 @@ class ShapePolicy:
         return Shape(depth, top_k, widths, s.budget, lookup, self._why(), lookup_first=lookup and top_k == 1)
 
     def _why(self) -> str:
-        rates = ", ".join(f"{a} {1000 * r:.1f}" for a in self.arms if (r := self.rate(a)) is not None)
-        return f"arm {self.arm} (ms per token: {rates or 'none measured'})"
+        arms = self.arms[self.context]
+        rates = ", ".join(f"{a} {1000 * r:.1f}" for a in arms if (r := self.rate(a)) is not None)
+        return f"{self.context}: arm {self.arm} (ms per token: {rates or 'none measured'})"
 
     def _width(self, d: int, newest: torch.Tensor, fixed_depth: bool, fixed_k: int | None) -> int:
         """The frontier at depth d (0: stop drafting): the newest nodes whose path probability pays for verifying
@@ -289,7 +372,7 @@ class ShapePolicy:
         k = min(fixed_k or self.settings.max_top_k, newest.shape[1])
         if fixed_k is None:  # columns of the batch's nodes, most probable first, that pay for their verification
             columns = p.sort(dim=-1, descending=True).values.sum(0)  # [c]
-            k = max(1, min(k, int((columns * self.token_s > self.verify_scale * self.node_cost).sum())))
+            k = max(1, min(k, int((columns * self.token_s > self.fit.extra * self.node_cost).sum())))
         if not fixed_depth:
             front = p.topk(k, dim=-1).values.sum()  # the batch's expected tokens below the frontier, at most
             if float(front) * self.token_s < self.costs.step_cost(k):
@@ -298,7 +381,7 @@ class ShapePolicy:
 
     def cycle_seconds(self, limit: int, draft_s: float) -> torch.Tensor:
         """[limit+1]: the cycle's predicted seconds with n = 0..limit nodes verified."""
-        return self.fixed_s + draft_s + self.verify_scale * self.costs.verify_costs(limit + 1)
+        return self.fixed_s + draft_s + self.fit.seconds(limit + 1)
 
     @classmethod
     def lookup_class(cls, length: int) -> int:
@@ -325,18 +408,18 @@ class ShapePolicy:
         chain (tokens of it checked, of which right: a prefix, and the proposal's length), the cycle's wall `seconds`
         of which `draft_s` drafting and `verify_s` verifying."""
         tokens = sum(lengths) + len(lengths)
-        predicted = self.costs.verify_cost(1 + tree.size)  # the table's time for this verification
-        self.verify_scale = 0.8 * self.verify_scale + 0.2 * min(8.0, max(0.25, verify_s / predicted))
-        sums = self.sums[self.arm]  # a cycle of a drafting arm that drafted nothing counts for it: its own choice
+        self.fit.update(1 + tree.size, verify_s)
+        key = self.key(self.context, self.arm)
+        sums = self.sums[key]  # a cycle of a drafting arm that drafted nothing counts for it: its own choice
         sums[0], sums[1], sums[2] = self.DECAY * sums[0] + seconds, self.DECAY * sums[1] + tokens, sums[2] + 1
-        self.last_played[self.arm] = self.cycles
-        self.cycles += 1
+        self.last_played[self.context, self.arm] = self.cycles[self.context]
+        self.cycles[self.context] += 1
         if tree.size == 0:  # a plain cycle
             self.step_s = 0.8 * self.step_s + 0.2 * verify_s
             return
         self.fixed_s = 0.8 * self.fixed_s + 0.2 * max(0.0, seconds - draft_s - verify_s)
-        key = (self.arm, int(tree.depth.max()), tree.size)
-        self.chosen[key] = self.chosen.get(key, 0) + 1
+        shape = (key, int(tree.depth.max()), tree.size)
+        self.chosen[shape] = self.chosen.get(shape, 0) + 1
         for checked, right, length in lookup_right:
             c = self.lookup_class(length)
             for j in range(min(checked, len(self.look_tried[c]))):  # token j was checked: the ones before were right
@@ -355,8 +438,8 @@ class ShapePolicy:
         return {
             "shapes": {f"{a}: depth {d}, {n} nodes": c for (a, d, n), c in sorted(self.chosen.items())},
             "plain_cycles": plain,
-            "arm_ms_per_token": {a: 1000 * r for a in self.arms if (r := self.rate(a)) is not None},
-            "arm_cycles": {a: self.sums[a][2] for a in self.arms},
+            "arm_ms_per_token": {k: 1000 * sec / tok for k, (sec, tok, _) in self.sums.items() if tok > 0},
+            "arm_cycles": {k: n for k, (_, _, n) in self.sums.items()},
             "gamma": self.gamma,
             "lookup_right_by_position": {
                 f"proposals of {2**c}+ tokens": [round(r / t, 3) for r, t in zip(rights[:8], trieds[:8])]
@@ -364,5 +447,6 @@ class ShapePolicy:
             },
             "fixed_ms": 1000 * self.fixed_s,
             "plain_step_ms": 1000 * self.step_s,
-            "verify_over_table": self.verify_scale,
+            "verify_over_table": {"one_token": self.fit.base, "per_more_token": self.fit.extra},
+            "arms": {c: list(arms) for c, arms in self.arms.items()},
         }
