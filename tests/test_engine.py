@@ -500,10 +500,10 @@ def test_shape_policy_plays_the_arm_that_measured_fastest(context, best):
 
 def test_shape_policy_keeps_rates_per_context():
     """Cycles with a lookup continuation for every row ("found") and without ("none") keep their arms' rates apart:
-    lookup that pays where it has a continuation is played there while plain decoding wins elsewhere. Where a further
-    verified token is cheap there is no plain arm beside lookup's (its cut is plain decoding where lookup does not
-    pay), and at larger batches the lookup arm takes plain decoding's place where some rows have no continuation;
-    where it is dear, plain decoding is measured beside lookup."""
+    lookup that pays where it has a continuation is played there while plain decoding wins elsewhere. At batch 1
+    there is no plain arm beside lookup's (its cut is plain decoding where lookup does not pay); a batch's cut keeps
+    as many nodes for every row, so there plain decoding is measured beside lookup (and lookup plays where some
+    rows have no continuation)."""
     from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
 
     policy = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
@@ -514,9 +514,7 @@ def test_shape_policy_keeps_rates_per_context():
     assert found[-50:].count("lookup") >= 45 and none[-50:].count("plain") >= 45
     rates = policy.summary()["arm_ms_per_token"]
     assert rates["found/lookup"] == pytest.approx(5.0) and rates["plain"] == pytest.approx(10.0)
-    assert ShapePolicy(TreeSettings(), FLAT_COSTS, batch=4, lookup=True).arms["none"] == ("tree", "chain", "lookup")
-    dear = Costs(verify={1: 1.0, 2: 1.3, 64: 5.0}, step={1: 0.01})  # a further verified token: 30% of a step
-    assert ShapePolicy(TreeSettings(), dear, batch=8, lookup=True).arms == {  # plain decoding measured beside lookup
+    assert ShapePolicy(TreeSettings(), FLAT_COSTS, batch=4, lookup=True).arms == {  # plain measured beside lookup
         "found": ("tree", "lookup", "plain"),
         "none": ("tree", "chain", "lookup", "plain"),
     }

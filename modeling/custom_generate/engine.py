@@ -36,7 +36,7 @@ from transformers import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .accept import accept_path, greedy_accept_tree
-from .policy import Costs, ShapePolicy, TreeSettings, measure_costs
+from .policy import Costs, ShapePolicy, TreeSettings, measure_costs, measure_step_costs
 from .tree import (
     Tree,
     TreeDrafter,
@@ -192,6 +192,7 @@ class _Run:
         self.seqs = [input_ids[b] for b in range(B)]  # padded prompt + new tokens, per active row
         self.lists = [[] for _ in range(B)]  # new tokens per active row, as Python ints
         self.prompt_len = P
+        self.starts = (P - mask.sum(-1)).tolist()  # per active row: where its tokens start (after left padding)
         self.done: dict[int, torch.Tensor] = {}
         self.stats = [EngineStats() for _ in range(B)]
         self.cache = DynamicCache()
@@ -209,6 +210,7 @@ class _Run:
         self.root_pos = torch.zeros(B, dtype=torch.long, device=device)
         self.costs: Costs | None = None
         self.policy: ShapePolicy | None = None
+        self.drafter_started = False  # the drafter has read the prompt (its first catch-up, when a shape first drafts)
         self.lookup = settings.lookup
         if self.lookup is None:
             self.lookup = drafter.lookup_settings is not None
@@ -272,19 +274,25 @@ class _Run:
         self.forward_s = 0.0  # seconds in the target's and the drafter's forwards this cycle
         remaining = self.gc.max_length - self.prompt_len - max(len(t) for t in self.lists)  # tokens still to come
         root_logits, chains, draft_s0 = None, None, 0.0
-        if self.policy is None:  # the first cycle: the drafter catches up, then the costs of this batch are measured
-            root_logits = self.catch_up()
+        if self.policy is None:  # the first cycle: the target's costs of this batch (measured once per process)
             self.start_policy()
-            t0, self.forward_s = time.perf_counter(), 0.0
+            t0 = time.perf_counter()
         if self.lookup and remaining > 1 and self.settings.budget != 0:  # lookup per row (None: none): the context
             chains = [self.lookup_chain(i, remaining - 1) for i in range(len(self.rows))]
         shape = self.policy.plan(remaining, self.policy.context_of(chains))
         # lookup alone where every row has a continuation (or no network): the drafter waits
         lookup_only = shape.lookup_first and chains is not None and (not shape.network or None not in chains)
-        if shape.depth and not lookup_only and root_logits is None:
+        if shape.depth and not lookup_only:
             t_catch = time.perf_counter()
             root_logits = self.catch_up()
             draft_s0 = time.perf_counter() - t_catch
+            if (
+                not self.drafter_started
+            ):  # the prompt's catch-up (and the drafter's step costs): one-off, not the arm's
+                self.drafter_started = True
+                if not self.costs.step:
+                    self.costs.step.update(measure_step_costs(self.drafter, self))
+                t0, draft_s0, self.forward_s = time.perf_counter(), 0.0, 0.0
         if self.debug:
             logger.debug("cycle: %d rows, depth %d, top-k %d: %s", len(self.rows), shape.depth, shape.top_k, shape.why)
         if shape.depth:
@@ -352,7 +360,7 @@ class _Run:
 
     def lookup_chain(self, i: int, room: int):
         """Prompt lookup's continuation [n] for active row i (at most `room` tokens), or None."""
-        ids = self.seqs[i][self.prompt_len - int(self.slot_valid[i, : self.prompt_len].sum()) :]  # row without padding
+        ids = self.seqs[i][self.starts[i] :]  # the row without its left padding
         chain = self.drafter.lookup_proposal(ids[None], room, 0, self.eos)
         return None if chain is None else chain.tolist()
 
@@ -489,7 +497,7 @@ class _Run:
         self.exit_totals = self.exit_totals[index]
         self.drafter.tree_select_rows(self.draft_state, index)
         self.rows = [self.rows[i] for i in keep]
-        for name in ("seqs", "lists", "pending"):
+        for name in ("seqs", "lists", "pending", "starts"):
             setattr(self, name, [getattr(self, name)[i] for i in keep])
 
     def add_exits(self, i: int) -> None:
@@ -579,7 +587,7 @@ def _costs_for(run: _Run) -> Costs:
         str(drafter.dtype),
     )
     if key not in _COSTS:
-        _COSTS[key] = measure_costs(target, drafter, run)
+        _COSTS[key] = measure_costs(target, drafter, run, steps=False)  # the drafter's once it has caught up
     return _COSTS[key]
 
 

@@ -18,13 +18,14 @@ E[tokens] = B + sum_i p_i for the batch of B rows, and costs T(n) = fixed + D + 
     plays arms              per context: where every row has a prompt lookup continuation ("found"), lookup alone
                             (no drafter forward) or the tree (lookup as a branch); elsewhere ("none"), a chain (top-k
                             1), the tree, and lookup where rows have one (batches) or else plain decoding; plain
-                            decoding beside lookup where a further verified token is dear (`PLAIN_MARGIN`). The lookup
-                            arm decodes plainly where its cut keeps no node. The arm with the fewest measured seconds
+                            decoding beside lookup at batches (a batch's cut keeps as many nodes for every row). The
+                            lookup arm decodes plainly where its cut keeps no node. The arm with the fewest measured
+                            seconds
                             per token in the cycle's context (decayed over its latest cycles) plays; each other arm is
                             probed again after EXPLORE_EVERY x (its rate / the best's)^2 cycles of that context (at
-                            most `MAX_EXPLORE_GAP`): a far slower arm is probed rarely (`ShapePolicy`). Rates kept per
-                            context compare arms on the same kind of cycle; where further tokens are cheap, no plain
-                            arm beside lookup's: its noisy rate kept it playing where lookup paid (docs/design.md)
+                            most `MAX_EXPLORE_GAP` x that ratio): a far slower arm is probed rarely. Rates kept per
+                            context compare arms on the same kind of cycle; at batch 1 no plain arm beside lookup's:
+                            its noisy rate kept it playing where lookup paid (docs/design.md)
     fits verification       the table's one-token cost and each further token's cost scaled separately to what the
                             cycles' verifications took (`VerifyFit`): a longer context makes further tokens dearer
     carries                 what a call learned (arms' rates, lookup's rates, gamma) to the next call with the same
@@ -43,7 +44,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Costs", "ShapePolicy", "TreeSettings", "VerifyFit", "measure_costs", "VERIFY_SIZES", "STEP_WIDTHS"]
+__all__ = [
+    "Costs",
+    "ShapePolicy",
+    "TreeSettings",
+    "VerifyFit",
+    "measure_costs",
+    "measure_step_costs",
+    "VERIFY_SIZES",
+    "STEP_WIDTHS",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -128,9 +138,10 @@ def _best_time(fn, repeats: int = 3) -> float:
     return best
 
 
-def measure_costs(target, drafter, run, verify_sizes=VERIFY_SIZES, step_widths=STEP_WIDTHS) -> Costs:
-    """Time the target verifying n dummy tokens per row on the run's cache (cropped back after each) and the drafter's
-    tree step over w dummy nodes (forgotten after each), on this hardware, with this batch."""
+def measure_costs(target, drafter, run, verify_sizes=VERIFY_SIZES, step_widths=STEP_WIDTHS, steps=True) -> Costs:
+    """Time the target verifying n dummy tokens per row on the run's cache (cropped back after each) and, with
+    `steps`, the drafter's tree step (`measure_step_costs`; else `Costs.step` stays empty until it is measured), on
+    this hardware, with this batch."""
     B = run.roots.shape[0]
     root = run.roots[:, None]  # [B, 1]
 
@@ -141,14 +152,22 @@ def measure_costs(target, drafter, run, verify_sizes=VERIFY_SIZES, step_widths=S
         run.target_forward(ids, q_pos, causal)
         run.cache.crop(-n)
 
+    verify_t = {n: _best_time(functools.partial(verify, n)) for n in verify_sizes}
+    return Costs(verify=verify_t, step=measure_step_costs(drafter, run, step_widths) if steps else {})
+
+
+def measure_step_costs(drafter, run, step_widths=STEP_WIDTHS) -> dict[int, float]:
+    """{w: seconds of the drafter's tree step over w dummy nodes per row (forgotten after each)}, on the run's drafter
+    state (caught up on the verified tokens)."""
+    B = run.roots.shape[0]
+    root = run.roots[:, None]  # [B, 1]
+
     def step(w):
         ids = root.expand(B, w)  # [B, w]
         drafter.tree_step(run.draft_state, ids, run.root_pos[:, None].expand(B, w) + 1, torch.full_like(ids, -1))
         drafter.tree_end(run.draft_state)
 
-    verify_t = {n: _best_time(functools.partial(verify, n)) for n in verify_sizes}
-    step_t = {w: _best_time(functools.partial(step, w)) for w in step_widths}
-    return Costs(verify=verify_t, step=step_t)
+    return {w: _best_time(functools.partial(step, w)) for w in step_widths}
 
 
 class VerifyFit:
@@ -221,19 +240,19 @@ class ShapePolicy:
     decoding one set for both contexts: its cost does not depend on lookup), so its rate (seconds per token of the
     batch) follows the context length as it grows. Each arm is probed `PROBE` cycles, then the policy plays the arm
     with the lowest rate in the cycle's context, and one cycle of another arm once it has not played for
-    `EXPLORE_EVERY` x (its rate / the best's)^2 cycles of that context (at most `MAX_EXPLORE_GAP`): an arm close to
-    the best is looked at often (it may overtake), a far slower one rarely (each look costs). Its choice is never
-    worse, for long, than the best of the shapes it could have fixed per context, plain decoding included, at the
-    price of those probes.
+    `EXPLORE_EVERY` x (its rate / the best's)^2 cycles of that context (at most `MAX_EXPLORE_GAP` x that ratio: a
+    slower arm's look costs more, and an arm that drafts with the network pays the catch-up of every token since it
+    last played): an arm close to the best is looked at often (it may overtake), a far slower one rarely (each look
+    costs). Its choice is never worse, for long, than the best of the shapes it could have fixed per context, plain
+    decoding included, at the price of those probes.
     """
 
     PROBE = 2  # cycles each arm is played before the policy compares them
     DECAY = 0.9  # weight of an arm's past cycles per newer cycle of it
     EXPLORE_EVERY = 16  # cycles between two plays of an arm as fast as the best (more for slower arms)
-    MAX_EXPLORE_GAP = 48  # the most cycles an arm goes unplayed
+    MAX_EXPLORE_GAP = 48  # the most cycles an arm goes unplayed, per (its rate / the best's)
     CARRIED_TRIES = 16  # the most weight an earlier call's lookup right rate keeps per position
     LOOKUP_CLASSES = 5  # lookup proposals of 1, 2-3, 4-7, 8-15, 16+ tokens keep right rates apart
-    PLAIN_MARGIN = 1.1  # verify[2] / verify[1] above which a plain arm plays beside lookup's
 
     def __init__(self, settings: TreeSettings, costs: Costs, batch: int, lookup: bool, carried: dict | None = None):
         self.settings, self.costs, self.batch, self.lookup = settings, costs, batch, lookup
@@ -249,9 +268,7 @@ class ShapePolicy:
         self.fit = VerifyFit(costs)  # the table scaled to what verifications take: follows the context as it grows
         self.chosen: dict[tuple, int] = {}  # (arm key, depth, verified nodes) -> cycles, for the call's debug summary
         contexts = self.CONTEXTS if lookup else ("none",)
-        # a further verified token costs more than PLAIN_MARGIN of a step: lookup's cut errs dearly, plain measures it
-        dear = costs.verify_cost(2) > self.PLAIN_MARGIN * costs.verify_cost(1)
-        self.arms = {c: self._arms(settings, lookup, c, batch, dear) for c in contexts}  # context -> its arms
+        self.arms = {c: self._arms(settings, lookup, c, batch) for c in contexts}  # context -> its arms
         keys = {self.key(c, a) for c, arms in self.arms.items() for a in arms}
         self.sums = {k: [0.0, 0.0, 0] for k in sorted(keys)}  # arm key -> [decayed seconds, decayed tokens, cycles]
         carried = carried or {}
@@ -282,11 +299,12 @@ class ShapePolicy:
         return "found" if chains and all(c is not None for c in chains) else "none"
 
     @staticmethod
-    def _arms(s: TreeSettings, lookup: bool, context: str, batch: int, plain_beside_lookup: bool = False) -> tuple:
+    def _arms(s: TreeSettings, lookup: bool, context: str, batch: int) -> tuple:
         """The arms of a context. With a continuation for every row a chain is lookup alone (the lookup arm); at
-        batch 1 without one the lookup arm is plain decoding. Where the lookup arm plays, its cut verifies no node (a
-        plain cycle) where lookup's expected tokens do not pay for verifying them; a plain arm beside it measures
-        whether those expectations hold where verifying is dear (`plain_beside_lookup`)."""
+        batch 1 without one the lookup arm is plain decoding. At batch 1 the lookup arm's cut verifies no node (a
+        plain cycle) where lookup's expected tokens do not pay for verifying them: no plain arm beside it. A batch's
+        cut keeps the same number of nodes for every row, rows whose lookup pays and rows whose does not: a plain arm
+        beside it measures whether verifying pays for the batch."""
         if not s.automatic:
             return ("fixed",)
         found = lookup and context == "found"
@@ -295,7 +313,7 @@ class ShapePolicy:
         else:
             families = ("tree",) if found else ("tree", "chain")
         with_lookup = lookup and (found or batch > 1)
-        plain = not with_lookup or plain_beside_lookup
+        plain = not with_lookup or batch > 1
         return (*families, *(("lookup",) if with_lookup else ()), *(("plain",) if plain else ()))
 
     def rate(self, arm: str, context: str | None = None) -> float | None:
@@ -307,7 +325,7 @@ class ShapePolicy:
     def _next_arm(self) -> str:
         """The arm of the next cycle in the current context: an arm not probed yet; else the best, but an arm
         unplayed for its interval (`EXPLORE_EVERY` x (its rate / the best's)^2 cycles of the context, at most
-        `MAX_EXPLORE_GAP`) first: an arm's rate drifts with the context length and the text being written."""
+        `MAX_EXPLORE_GAP` x that ratio) first: an arm's rate drifts with the context length and the text."""
         c, arms = self.context, self.arms[self.context]
         if len(arms) == 1:
             return arms[0]
@@ -318,7 +336,8 @@ class ShapePolicy:
         top = max(self.rate(best), 1e-9)
 
         def interval(arm: str) -> float:
-            return min(self.MAX_EXPLORE_GAP, self.EXPLORE_EVERY * (self.rate(arm) / top) ** 2)
+            ratio = self.rate(arm) / top
+            return min(self.MAX_EXPLORE_GAP * ratio, self.EXPLORE_EVERY * ratio**2)
 
         played = self.last_played
         due = [a for a in arms if a != best and self.cycles[c] - played[c, a] >= interval(a)]
