@@ -286,9 +286,8 @@ class _Run:
             t_catch = time.perf_counter()
             root_logits = self.catch_up()
             draft_s0 = time.perf_counter() - t_catch
-            if (
-                not self.drafter_started
-            ):  # the prompt's catch-up (and the drafter's step costs): one-off, not the arm's
+            # the prompt's catch-up (and the drafter's step costs): one-off, not the arm's
+            if not self.drafter_started:
                 self.drafter_started = True
                 if not self.costs.step:
                     self.costs.step.update(measure_step_costs(self.drafter, self))
