@@ -8,6 +8,7 @@ reads them); older checkpoints kept them in their generation config (`pop_legacy
 This file ships inside every Hub repo as remote code: it imports only torch and the standard library.
 """
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ __all__ = [
     "LEGACY_LOOKUP_KEYS",
     "LOOKUP_MAX_NGRAM",
     "LOOKUP_MIN_NGRAM",
+    "LookupIndex",
     "LookupSettings",
     "lookup_continuation",
     "pop_legacy_lookup_keys",
@@ -54,6 +56,39 @@ def lookup_continuation(
             start = int(full[-1] if full.numel() else hits[0]) + n
             return ids[start : start + k]
     return ids[:0]
+
+
+class LookupIndex:
+    """`lookup_continuation` over a text that grows, without rescanning it: the start positions of every n-gram
+    (`min_ngram` <= n <= `max_ngram`) that ends before the text's last token, kept as the text grows (`extend`, a few
+    dictionary updates per new token), so each lookup (`continuation`) is one dictionary read per n. The speculative
+    engine keeps one per row and looks up every cycle."""
+
+    def __init__(self, max_ngram: int, min_ngram: int = 1):
+        self.tokens: list[int] = []
+        self.max_ngram = max_ngram
+        self.starts = {n: {} for n in range(max(min_ngram, 1), max_ngram + 1)}  # n -> {n-gram: [start, ...]}
+
+    def extend(self, tokens) -> None:
+        """Append `tokens` (ints) to the text."""
+        old = len(self.tokens)
+        self.tokens += tokens
+        T = len(self.tokens)
+        for n, table in self.starts.items():  # n-grams starting at i count once i + n <= T - 1
+            for i in range(max(0, old - n), T - n):
+                table.setdefault(tuple(self.tokens[i : i + n]), []).append(i)
+
+    def continuation(self, max_tokens: int, halve_per_ngram: bool = False) -> list[int]:
+        """`lookup_continuation(text, max_ngram, max_tokens, min_ngram, halve_per_ngram)`, as a list."""
+        T, max_ngram = len(self.tokens), self.max_ngram
+        for n in sorted(self.starts, reverse=True):
+            hits = self.starts[n].get(tuple(self.tokens[T - n :])) if n <= T - 1 else None
+            if hits:  # ascending starts
+                k = max(1, max_tokens >> (max_ngram - n)) if halve_per_ngram else max_tokens
+                last = bisect.bisect_right(hits, T - n - k) - 1  # the most recent match followed by k tokens
+                start = (hits[last] if last >= 0 else hits[0]) + n
+                return self.tokens[start : start + k]
+        return []
 
 
 @dataclass(frozen=True)
@@ -106,17 +141,24 @@ class LookupSettings:
     def enabled(self) -> bool:
         return self.num_tokens > 0
 
+    def index(self) -> LookupIndex:
+        """An empty `LookupIndex` for these settings (`propose` takes it in place of the ids)."""
+        return LookupIndex(self.max_ngram, self.min_ngram)
+
     def propose(
-        self, ids: torch.Tensor, max_new_tokens: int, min_new_tokens: int, eos: torch.Tensor
+        self, ids: "torch.Tensor | LookupIndex", max_new_tokens: int, min_new_tokens: int, eos: torch.Tensor
     ) -> torch.Tensor | None:
-        """The tokens [n] that lookup proposes after the verified `ids` [T], or None (no match): at most
-        `max_new_tokens`, up to and including the first `eos` token (or before it while fewer than `min_new_tokens`
-        were drafted)."""
+        """The tokens [n] that lookup proposes after the verified `ids` [T] (or the text of a `LookupIndex`), or
+        None (no match): at most `max_new_tokens`, up to and including the first `eos` token (or before it while
+        fewer than `min_new_tokens` were drafted)."""
         if max_new_tokens <= 0:
             return None
         num = self.num_tokens
         budget = num if self.halve_per_ngram else min(num, max_new_tokens)  # halving: the longest match's share
-        tokens = lookup_continuation(ids, self.max_ngram, budget, self.min_ngram, self.halve_per_ngram)
+        if isinstance(ids, LookupIndex):
+            tokens = torch.tensor(ids.continuation(budget, self.halve_per_ngram), dtype=torch.long, device=eos.device)
+        else:
+            tokens = lookup_continuation(ids, self.max_ngram, budget, self.min_ngram, self.halve_per_ngram)
         tokens = tokens[:max_new_tokens]  # then the cycle's cap
         if eos.numel() and tokens.numel():
             at_eos = torch.isin(tokens, eos).nonzero().flatten()

@@ -31,6 +31,21 @@ from factory import make_target
 FLAT_COSTS = Costs(verify={1: 1.0, 64: 1.0}, step={1: 0.01, 8: 0.01})  # verifying is free: big trees
 
 
+class FixedLookup:
+    """Prompt lookup settings (`lookup_settings`) that propose what follows the text's length in a reference
+    sequence: the index is the row's text as a list."""
+
+    def __init__(self, reference: list):
+        self.reference = reference
+
+    def index(self) -> list:
+        return []
+
+    def propose(self, index: list, max_new_tokens, min_new_tokens, eos):
+        n = len(index)
+        return torch.tensor(self.reference[n : n + max_new_tokens]) if self.reference[n:] else None
+
+
 class ModelTreeDrafter:
     """The drafter tree API over `model` run on whole sequences: logits = model's + noise (fixed per sequence)."""
 
@@ -41,7 +56,7 @@ class ModelTreeDrafter:
     def __init__(self, model, noise: float = 0.0, lookup: list | None = None):
         self.model, self.noise, self.config, self.dtype = model, noise, model.config, model.dtype
         self.lookup = lookup  # a reference sequence: lookup proposes what follows the current length (None: none)
-        self.lookup_settings = object() if lookup is not None else None
+        self.lookup_settings = FixedLookup(lookup) if lookup is not None else None
         self.memo = {}  # sequence -> logits (rows of a batch often repeat)
 
     def tree_unsupported_reason(self):
@@ -52,8 +67,11 @@ class ModelTreeDrafter:
         yield self
 
     def lookup_proposal(self, input_ids, max_new_tokens, min_new_tokens, eos):
-        n = input_ids.shape[1]
-        return None if self.lookup is None else torch.tensor(self.lookup[n : n + max_new_tokens])
+        return (
+            None
+            if self.lookup is None
+            else self.lookup_settings.propose(input_ids[0].tolist(), max_new_tokens, 0, eos)
+        )
 
     def tree_start(self, batch_size):
         return {"seqs": [[] for _ in range(batch_size)], "nodes": [[] for _ in range(batch_size)]}
@@ -546,6 +564,51 @@ def test_shape_policy_probes_a_far_slower_arm_rarely():
     played = _play(policy, {"tree": 0.010, "chain": 0.011, "plain": 0.040}, 300)[50:]  # plain 4x slower
     assert 0 < played.count("plain") <= 250 // ShapePolicy.MAX_EXPLORE_GAP + 1  # once per gap at most
     assert played.count("chain") >= 2 * played.count("plain")  # an arm close to the best is looked at more often
+
+
+def test_shape_policy_probes_a_losing_arm_less_and_less():
+    """Each probe after which an arm is still slower than another doubles its interval (up to 2^MAX_BACKOFF x); the
+    next call starts one doubling lower; a probe it wins resets it."""
+    from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
+
+    policy = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
+    played = _play(policy, {"tree": 0.012, "chain": 0.020, "plain": 0.010}, 900)
+    probes = [i for i, arm in enumerate(played) if arm == "tree"][ShapePolicy.PROBE :]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(gaps) >= 4 and gaps[1] >= 1.9 * gaps[0] and gaps[2] >= 1.9 * gaps[1]  # doubled per lost probe
+    assert gaps[-1] == gaps[-2]  # up to 2^MAX_BACKOFF x
+    assert policy.learned()["losses"]["none/tree"] >= ShapePolicy.MAX_BACKOFF
+    carried = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True, carried=policy.learned())
+    assert carried.losses["none", "tree"] == policy.losses["none", "tree"] - 1
+    played = _play(carried, {"tree": 0.005, "chain": 0.020, "plain": 0.010}, 400)  # the tree became fastest
+    assert played[-100:].count("tree") >= 85 and carried.losses.get(("none", "tree"), 0) == 0
+
+
+def test_shape_policy_keeps_rates_per_rows_still_decoding():
+    """When rows finish, rates measured with more rows are not compared with rates at fewer: the count of rows still
+    decoding keeps its own rates (`key@rows`), each arm starting from its former rate x (former / rows rows)."""
+    from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
+
+    def play(policy, rows, seconds_per_token, cycles):
+        one = torch.ones(rows, 1, dtype=torch.long)
+        node = Tree(one, one * -1, one, torch.zeros(rows, 1), one.bool(), one.bool() & False)  # one node per row
+        played = []
+        for _ in range(cycles):
+            shape = policy.plan(remaining=100, context="none", rows=rows)
+            played.append(policy.arm)
+            tokens = 1 if policy.arm == "plain" else 2  # per row
+            tree = engine.empty_tree(rows, "cpu") if shape.depth == 0 else node
+            policy.update(tree, [tokens - 1] * rows, [], rows * tokens * seconds_per_token[policy.arm], 0.0, 0.0)
+        return played
+
+    policy = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=4, lookup=False)
+    assert play(policy, 4, {"tree": 0.006, "chain": 0.010, "plain": 0.010}, 100)[-30:].count("tree") >= 25
+    played = play(policy, 2, {"tree": 0.030, "chain": 0.030, "plain": 0.015}, 200)
+    assert played[-50:].count("plain") >= 45
+    rates = policy.summary()["arm_ms_per_token"]
+    assert rates["none/tree"] == pytest.approx(6.0) and rates["plain"] == pytest.approx(10.0)  # kept at 4 rows
+    assert rates["plain@2"] == pytest.approx(15.0) and rates["none/tree@2"] > 15.0
+    assert ShapePolicy(TreeSettings(), FLAT_COSTS, 4, False, policy.learned()).sums["plain@2"][1] == 1.0  # carried
 
 
 def test_shape_policy_follows_an_arm_that_becomes_slower():

@@ -316,6 +316,31 @@ def test_lookup_halving_gives_shorter_matches_fewer_tokens():
     assert lookup_continuation(two, 2, 8, halve_per_ngram=True).tolist() == [3, 4, 5, 6, 7, 8, 9, 10]  # 2 is longest
 
 
+def test_lookup_index_grown_piecewise_matches_the_scan():
+    """`LookupIndex` (the engine's per-row index, extended as the row grows) proposes what a scan of the whole text
+    (`lookup_continuation`) does, at every length, for every n-gram range, cap and halving; and `propose` takes it."""
+    from moa_hf.modeling.lookup import LookupIndex, LookupSettings, lookup_continuation
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        vocab = 2 + trial % 5  # small vocabularies: many repeats
+        text = torch.randint(vocab, (60,), generator=g)
+        max_ngram, min_ngram = 1 + trial % 3, 1 + (trial // 3) % 2
+        index, T = LookupIndex(max_ngram, min_ngram), 0
+        while T < len(text):
+            step = int(torch.randint(1, 6, (), generator=g))
+            index.extend(text[T : T + step].tolist())
+            T = min(len(text), T + step)
+            for k, halve in [(1, False), (4, False), (8, True), (30, False)]:
+                want = lookup_continuation(text[:T], max_ngram, k, min_ngram, halve) if max_ngram >= min_ngram else []
+                assert index.continuation(k, halve) == list(want), (trial, T, k, halve)
+    settings = LookupSettings(num_tokens=5)
+    index = settings.index()
+    index.extend([5, 6, 2, 9, 9, 5, 6])  # "5 6" was followed by eos (2)
+    assert settings.propose(index, 5, 0, torch.tensor([2])).tolist() == [2]
+    assert settings.propose(index, 5, 1, torch.tensor([2])) is None
+
+
 def test_lookup_proposal_halving_from_config_and_capped():
     target = make_target("llama")
     drafter = moa_hf.build_drafter(target).eval()

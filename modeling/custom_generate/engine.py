@@ -192,7 +192,6 @@ class _Run:
         self.seqs = [input_ids[b] for b in range(B)]  # padded prompt + new tokens, per active row
         self.lists = [[] for _ in range(B)]  # new tokens per active row, as Python ints
         self.prompt_len = P
-        self.starts = (P - mask.sum(-1)).tolist()  # per active row: where its tokens start (after left padding)
         self.done: dict[int, torch.Tensor] = {}
         self.stats = [EngineStats() for _ in range(B)]
         self.cache = DynamicCache()
@@ -214,6 +213,11 @@ class _Run:
         self.lookup = settings.lookup
         if self.lookup is None:
             self.lookup = drafter.lookup_settings is not None
+        # prompt lookup: per row a `LookupIndex` of its text (without left padding), kept as the row grows
+        self.look = drafter.lookup_settings if self.lookup else None
+        self.indexes = [None if self.look is None else self.look.index() for _ in range(B)]
+        for b, start in enumerate((P - mask.sum(-1)).tolist() if self.look is not None else []):
+            self.indexes[b].extend(input_ids[b, start:].tolist())
         self.exit_totals = torch.zeros(B, self.num_exits, dtype=torch.long, device=device)
         self.debug = logger.isEnabledFor(logging.DEBUG)  # each cycle's shape and why, logged
 
@@ -279,7 +283,7 @@ class _Run:
             t0 = time.perf_counter()
         if self.lookup and remaining > 1 and self.settings.budget != 0:  # lookup per row (None: none): the context
             chains = [self.lookup_chain(i, remaining - 1) for i in range(len(self.rows))]
-        shape = self.policy.plan(remaining, self.policy.context_of(chains))
+        shape = self.policy.plan(remaining, self.policy.context_of(chains), len(self.rows))
         # lookup alone where every row has a continuation (or no network): the drafter waits
         lookup_only = shape.lookup_first and chains is not None and (not shape.network or None not in chains)
         if shape.depth and not lookup_only:
@@ -313,7 +317,8 @@ class _Run:
             hidden = out.hidden_states[-1]  # [B, 1+N, d]
             moved = hidden.gather(1, keep[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, 1+A, d]
             self.slot_hidden = torch.cat([self.slot_hidden, moved], 1)
-        self.exit_totals += tree.exit_counts(self.num_exits)
+        if tree.size:
+            self.exit_totals += tree.exit_counts(self.num_exits)
         look = self.lookup_outcomes(chains, new_tokens) if chains is not None else []
         sizes = tree.real.sum(1).tolist() if tree.size else [0] * len(self.rows)
         lookups = tree.lookup.sum(1).tolist() if tree.size else [0] * len(self.rows)
@@ -359,8 +364,9 @@ class _Run:
 
     def lookup_chain(self, i: int, room: int):
         """Prompt lookup's continuation [n] for active row i (at most `room` tokens), or None."""
-        ids = self.seqs[i][self.starts[i] :]  # the row without its left padding
-        chain = self.drafter.lookup_proposal(ids[None], room, 0, self.eos)
+        if self.look is None:
+            return None
+        chain = self.look.propose(self.indexes[i], room, 0, self.eos)
         return None if chain is None else chain.tolist()
 
     @staticmethod
@@ -468,6 +474,8 @@ class _Run:
             seq = self.seqs[i]
             self.seqs[i] = torch.cat([seq, torch.tensor(toks, dtype=seq.dtype, device=seq.device)])
             self.lists[i] += toks
+            if self.indexes[i] is not None:
+                self.indexes[i].extend(toks)
             self.stats[b].accepted_lengths.append(len(toks))
             self.pending[i] += [(t, first[i] + j, slots_from + j) for j, t in enumerate(toks)]
             if self.streamer is not None:
@@ -496,7 +504,7 @@ class _Run:
         self.exit_totals = self.exit_totals[index]
         self.drafter.tree_select_rows(self.draft_state, index)
         self.rows = [self.rows[i] for i in keep]
-        for name in ("seqs", "lists", "pending", "starts"):
+        for name in ("seqs", "lists", "pending", "indexes"):
             setattr(self, name, [getattr(self, name)[i] for i in keep])
 
     def add_exits(self, i: int) -> None:

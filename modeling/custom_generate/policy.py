@@ -23,9 +23,10 @@ E[tokens] = B + sum_i p_i for the batch of B rows, and costs T(n) = fixed + D + 
                             seconds
                             per token in the cycle's context (decayed over its latest cycles) plays; each other arm is
                             probed again after EXPLORE_EVERY x (its rate / the best's)^2 cycles of that context (at
-                            most `MAX_EXPLORE_GAP` x that ratio): a far slower arm is probed rarely. Rates kept per
-                            context compare arms on the same kind of cycle; at batch 1 no plain arm beside lookup's:
-                            its noisy rate kept it playing where lookup paid (docs/design.md)
+                            most `MAX_EXPLORE_GAP` x that ratio, doubled per probe the arm lost in a row, up to
+                            `MAX_BACKOFF` times): a far slower arm is probed rarely. Rates kept per context (and per
+                            count of rows still decoding) compare arms on the same kind of cycle; at batch 1 no plain
+                            arm beside lookup's: its noisy rate kept it playing where lookup paid (docs/design.md)
     fits verification       the table's one-token cost and each further token's cost scaled separately to what the
                             cycles' verifications took (`VerifyFit`): a longer context makes further tokens dearer
     carries                 what a call learned (arms' rates, lookup's rates, gamma) to the next call with the same
@@ -242,15 +243,19 @@ class ShapePolicy:
     with the lowest rate in the cycle's context, and one cycle of another arm once it has not played for
     `EXPLORE_EVERY` x (its rate / the best's)^2 cycles of that context (at most `MAX_EXPLORE_GAP` x that ratio: a
     slower arm's look costs more, and an arm that drafts with the network pays the catch-up of every token since it
-    last played): an arm close to the best is looked at often (it may overtake), a far slower one rarely (each look
-    costs). Its choice is never worse, for long, than the best of the shapes it could have fixed per context, plain
-    decoding included, at the price of those probes.
+    last played), doubled for each probe in a row after which the arm was still slower than another (at most
+    2^`MAX_BACKOFF` x; a call starts one doubling lower than the last ended): an arm close to the best is looked at
+    often (it may overtake), a far slower or a repeatedly losing one rarely (each look costs). Its choice is never
+    worse, for long, than the best of the shapes it could have fixed per context, plain decoding included, at the
+    price of those probes. When rows finish, a token of the rest costs more: rates at each count of rows still
+    decoding are kept apart (`_set_rows`), so arms measured with 8 rows and with 2 are not compared.
     """
 
     PROBE = 2  # cycles each arm is played before the policy compares them
     DECAY = 0.9  # weight of an arm's past cycles per newer cycle of it
     EXPLORE_EVERY = 16  # cycles between two plays of an arm as fast as the best (more for slower arms)
     MAX_EXPLORE_GAP = 48  # the most cycles an arm goes unplayed, per (its rate / the best's)
+    MAX_BACKOFF = 3  # a probe that loses doubles the arm's interval, at most 2**MAX_BACKOFF times
     CARRIED_TRIES = 16  # the most weight an earlier call's lookup right rate keeps per position
     LOOKUP_CLASSES = 5  # lookup proposals of 1, 2-3, 4-7, 8-15, 16+ tokens keep right rates apart
 
@@ -271,10 +276,14 @@ class ShapePolicy:
         self.arms = {c: self._arms(settings, lookup, c, batch) for c in contexts}  # context -> its arms
         keys = {self.key(c, a) for c, arms in self.arms.items() for a in arms}
         self.sums = {k: [0.0, 0.0, 0] for k in sorted(keys)}  # arm key -> [decayed seconds, decayed tokens, cycles]
+        self.rows = batch  # rows still decoding: rates at fewer rows are kept apart (`_set_rows`)
         carried = carried or {}
         for k, (sec, tok) in carried.get("arms", {}).items():
-            if k in self.sums and tok > 0:  # an earlier call's rate, weighted as one cycle
+            if k.split("@")[0] in keys and tok > 0:  # an earlier call's rate, weighted as one cycle
                 self.sums[k] = [sec / tok, 1.0, self.PROBE]
+        # (context, arm) -> probes lost in a row (its interval doubles per loss); an earlier call's, one fewer
+        self.losses = {tuple(k.split("/")): max(0, n - 1) for k, n in carried.get("losses", {}).items()}
+        self.probing = False  # the current cycle plays an arm that is not the best (`update` scores the probe)
         for c, (rights, trieds) in enumerate(carried.get("lookup", ())):  # an earlier call's right rates, weighted
             for j, (right, tried) in enumerate(zip(rights, trieds)):  # as at most `CARRIED_TRIES` tries each
                 if c < self.LOOKUP_CLASSES and j < len(self.look_tried[c]) and tried > 0:
@@ -292,6 +301,24 @@ class ShapePolicy:
     def key(context: str, arm: str) -> str:
         """The name an arm's measured rate is kept under: plain decoding's is the same in every context."""
         return arm if arm == "plain" else f"{context}/{arm}"
+
+    def _rows_key(self, context: str, arm: str) -> str:
+        """`key` at the rows still decoding: the call's batch, or `key@rows` once rows have finished."""
+        k = self.key(context, arm)
+        return k if self.rows == self.batch else f"{k}@{self.rows}"
+
+    def _set_rows(self, rows: int) -> None:
+        """Rows have finished: a token of the remaining rows costs more (a forward reads the weights for fewer rows),
+        and arms measured at different row counts must not be compared. Rates at `rows` are kept apart; an arm with
+        none yet starts from its rate at the former count x (former / rows) (one cycle's weight): the arms' order
+        is kept until they are measured again."""
+        old = {(c, a): self._rows_key(c, a) for c, arms in self.arms.items() for a in arms}
+        former, self.rows = self.rows, rows
+        for (c, a), old_key in old.items():
+            new_key = self._rows_key(c, a)
+            sec, tok, n = self.sums[old_key]
+            if new_key not in self.sums:
+                self.sums[new_key] = [sec / tok * former / rows, 1.0, n] if tok > 0 else [0.0, 0.0, n]
 
     @staticmethod
     def context_of(chains: list | None) -> str:
@@ -319,36 +346,43 @@ class ShapePolicy:
     def rate(self, arm: str, context: str | None = None) -> float | None:
         """Seconds per token of the batch that `arm` measured in `context` (default: the current one; decayed), None
         before it played."""
-        sec, tok, _ = self.sums[self.key(context or self.context, arm)]
+        sec, tok, _ = self.sums[self._rows_key(context or self.context, arm)]
         return sec / tok if tok > 0 else None
 
     def _next_arm(self) -> str:
         """The arm of the next cycle in the current context: an arm not probed yet; else the best, but an arm
         unplayed for its interval (`EXPLORE_EVERY` x (its rate / the best's)^2 cycles of the context, at most
-        `MAX_EXPLORE_GAP` x that ratio) first: an arm's rate drifts with the context length and the text."""
+        `MAX_EXPLORE_GAP` x that ratio, doubled per probe it lost in a row) first: an arm's rate drifts with the
+        context length and the text."""
         c, arms = self.context, self.arms[self.context]
+        self.probing = False
         if len(arms) == 1:
             return arms[0]
         for arm in arms:
-            if self.sums[self.key(c, arm)][2] < self.PROBE:
+            if self.sums[self._rows_key(c, arm)][2] < self.PROBE:
                 return arm
         best = min(arms, key=lambda a: self.rate(a))
         top = max(self.rate(best), 1e-9)
 
         def interval(arm: str) -> float:
             ratio = self.rate(arm) / top
-            return min(self.MAX_EXPLORE_GAP * ratio, self.EXPLORE_EVERY * ratio**2)
+            gap = min(self.MAX_EXPLORE_GAP * ratio, self.EXPLORE_EVERY * ratio**2)
+            return gap * 2 ** min(self.losses.get((c, arm), 0), self.MAX_BACKOFF)
 
         played = self.last_played
         due = [a for a in arms if a != best and self.cycles[c] - played[c, a] >= interval(a)]
-        return min(due, key=lambda a: played[c, a]) if due else best
+        if not due:
+            return best
+        self.probing = True
+        return min(due, key=lambda a: played[c, a])
 
     def learned(self) -> dict:
         """What to carry to the next call with these costs: the arms' {arm: (seconds, tokens)}, lookup's (right,
         tried) per position and the calibration gamma."""
         arms = {k: (sec, tok) for k, (sec, tok, _) in self.sums.items() if tok > 0}
         lookup = [(list(r), list(t)) for r, t in zip(self.look_right, self.look_tried)]
-        return {"arms": arms, "lookup": lookup, "gamma": self.gamma}
+        losses = {f"{c}/{a}": n for (c, a), n in self.losses.items() if n}
+        return {"arms": arms, "lookup": lookup, "gamma": self.gamma, "losses": losses}
 
     # ----- drafting side: what to draft this cycle ----------------------------------------------------------------
     @property
@@ -357,11 +391,13 @@ class ShapePolicy:
         known = [r for r in map(self.rate, self.arms[self.context]) if r is not None]
         return min(known) if known else self.step_s / self.batch
 
-    def plan(self, remaining: int, context: str = "none") -> Shape:
+    def plan(self, remaining: int, context: str = "none", rows: int | None = None) -> Shape:
         """This cycle's shape; `remaining`: tokens the longest row may still generate; `context`: `context_of` the
-        rows' lookup continuations."""
+        rows' lookup continuations; `rows`: the rows still decoding (default: the batch)."""
         s = self.settings
         self.context = context
+        if (rows or self.batch) != self.rows:
+            self._set_rows(rows or self.batch)
         if remaining <= 1 or s.budget == 0:  # a plain cycle: measured for plain decoding (or lookup's arm: its cut)
             self.arm = self.arms[context][-1]
             return Shape(0, 1, why="no room for drafts" if remaining <= 1 else "budget 0")
@@ -429,10 +465,15 @@ class ShapePolicy:
         tokens = sum(lengths) + len(lengths)
         self.fit.update(1 + tree.size, verify_s)
         key = self.key(self.context, self.arm)
-        sums = self.sums[key]  # a cycle of a drafting arm that drafted nothing counts for it: its own choice
+        # a cycle of a drafting arm that drafted nothing counts for it: its own choice
+        sums = self.sums[self._rows_key(self.context, self.arm)]
         sums[0], sums[1], sums[2] = self.DECAY * sums[0] + seconds, self.DECAY * sums[1] + tokens, sums[2] + 1
         self.last_played[self.context, self.arm] = self.cycles[self.context]
         self.cycles[self.context] += 1
+        if self.probing:  # a probe lost if its arm is still slower than another: its next one waits longer
+            c, arm = self.context, self.arm
+            lost = any(self.rate(a) is not None and self.rate(a) < self.rate(arm) for a in self.arms[c] if a != arm)
+            self.losses[c, arm] = self.losses.get((c, arm), 0) + 1 if lost else 0
         if tree.size == 0:  # a plain cycle
             self.step_s = 0.8 * self.step_s + 0.2 * verify_s
             return

@@ -46,11 +46,14 @@ class TreeDrafter(Protocol):
     `tree_step(state, tokens, positions, parents)` feeds one depth of nodes [B, w] (parents: their number among the
     nodes fed this cycle, -1 = the root) and returns logits [B, w, V]; `tree_end(state)` forgets the cycle's nodes;
     `tree_select_rows(state, rows)` keeps rows; `lookup_proposal(ids [1, T], max_new, min_new, eos)` prompt lookup's
-    continuation [n] or None; `lookup_settings` None when lookup is off; `needs_target_hidden`: tree_catch_up reads
-    the target's final hidden states; `num_exits` the drafter's exits (1 but for sorted drafters, whose state then
-    carries `root_exits` [B] and `node_exits` [B, w]); `tree_unsupported_reason()` None or why it cannot draft trees;
-    `attached(target, allow_other_target)` a context manager attaching it to the target; `attached_target` the target
-    it is attached to (None: detached; the engine attaches it for the call unless it is attached to the call's target).
+    continuation [n] or None; `lookup_settings` None when lookup is off, else (as `LookupSettings`) `index()` an empty
+    index of a row's text (`extend(tokens)` as it grows) and `propose(index, max_new, min_new, eos)` that continuation
+    (the engine looks up every row every cycle: an index does not rescan the text); `needs_target_hidden`:
+    tree_catch_up reads the target's final hidden states; `num_exits` the drafter's exits (1 but for sorted drafters,
+    whose state then carries `root_exits` [B] and `node_exits` [B, w]); `tree_unsupported_reason()` None or why it
+    cannot draft trees; `attached(target, allow_other_target)` a context manager attaching it to the target;
+    `attached_target` the target it is attached to (None: detached; the engine attaches it for the call unless it is
+    attached to the call's target).
     """
 
     needs_target_hidden: bool
@@ -295,11 +298,15 @@ def compact_cache(cache, start: int, keep: torch.Tensor) -> None:
     every row keeps its first K slots in order (a chain's accepted prefix), nothing moves: the cache is cropped."""
     K = keep.shape[1]
     in_place = bool((keep == torch.arange(K, device=keep.device)).all())
+    if in_place and cache.layers[0].keys.shape[2] == start + K:  # every new slot kept (a plain cycle): nothing to do
+        return
+    idx = None
     for layer in cache.layers:
         for name in ("keys", "values"):
             states = getattr(layer, name)  # [B, H, S, D]
             if not in_place:
                 B, H, _, D = states.shape
-                idx = (start + keep)[:, None, :, None].expand(B, H, K, D)  # [B, H, K, D]
+                if idx is None or idx.shape != (B, H, K, D):  # built once for layers of one shape
+                    idx = (start + keep)[:, None, :, None].expand(B, H, K, D)  # [B, H, K, D]
                 states[:, :, start : start + K] = states.gather(2, idx)
             setattr(layer, name, states[:, :, : start + K])
