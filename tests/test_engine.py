@@ -572,7 +572,7 @@ def test_shape_policy_probes_a_losing_arm_less_and_less():
     from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
 
     policy = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
-    played = _play(policy, {"tree": 0.012, "chain": 0.020, "plain": 0.010}, 900)
+    played = _play(policy, {"tree": 0.0105, "chain": 0.020, "plain": 0.010}, 900)  # within START_MARGIN
     probes = [i for i, arm in enumerate(played) if arm == "tree"][ShapePolicy.PROBE :]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(gaps) >= 4 and gaps[1] >= 1.9 * gaps[0] and gaps[2] >= 1.9 * gaps[1]  # doubled per lost probe
@@ -582,6 +582,29 @@ def test_shape_policy_probes_a_losing_arm_less_and_less():
     assert carried.losses["none", "tree"] == policy.losses["none", "tree"] - 1
     played = _play(carried, {"tree": 0.005, "chain": 0.020, "plain": 0.010}, 400)  # the tree became fastest
     assert played[-100:].count("tree") >= 85 and carried.losses.get(("none", "tree"), 0) == 0
+
+
+def test_shape_policy_leaves_the_drafter_off_where_the_network_lost():
+    """A call whose predecessors measured every network arm far behind the best does not start the drafter (no
+    network arm); one within `START_MARGIN` does; every `REFRESH_CALLS`-th call measures the network again."""
+    from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
+
+    first = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=8, lookup=True)
+    assert first.network  # nothing measured yet
+    _play(first, {"tree": 0.030, "chain": 0.020, "lookup": 0.012, "plain": 0.010}, 200)
+    carried = first.learned()
+    assert carried["idle_calls"] == 0  # the network played (probes)
+    idle = 0
+    for _ in range(2 * ShapePolicy.REFRESH_CALLS):
+        policy = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=8, lookup=True, carried=carried)
+        played = _play(policy, {"tree": 0.030, "chain": 0.020, "lookup": 0.012, "plain": 0.010}, 50)
+        assert policy.network == (idle >= ShapePolicy.REFRESH_CALLS)
+        assert policy.network or not {"tree", "chain"} & set(played)
+        carried = policy.learned()
+        idle = carried["idle_calls"]
+    close = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=8, lookup=True, carried=first.learned())
+    close.sums["none/chain"] = [0.0105, 1.0, ShapePolicy.PROBE]
+    assert ShapePolicy(TreeSettings(), FLAT_COSTS, 8, True, close.learned()).network  # within the margin
 
 
 def test_shape_policy_keeps_rates_per_rows_still_decoding():

@@ -27,6 +27,10 @@ E[tokens] = B + sum_i p_i for the batch of B rows, and costs T(n) = fixed + D + 
                             `MAX_BACKOFF` times): a far slower arm is probed rarely. Rates kept per context (and per
                             count of rows still decoding) compare arms on the same kind of cycle; at batch 1 no plain
                             arm beside lookup's: its noisy rate kept it playing where lookup paid (docs/design.md)
+    starts the drafter      only where a network arm may pay: the drafter's start (reading every row's prompt) is a
+                            one-off that only a network arm repays, so a call whose predecessors measured every
+                            network arm well behind the best plays lookup and plain decoding (every
+                            `REFRESH_CALLS`-th call measures the network again)
     fits verification       the table's one-token cost and each further token's cost scaled separately to what the
                             cycles' verifications took (`VerifyFit`): a longer context makes further tokens dearer
     carries                 what a call learned (arms' rates, lookup's rates, gamma) to the next call with the same
@@ -256,6 +260,9 @@ class ShapePolicy:
     EXPLORE_EVERY = 16  # cycles between two plays of an arm as fast as the best (more for slower arms)
     MAX_EXPLORE_GAP = 48  # the most cycles an arm goes unplayed, per (its rate / the best's)
     MAX_BACKOFF = 3  # a probe that loses doubles the arm's interval, at most 2**MAX_BACKOFF times
+    NETWORK_ARMS = ("tree", "chain")  # the arms that run the drafter's network
+    START_MARGIN = 1.1  # the network arms play in a call if one's carried rate is within this factor of the best
+    REFRESH_CALLS = 8  # ... or after this many calls without them (their rates are measured again)
     CARRIED_TRIES = 16  # the most weight an earlier call's lookup right rate keeps per position
     LOOKUP_CLASSES = 5  # lookup proposals of 1, 2-3, 4-7, 8-15, 16+ tokens keep right rates apart
 
@@ -290,12 +297,34 @@ class ShapePolicy:
                     w = min(1.0, self.CARRIED_TRIES / tried)
                     self.look_right[c][j], self.look_tried[c][j] = w * right, w * tried
         self.gamma = carried.get("gamma", self.gamma)
+        self.idle_calls = carried.get("idle_calls", 0)  # earlier calls in a row without the network
+        self.network = self._network_may_pay()
+        if not self.network:  # the drafter is not started: the call plays lookup and plain decoding
+            self.arms = {c: tuple(a for a in arms if a not in self.NETWORK_ARMS) for c, arms in self.arms.items()}
+        self.network_played = False
         self.context = "none"
         self.arm = self.arms[self.context][0]
         self.cycles = dict.fromkeys(self.CONTEXTS, 0)  # cycles per context
         self.last_played = {(c, a): -1 for c, arms in self.arms.items() for a in arms}  # in cycles of the context
 
     CONTEXTS = ("found", "none")
+
+    def _network_may_pay(self) -> bool:
+        """Whether this call's arms include the network's. The drafter's start (reading every row's prompt, 0.37 s
+        at batch 8 here) is a one-off only a network arm can repay: where earlier calls measured every network arm
+        more than `START_MARGIN` x slower than its context's best, in every context that measured one, the call
+        leaves the drafter off; every `REFRESH_CALLS`-th call plays them again to measure them anew."""
+        if not self.settings.automatic or self.idle_calls >= self.REFRESH_CALLS:
+            return True
+        measured = False
+        for c, arms in self.arms.items():
+            rates = {a: r for a in arms if (r := self.rate(a, c)) is not None}
+            net = [r for a, r in rates.items() if a in self.NETWORK_ARMS]
+            if net:
+                measured = True
+                if min(net) <= self.START_MARGIN * min(rates.values()):
+                    return True
+        return not measured
 
     @staticmethod
     def key(context: str, arm: str) -> str:
@@ -382,7 +411,8 @@ class ShapePolicy:
         arms = {k: (sec, tok) for k, (sec, tok, _) in self.sums.items() if tok > 0}
         lookup = [(list(r), list(t)) for r, t in zip(self.look_right, self.look_tried)]
         losses = {f"{c}/{a}": n for (c, a), n in self.losses.items() if n}
-        return {"arms": arms, "lookup": lookup, "gamma": self.gamma, "losses": losses}
+        idle = 0 if self.network_played else self.idle_calls + 1
+        return {"arms": arms, "lookup": lookup, "gamma": self.gamma, "losses": losses, "idle_calls": idle}
 
     # ----- drafting side: what to draft this cycle ----------------------------------------------------------------
     @property
@@ -469,6 +499,7 @@ class ShapePolicy:
         sums = self.sums[self._rows_key(self.context, self.arm)]
         sums[0], sums[1], sums[2] = self.DECAY * sums[0] + seconds, self.DECAY * sums[1] + tokens, sums[2] + 1
         self.last_played[self.context, self.arm] = self.cycles[self.context]
+        self.network_played |= self.arm in self.NETWORK_ARMS
         self.cycles[self.context] += 1
         if self.probing:  # a probe lost if its arm is still slower than another: its next one waits longer
             c, arm = self.context, self.arm
@@ -509,4 +540,5 @@ class ShapePolicy:
             "plain_step_ms": 1000 * self.step_s,
             "verify_over_table": {"one_token": self.fit.base, "per_more_token": self.fit.extra},
             "arms": {c: list(arms) for c, arms in self.arms.items()},
+            "network": self.network,
         }
