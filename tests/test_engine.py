@@ -584,6 +584,20 @@ def test_shape_policy_probes_a_losing_arm_less_and_less():
     assert played[-100:].count("tree") >= 85 and carried.losses.get(("none", "tree"), 0) == 0
 
 
+def test_shape_policy_counts_an_arms_interval_across_calls():
+    """An arm's interval may be longer than a call: the cycles since it last played carry over, so it is probed in a
+    later call instead of never (each call restarting the count)."""
+    from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
+
+    rates = {"lookup": 0.030, "tree": 0.010}  # lookup 3x slower: interval 144 cycles
+    first = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
+    assert _play(first, rates, 30, "found").count("lookup") == ShapePolicy.PROBE
+    second = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True, carried=first.learned())
+    assert "lookup" in _play(second, rates, 120, "found")  # 30 + 120 > 144 cycles since lookup last played
+    fresh = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True, carried={"arms": first.learned()["arms"]})
+    assert "lookup" not in _play(fresh, rates, 120, "found")  # counting from the call's start it would wait 144
+
+
 def test_shape_policy_leaves_the_drafter_off_where_the_network_lost():
     """A call whose predecessors measured every network arm far behind the best does not start the drafter (no
     network arm); one within `START_MARGIN` does; every `REFRESH_CALLS`-th call measures the network again."""

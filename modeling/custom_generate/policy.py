@@ -305,7 +305,10 @@ class ShapePolicy:
         self.context = "none"
         self.arm = self.arms[self.context][0]
         self.cycles = dict.fromkeys(self.CONTEXTS, 0)  # cycles per context
-        self.last_played = {(c, a): -1 for c, arms in self.arms.items() for a in arms}  # in cycles of the context
+        # the cycle of its context each arm last played in (counting back into earlier calls: an arm's interval can
+        # be longer than a call, and a call's few cycles must not keep the arm unprobed for good)
+        since = carried.get("since", {})
+        self.last_played = {(c, a): -since.get(f"{c}/{a}", 1) for c, arms in self.arms.items() for a in arms}
 
     CONTEXTS = ("found", "none")
 
@@ -407,12 +410,21 @@ class ShapePolicy:
 
     def learned(self) -> dict:
         """What to carry to the next call with these costs: the arms' {arm: (seconds, tokens)}, lookup's (right,
-        tried) per position and the calibration gamma."""
+        tried) per position, the calibration gamma, the probes each arm lost in a row, the cycles since each arm
+        last played and the calls in a row without the network."""
         arms = {k: (sec, tok) for k, (sec, tok, _) in self.sums.items() if tok > 0}
         lookup = [(list(r), list(t)) for r, t in zip(self.look_right, self.look_tried)]
         losses = {f"{c}/{a}": n for (c, a), n in self.losses.items() if n}
         idle = 0 if self.network_played else self.idle_calls + 1
-        return {"arms": arms, "lookup": lookup, "gamma": self.gamma, "losses": losses, "idle_calls": idle}
+        since = {f"{c}/{a}": self.cycles[c] - last for (c, a), last in self.last_played.items()}
+        return {
+            "arms": arms,
+            "lookup": lookup,
+            "gamma": self.gamma,
+            "losses": losses,
+            "idle_calls": idle,
+            "since": since,
+        }
 
     # ----- drafting side: what to draft this cycle ----------------------------------------------------------------
     @property
@@ -425,7 +437,7 @@ class ShapePolicy:
         """This cycle's shape; `remaining`: tokens the longest row may still generate; `context`: `context_of` the
         rows' lookup continuations; `rows`: the rows still decoding (default: the batch)."""
         s = self.settings
-        self.context = context
+        self.context, self.probing = context, False
         if (rows or self.batch) != self.rows:
             self._set_rows(rows or self.batch)
         if remaining <= 1 or s.budget == 0:  # a plain cycle: measured for plain decoding (or lookup's arm: its cut)
