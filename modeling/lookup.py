@@ -35,6 +35,12 @@ LEGACY_LOOKUP_KEYS = {
 _TRANSFORMERS_KEYS = ("prompt_lookup_num_tokens", "max_matching_ngram_size")  # GenerationConfig's own (None: unset)
 
 
+def _match_tokens(n: int, max_ngram: int, max_tokens: int, halve_per_ngram: bool) -> int:
+    """The tokens a match of n tokens proposes: `max_tokens`, halved per token shorter than `max_ngram` when
+    `halve_per_ngram` (at least 1)."""
+    return max(1, max_tokens >> (max_ngram - n)) if halve_per_ngram else max_tokens
+
+
 def lookup_continuation(
     ids: torch.Tensor, max_ngram: int, max_tokens: int, min_ngram: int = 1, halve_per_ngram: bool = False
 ) -> torch.Tensor:
@@ -51,7 +57,7 @@ def lookup_continuation(
         windows = ids[: T - 1].unfold(0, n, 1)  # [T-n, n]: the n-gram starting at i, for i + n <= T - 1
         hits = (windows == ids[T - n :]).all(dim=1).nonzero().flatten()  # [M] starts of matches
         if hits.numel():
-            k = max(1, max_tokens >> (max_ngram - n)) if halve_per_ngram else max_tokens
+            k = _match_tokens(n, max_ngram, max_tokens, halve_per_ngram)
             full = hits[hits + n + k <= T]  # matches followed by k tokens
             start = int(full[-1] if full.numel() else hits[0]) + n
             return ids[start : start + k]
@@ -84,7 +90,7 @@ class LookupIndex:
         for n in sorted(self.starts, reverse=True):
             hits = self.starts[n].get(tuple(self.tokens[T - n :])) if n <= T - 1 else None
             if hits:  # ascending starts
-                k = max(1, max_tokens >> (max_ngram - n)) if halve_per_ngram else max_tokens
+                k = _match_tokens(n, max_ngram, max_tokens, halve_per_ngram)
                 last = bisect.bisect_right(hits, T - n - k) - 1  # the most recent match followed by k tokens
                 start = (hits[last] if last >= 0 else hits[0]) + n
                 return self.tokens[start : start + k]

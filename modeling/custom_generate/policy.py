@@ -15,13 +15,12 @@ E[tokens] = B + sum_i p_i for the batch of B rows, and costs T(n) = fixed + D + 
     weights lookup          prompt lookup's token j by its measured right rate at position j given the earlier
                             ones right (lookup is right in runs: reached deep positions are right more often), kept
                             per class of proposal length (a longer proposal followed a longer matched n-gram)
-    plays arms              per context: where every row has a prompt lookup continuation ("found"), lookup alone
-                            (no drafter forward) or the tree (lookup as a branch); elsewhere ("none"), a chain (top-k
-                            1), the tree, and lookup where rows have one (batches) or else plain decoding; plain
-                            decoding beside lookup at batches (a batch's cut keeps as many nodes for every row). The
-                            lookup arm decodes plainly where its cut keeps no node. The arm with the fewest measured
-                            seconds
-                            per token in the cycle's context (decayed over its latest cycles) plays; each other arm is
+    plays arms              per context: where every row has a prompt lookup continuation ("found"), lookup alone (no
+                            drafter forward) or the tree (lookup as a branch); elsewhere ("none"), a chain (top-k 1),
+                            the tree, and lookup where rows have one (batches) or else plain decoding; plain decoding
+                            beside lookup at batches (a batch's cut keeps as many nodes for every row). The lookup arm
+                            decodes plainly where its cut keeps no node. The arm with the fewest measured seconds per
+                            token in the cycle's context (decayed over its latest cycles) plays; each other arm is
                             probed again after EXPLORE_EVERY x (its rate / the best's)^2 cycles of that context (at
                             most `MAX_EXPLORE_GAP` x that ratio, doubled per probe the arm lost in a row, up to
                             `MAX_BACKOFF` times): a far slower arm is probed rarely. Rates kept per context (and per
@@ -387,7 +386,6 @@ class ShapePolicy:
         `MAX_EXPLORE_GAP` x that ratio, doubled per probe it lost in a row) first: an arm's rate drifts with the
         context length and the text."""
         c, arms = self.context, self.arms[self.context]
-        self.probing = False
         if len(arms) == 1:
             return arms[0]
         for arm in arms:
@@ -515,7 +513,8 @@ class ShapePolicy:
         self.cycles[self.context] += 1
         if self.probing:  # a probe lost if its arm is still slower than another: its next one waits longer
             c, arm = self.context, self.arm
-            lost = any(self.rate(a) is not None and self.rate(a) < self.rate(arm) for a in self.arms[c] if a != arm)
+            mine = self.rate(arm)
+            lost = any((r := self.rate(a)) is not None and r < mine for a in self.arms[c] if a != arm)
             self.losses[c, arm] = self.losses.get((c, arm), 0) + 1 if lost else 0
         if tree.size == 0:  # a plain cycle
             self.step_s = 0.8 * self.step_s + 0.2 * verify_s
