@@ -55,6 +55,7 @@ __all__ = [
     "VerifyFit",
     "measure_costs",
     "measure_step_costs",
+    "synchronize",
     "VERIFY_SIZES",
     "STEP_WIDTHS",
 ]
@@ -132,12 +133,21 @@ class Costs:
         return {"verify": dict(self.verify), "step": dict(self.step)}
 
 
-def _best_time(fn, repeats: int = 3) -> float:
+def synchronize(device: torch.device) -> None:
+    """Wait for `device`'s queued work (a CUDA device runs kernels after the host has moved on; a CPU does not)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_time(fn, device: torch.device, repeats: int = 3) -> float:
+    """The least wall time of `repeats` calls of fn (after a warm-up call), its work on `device` included."""
     fn()  # warm-up
+    synchronize(device)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -156,7 +166,7 @@ def measure_costs(target, drafter, run, verify_sizes=VERIFY_SIZES, step_widths=S
         run.target_forward(ids, q_pos, causal)
         run.cache.crop(-n)
 
-    verify_t = {n: _best_time(functools.partial(verify, n)) for n in verify_sizes}
+    verify_t = {n: _best_time(functools.partial(verify, n), root.device) for n in verify_sizes}
     return Costs(verify=verify_t, step=measure_step_costs(drafter, run, step_widths) if steps else {})
 
 
@@ -171,7 +181,7 @@ def measure_step_costs(drafter, run, step_widths=STEP_WIDTHS) -> dict[int, float
         drafter.tree_step(run.draft_state, ids, run.root_pos[:, None].expand(B, w) + 1, torch.full_like(ids, -1))
         drafter.tree_end(run.draft_state)
 
-    return {w: _best_time(functools.partial(step, w)) for w in step_widths}
+    return {w: _best_time(functools.partial(step, w), root.device) for w in step_widths}
 
 
 class VerifyFit:

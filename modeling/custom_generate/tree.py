@@ -266,6 +266,7 @@ def cut_to_budget(tree: Tree, budget: int | None, max_budget: int = 64, seconds=
     else:
         limit = min(N, max_budget)
         gain = torch.cat([score.new_zeros(1), score[:, :limit].exp().sum(0).cumsum(0)])  # [limit+1]: n = 0..limit
+        gain = gain.to(seconds.device)  # the cost table is the host's (a CUDA tree's scores come over)
         n = int(((gain + B) / seconds[: limit + 1]).argmax())  # B: each row's own (bonus or correction) token
     if n == N:
         return tree
