@@ -19,27 +19,14 @@ import torch
 from transformers import DynamicCache
 
 from .modeling import CACHE_NAME, MoADrafterCache
-from .modeling.custom_generate.policy import synchronize
+from .modeling.custom_generate.policy import wall_times
 
 __all__ = ["engine_costs", "exit_costs", "measure_costs"]
 
 
-def _times_ms(fn, repeats: int, device: torch.device) -> list[float]:
-    """Sorted wall times of `repeats` calls of `fn` in ms (its work on `device` included), after one warm-up call."""
-    fn()  # warm-up
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(1000 * (time.perf_counter() - t0))
-    return sorted(times)
-
-
-def _best_ms(fn, repeats: int, device: torch.device) -> float:
-    times = _times_ms(fn, repeats, device)
-    return times[len(times) // 2]  # median
+def _median_ms(fn, repeats: int, device: torch.device) -> float:
+    times = wall_times(fn, device, repeats)
+    return 1000 * times[len(times) // 2]
 
 
 def exit_costs(drafter, draft_token, step_ms: float, repeats: int = 20) -> list[dict]:
@@ -58,7 +45,7 @@ def exit_costs(drafter, draft_token, step_ms: float, repeats: int = 20) -> list[
             else contextlib.nullcontext()
         )
         with exit_k:
-            rows.append({"exit": k, "drafter_token_ms": _times_ms(draft_token, repeats, drafter.device)[0]})
+            rows.append({"exit": k, "drafter_token_ms": 1000 * wall_times(draft_token, drafter.device, repeats)[0]})
     full = rows[-1]["drafter_token_ms"]
     for row in rows:
         row["over_target_step"] = row["drafter_token_ms"] / step_ms
@@ -95,10 +82,10 @@ def measure_costs(target, drafter, input_ids: torch.Tensor, repeats: int = 20, g
         drafter.read_context(cache, n - 4, n - 1)
 
     result = {
-        "target_decode_step_ms": _best_ms(target_step, repeats, input_ids.device),
-        "target_verify_5_tokens_ms": _best_ms(target_verify5, repeats, input_ids.device),
-        "drafter_token_ms": _best_ms(draft_token, repeats, input_ids.device),
-        "lsa_3_verified_tokens_ms": _best_ms(lsa_3_tokens, repeats, input_ids.device),
+        "target_decode_step_ms": _median_ms(target_step, repeats, input_ids.device),
+        "target_verify_5_tokens_ms": _median_ms(target_verify5, repeats, input_ids.device),
+        "drafter_token_ms": _median_ms(draft_token, repeats, input_ids.device),
+        "lsa_3_verified_tokens_ms": _median_ms(lsa_3_tokens, repeats, input_ids.device),
     }
     result["drafter_token_over_target_step"] = result["drafter_token_ms"] / result["target_decode_step_ms"]
     result["exits"] = exit_costs(drafter, draft_token, result["target_decode_step_ms"], repeats)

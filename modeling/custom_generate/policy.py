@@ -56,6 +56,7 @@ __all__ = [
     "measure_costs",
     "measure_step_costs",
     "synchronize",
+    "wall_times",
     "VERIFY_SIZES",
     "STEP_WIDTHS",
 ]
@@ -139,17 +140,17 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_time(fn, device: torch.device, repeats: int = 3) -> float:
-    """The least wall time of `repeats` calls of fn (after a warm-up call), its work on `device` included."""
+def wall_times(fn, device: torch.device, repeats: int = 3) -> list[float]:
+    """Sorted wall seconds of `repeats` calls of fn (after a warm-up call), its work on `device` included."""
     fn()  # warm-up
     synchronize(device)
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return sorted(times)
 
 
 def measure_costs(target, drafter, run, verify_sizes=VERIFY_SIZES, step_widths=STEP_WIDTHS, steps=True) -> Costs:
@@ -166,7 +167,7 @@ def measure_costs(target, drafter, run, verify_sizes=VERIFY_SIZES, step_widths=S
         run.target_forward(ids, q_pos, causal)
         run.cache.crop(-n)
 
-    verify_t = {n: _best_time(functools.partial(verify, n), root.device) for n in verify_sizes}
+    verify_t = {n: wall_times(functools.partial(verify, n), root.device)[0] for n in verify_sizes}
     return Costs(verify=verify_t, step=measure_step_costs(drafter, run, step_widths) if steps else {})
 
 
@@ -181,7 +182,7 @@ def measure_step_costs(drafter, run, step_widths=STEP_WIDTHS) -> dict[int, float
         drafter.tree_step(run.draft_state, ids, run.root_pos[:, None].expand(B, w) + 1, torch.full_like(ids, -1))
         drafter.tree_end(run.draft_state)
 
-    return {w: _best_time(functools.partial(step, w), root.device) for w in step_widths}
+    return {w: wall_times(functools.partial(step, w), root.device)[0] for w in step_widths}
 
 
 class VerifyFit:
