@@ -4,7 +4,7 @@ PIP := .venv/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 TEST_WORKERS ?= 2  # pytest-xdist processes (the tests run one torch thread each)
 
-.PHONY: demo test test-all test-vllm vllm-setup lint format setup data drafters sorted bench bench-vllm hub
+.PHONY: demo test test-isa test-all test-vllm vllm-setup lint format setup data drafters sorted bench bench-vllm hub
 
 .venv/.installed: pyproject.toml
 	python3 -m venv .venv
@@ -41,6 +41,14 @@ test: lint  ## lint, the fast suite, then the vLLM tests in .venv-vllm (what CI 
 
 test-vllm: .venv-vllm/.installed .venv/.installed  ## MoA inside vLLM (engines start in ~1 min each)
 	VLLM_CPU_KVCACHE_SPACE=2 $(VLLM_PY) -m pytest tests/test_vllm_engine.py -q -p no:cacheprovider --durations=10
+
+# The fast suite as other CPU kinds would run it: AVX2-only kernels (ATen and oneDNN), and AVX-512 bf16 without AMX
+# (../shared/design/cpu-kinds.md). Not part of `make test` (three times its time); run it after touching numerics.
+ISA_CAPS := "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2" "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16"
+test-isa: .venv/.installed  ## the fast suite under the native ISA, then under each ISA cap
+	$(PY) -m pytest -m "not slow" -q -n $(TEST_WORKERS) -p no:cacheprovider
+	for caps in $(ISA_CAPS); do echo "== $$caps"; env $$caps $(PY) -m pytest -m "not slow" -q -n $(TEST_WORKERS) \
+		-p no:cacheprovider || exit 1; done
 
 test-all: .venv/.installed
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25

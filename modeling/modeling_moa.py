@@ -70,9 +70,9 @@ class MoARMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()  # norms in fp32
+        x = x.float()  # norms in fp32, the weight too; one rounding back to the input's dtype
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return (self.weight.float() * x).to(dtype)
 
 
 class MoARotaryEmbedding(nn.Module):
@@ -115,9 +115,12 @@ class MoAMLP(nn.Module):
 class MoAAttention(nn.Module):
     """Grouped-query attention whose queries and keys/values may come from different streams (self or cross)."""
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, short: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        # short: many independent sequences of a few keys, no mask (the LSA: one sequence per token over the target's
+        # layers), where explicit matmuls beat SDPA's fused CPU kernel (its backward by ~6x at 2k x 30 positions)
+        self.short = short
         self.q_proj = MoALinear(hidden_size, num_heads * head_dim, bias=False)
         self.k_proj = MoALinear(hidden_size, num_kv_heads * head_dim, bias=False)
         self.v_proj = MoALinear(hidden_size, num_kv_heads * head_dim, bias=False)
@@ -137,7 +140,9 @@ class MoAAttention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         # q [B, H, Tq, hd], k/v [B, Hkv, Tk, hd], mask bool [B or 1, 1, Tq, Tk] (True = visible) or None (all visible)
         gqa = self.num_heads != self.num_kv_heads
-        if q.shape[2] == 1 and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        if self.short and mask is None:
+            y = _explicit_attention(q, k, v)
+        elif q.shape[2] == 1 and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
             # one drafted token on a CPU: half-precision SDPA is several times slower there than float32 (one query,
             # 300 keys: 168 vs 50 us with the casts), and float32 is the more exact of the two
             y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=gqa)
@@ -148,13 +153,21 @@ class MoAAttention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))  # [B, T, H*hd] -> [B, T, d]
 
 
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Unmasked attention as matmuls, softmax in float32: q [N, H, Tq, hd], k/v [N, Hkv, Tk, hd] -> [N, H, Tq, hd]."""
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves H/Hkv query heads
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5  # [N, H, Tq, Tk]
+    return scores.softmax(-1).to(v.dtype) @ v
+
+
 class MoADecoderLayer(nn.Module):
     """Pre-norm decoder layer (attention + gated MLP). Used for SA (causal) and LSA (across target layers)."""
 
-    def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, eps, act):
+    def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, eps, act, short=False):
         super().__init__()
         self.input_layernorm = MoARMSNorm(hidden_size, eps)
-        self.self_attn = MoAAttention(hidden_size, num_heads, num_kv_heads, head_dim)
+        self.self_attn = MoAAttention(hidden_size, num_heads, num_kv_heads, head_dim, short=short)
         self.post_attention_layernorm = MoARMSNorm(hidden_size, eps)
         self.mlp = MoAMLP(hidden_size, intermediate_size, act)
 
@@ -404,6 +417,7 @@ class MoADrafterModel(
             c.lsa_intermediate_size,
             c.rms_norm_eps,
             c.hidden_act,
+            short=True,  # one sequence of target layers per token, no mask
         )
         self.Ekv2E = nn.Linear(c.lsa_hidden_size, c.hidden_size, bias=True)  # authors' name for the LSA projection
         self.rotary_emb = MoARotaryEmbedding(c.head_dim, c.rope_theta)
@@ -478,10 +492,20 @@ class MoADrafterModel(
     # ----------------------------------------------------------------------------------------------------------------
     # The three attentions
     # -----------------------------------------------------------------------------------------------------------------
-    def compute_context(self, target_kv: torch.Tensor) -> torch.Tensor:
-        """LSA: [B, T, L, 2*Hkv*hd] target keys/values per layer -> [B, T, d] one context vector per token."""
+    def compute_context(self, target_kv: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
+        """LSA: [B, T, L, 2*Hkv*hd] target keys/values per layer -> [B, T, d] one context vector per token.
+
+        where: optional bool [B, T], the tokens whose context is needed (training: not padding, held by the target);
+        the LSA runs on those only and the others get zero vectors."""
         B, T, L, W = target_kv.shape
-        x = target_kv.to(self.dtype).reshape(B * T, L, W)  # each token is a sequence over the target's layers
+        if where is not None and not bool(where.all()):
+            picked = self.compute_context(target_kv[where][None])[0]  # [N, d] for the N tokens where True
+            return picked.new_zeros(B, T, picked.shape[-1]).masked_scatter(where[..., None], picked)  # [B, T, d]
+        if not torch.is_autocast_enabled(
+            target_kv.device.type
+        ):  # under autocast the projection reads them as they are
+            target_kv = target_kv.to(self.dtype)
+        x = target_kv.reshape(B * T, L, W)  # each token is a sequence over the target's layers
         proj = self.lsa_in_proj  # the active target's own
         if self._active_target != PRIMARY_TARGET:
             proj = self.target_parts[self._active_target].lsa_in_proj
@@ -557,6 +581,7 @@ class MoADrafterModel(
         return_logits: bool = True,
         exits: str = "all",
         target_name: str | None = None,
+        attention_mask: torch.Tensor | None = None,
         **kwargs,
     ) -> MoADrafterOutput:
         """Training-time (parallel) forward over whole sequences with simulated drafting cycles.
@@ -576,13 +601,34 @@ class MoADrafterModel(
             exits: "all": `exit_logits` too, the logits of every exit (block) of a sorted drafter; "last": the last
                 exit's logits only (what an inference-style call needs; `exit_logits` None).
             target_name: the target whose parts to use (None: the active one, see `select_target`).
+            attention_mask: optional [B, T], 0 at padding: the LSA skips those tokens (no context vector is read
+                there), so right-padded batches cost the LSA nothing for their padding.
         """
         with self.using_target(target_name):
-            args = (context, target_kv_held, cycle_starts, sa_mask, target_tli_kv, return_logits, exits)
+            args = (
+                context,
+                target_kv_held,
+                cycle_starts,
+                sa_mask,
+                target_tli_kv,
+                return_logits,
+                exits,
+                attention_mask,
+            )
             return self._forward(input_ids, target_kv, *args)
 
     def _forward(
-        self, input_ids, target_kv, context, target_kv_held, cycle_starts, sa_mask, target_tli_kv, return_logits, exits
+        self,
+        input_ids,
+        target_kv,
+        context,
+        target_kv_held,
+        cycle_starts,
+        sa_mask,
+        target_tli_kv,
+        return_logits,
+        exits,
+        attention_mask=None,
     ) -> MoADrafterOutput:
         B, T = input_ids.shape
         device = input_ids.device
@@ -592,7 +638,10 @@ class MoADrafterModel(
         if context is None:
             if target_kv is None:
                 raise ValueError("forward needs `target_kv` (the target's per-layer keys/values) or `context`.")
-            context = self.compute_context(target_kv)
+            read = None if attention_mask is None else attention_mask.bool()  # [B, T]: tokens the CA may read
+            if target_kv_held is not None:
+                read = target_kv_held if read is None else read & target_kv_held
+            context = self.compute_context(target_kv, where=read)
         h = self.embed(input_ids)  # [B, T, d]
         cos, sin = self.rotary_emb(pos, h.dtype)
         causal = pos[None, :] <= pos[:, None]  # [T, T]

@@ -17,6 +17,7 @@ from moa_hf.modeling.configuration_eagle import EagleDrafterConfig
 from moa_hf.modeling.modeling_eagle import EagleDrafterCache, EagleDrafterModel
 
 from factory import make_target
+from tolerance import assert_close
 
 
 def _drafter(target, seed: int = 0, **overrides) -> EagleDrafterModel:
@@ -141,13 +142,13 @@ def test_incremental_draft_equals_parallel_forward():
             logits, h = drafter.draft_step(ids[:, start : start + size], previous[:, start : start + size], cache)
             hidden.append(h)
             start += size
-            torch.testing.assert_close(logits, ref.logits[:, start - 1], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(torch.cat(hidden, dim=1), ref.hidden_states, rtol=1e-5, atol=1e-5)
+            assert_close(logits, ref.logits[:, start - 1])
+        assert_close(torch.cat(hidden, dim=1), ref.hidden_states)
         assert cache.get_seq_length() == 16
         cache.crop(-6)  # transformers' convention: drop 6
         assert cache.get_seq_length() == 10 and cache.tokens.shape[1] == 10
         logits, h = drafter.draft_step(ids[:, 10:], previous[:, 10:], cache)
-        torch.testing.assert_close(h, ref.hidden_states[:, 10:], rtol=1e-5, atol=1e-5)
+        assert_close(h, ref.hidden_states[:, 10:])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -211,7 +212,7 @@ def test_drafts_read_the_verified_features(trained):
     assert calls[0][2] == 0 and len(calls) > 3
     for n, score, num_features in calls[1:]:
         assert num_features == n - 1
-        torch.testing.assert_close(score, ref[n - 1], rtol=1e-4, atol=1e-4)
+        assert_close(score, ref[n - 1])
 
 
 def test_processors_min_tokens_eos_and_sampling(trained):

@@ -14,6 +14,7 @@ from moa_hf.bench import acceptance_length, count_forward_calls
 from moa_hf.modeling import gather_target_kv
 
 from factory import OracleDrafter, make_target
+from tolerance import assert_close
 
 
 def _oracle(target, reference, p_right, seed=0, **overrides):
@@ -101,8 +102,8 @@ def test_hooks_read_exactly_the_verified_positions():
     accumulated = calls[-1][0]  # the drafter's cache as generation left it
     assert all(cache_of_call is accumulated for cache_of_call, _ in calls)  # one cache for the whole generation
     assert accumulated.context_length == reads[-1][1] <= out.shape[1] - 2  # the last token came after a cycle
-    torch.testing.assert_close(accumulated.ca_keys, cache.ca_keys, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(accumulated.ca_values, cache.ca_values, rtol=1e-5, atol=1e-5)
+    assert_close(accumulated.ca_keys, cache.ca_keys)
+    assert_close(accumulated.ca_values, cache.ca_values)
 
 
 def test_read_context_in_padded_chunks_equals_one_lsa_call():
@@ -119,7 +120,7 @@ def test_read_context_in_padded_chunks_equals_one_lsa_call():
             got = drafter.read_context(cache, start, end)
             assert got.shape == (2, end - start, drafter.config.hidden_size)
             want = drafter.compute_context(gather_target_kv(cache, start, end)) if end > start else got
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert_close(got, want)
 
 
 def test_hooks_removed_after_detach_and_exception():
@@ -190,7 +191,7 @@ def test_generate_options_keep_working():
         )
         assert torch.equal(out.sequences, ref.sequences) and len(out.scores) == len(ref.scores) == 15
         for a, b in zip(out.scores, ref.scores):
-            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+            assert_close(a, b)
 
 
 def test_left_padded_single_prompt():
@@ -390,8 +391,8 @@ def test_lookup_hybrid_is_exact_and_reads_context_lazily(tli):
     with torch.no_grad():
         eager = moa_hf.MoADrafterCache()
         drafter.extend_context(eager, drafter.compute_context(gather_target_kv(full, 0, cache.context_length)))
-    torch.testing.assert_close(cache.ca_keys, eager.ca_keys, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(cache.ca_values, eager.ca_values, atol=1e-5, rtol=1e-5)
+    assert_close(cache.ca_keys, eager.ca_keys)
+    assert_close(cache.ca_values, eager.ca_values)
 
 
 def test_lookup_sampling_follows_target_distribution():

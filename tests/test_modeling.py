@@ -16,6 +16,7 @@ from moa_hf.modeling import CACHE_NAME, gather_target_kv
 from moa_hf.modeling.drafting import TargetTap
 
 from factory import make_target
+from tolerance import assert_close
 
 
 def _target_kv(target, ids):
@@ -78,7 +79,7 @@ def test_incremental_equals_parallel(tli):
                 if tli:
                     drafter._sync_tli(cache, tcache, s)
             logits = drafter.draft_step(ids[:, cache.get_seq_length() : i + 1], cache)
-            torch.testing.assert_close(logits, ref[:, i], atol=1e-4, rtol=1e-4)
+            assert_close(logits, ref[:, i])
 
 
 @pytest.mark.parametrize("tli,cache_name", [(0, "past_key_values"), (1, "cache")])
@@ -100,7 +101,7 @@ def test_generate_uses_verified_context_only(tli, cache_name):
     target_kv, tcache = _target_kv(target, full)
     starts = torch.arange(n + k).clamp(max=n - 1)[None]  # drafted positions: cycle starts at the bonus token
     ref = drafter(full, target_kv=target_kv, cycle_starts=starts, target_tli_kv=_tli_kv(drafter, tcache)).logits
-    torch.testing.assert_close(torch.stack(out.scores, 1), ref[:, n - 1 : n - 1 + k], atol=1e-4, rtol=1e-4)
+    assert_close(torch.stack(out.scores, 1), ref[:, n - 1 : n - 1 + k])
 
 
 def test_no_leakage_from_unverified_positions():
@@ -122,7 +123,7 @@ def test_no_leakage_from_unverified_positions():
                 v[:, :, p] -= 3.0
             out = drafter(ids, target_kv=kv2, cycle_starts=starts, target_tli_kv=tli2).logits
             unaffected = starts[0] <= p  # positions whose cycle starts at or before p must not see p's state
-            torch.testing.assert_close(out[:, unaffected], base[:, unaffected], atol=1e-5, rtol=1e-5)
+            assert_close(out[:, unaffected], base[:, unaffected])
             assert not torch.allclose(out[:, ~unaffected], base[:, ~unaffected]) or not (~unaffected).any()
 
 

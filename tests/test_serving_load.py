@@ -19,6 +19,7 @@ from moa_hf.serving.batching import Admission, AdmissionRefused, plan_forwards
 from moa_hf.serving.protocol import check_content_digest, decode_result
 
 from factory import make_target
+from tolerance import assert_close
 
 TOKEN = "load-token"
 
@@ -174,7 +175,7 @@ def test_batched_verification_is_exact_per_session(family, do_sample):
                 b.context_start,
             )
             assert a.context_valid_from == b.context_valid_from
-            torch.testing.assert_close(a.context, b.context, atol=1e-4, rtol=1e-4)
+            assert_close(a.context, b.context)
             accepted += a.accepted
     assert accepted > 0  # the drafts were (partly) right: acceptance was exercised
     for state in (alone_state, batched_state):
@@ -271,12 +272,12 @@ def test_batched_forward_matches_rows_alone(family):
         expected = [batched_forward(target, [c], [x], [k])[0] for c, x, k in zip(alone, inputs, keep)]
         got = batched_forward(target, together, inputs, keep)
     for e, g in zip(expected, got):
-        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+        assert_close(g, e)
     for a, t in zip(alone, together):
         assert a.get_seq_length() == t.get_seq_length()
         for la, lt in zip(a.layers, t.layers):
-            torch.testing.assert_close(lt.keys, la.keys, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(lt.values, la.values, atol=1e-5, rtol=1e-5)
+            assert_close(lt.keys, la.keys)
+            assert_close(lt.values, la.values)
 
 
 def test_plan_forwards_groups_by_length():

@@ -22,6 +22,7 @@ from moa_hf import MoADrafterModel
 from moa_hf.modeling import PRIMARY_TARGET, MoABlock, MoATargetParts, fixed_exit_thresholds, gather_target_kv
 
 from factory import make_target, sorted_drafter
+from tolerance import assert_close
 
 K = 3
 
@@ -166,7 +167,7 @@ def _check_chain(drafter, records, context, exit=None):
             out = drafter(tokens[:, : p + 1], context=context[:, : p + 1], cycle_starts=starts)
         k = exit or left
         assert exit is None or left == exit
-        torch.testing.assert_close(logits, out.exit_logits[k - 1][:, p], atol=1e-4, rtol=1e-4, msg=f"pos {p}")
+        assert_close(logits, out.exit_logits[k - 1][:, p], msg=f"pos {p}")
 
 
 def _median_thresholds(drafter, target, seed):
@@ -217,7 +218,7 @@ def test_recording_exit_tops_keeps_the_drafts_and_matches_every_exit():
         assert drafter._exit_tops is None  # recording stops with the block
         assert len(tops) == len(recorded) == len(plain)
         for (p, logits, tokens, starts, left), (_, plain_logits, *_), top in zip(recorded, plain, tops):
-            torch.testing.assert_close(logits, plain_logits, atol=1e-5, rtol=1e-5)
+            assert_close(logits, plain_logits)
             assert top["position"] == p + 1 and int(top["exit"][0]) == left
             assert top["top1"].shape == top["confidence"].shape == (1, K)
             out = drafter(
@@ -226,7 +227,7 @@ def test_recording_exit_tops_keeps_the_drafts_and_matches_every_exit():
             for k in range(K):
                 exit_logits = out.exit_logits[k][0, p]  # [V]
                 assert int(top["top1"][0, k]) == int(exit_logits.argmax())
-                torch.testing.assert_close(top["confidence"][0, k], _top(exit_logits), atol=1e-4, rtol=1e-4)
+                assert_close(top["confidence"][0, k], _top(exit_logits))
     assert {int(t["exit"][0]) for t in tops} == {1, 2, 3}
     with pytest.raises(ValueError, match="num_blocks > 1"):
         with moa_hf.build_drafter(target).recording_exit_tops():
@@ -265,7 +266,7 @@ def test_tree_nodes_equal_the_chain(tree_drafter):
         logits = _catch_up(target, drafter, state, seqs, starts, g)
         exits.append(state.root_exits[:, None])  # [B, 1]
         for b, seq in enumerate(seqs):
-            torch.testing.assert_close(logits[b], _chain(target, drafter, seq), atol=1e-4, rtol=1e-4)
+            assert_close(logits[b], _chain(target, drafter, seq))
         tree = _Tree(drafter, state, torch.tensor([len(s) - 1 for s in seqs]), g)
         for depth in range(len(TREE)):
             tree.step(_parents(depth, len(seqs)))

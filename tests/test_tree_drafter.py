@@ -14,6 +14,7 @@ from moa_hf.modeling.configuration_eagle import EagleDrafterConfig
 from moa_hf.modeling.modeling_eagle import EagleDrafterModel
 
 from factory import make_target
+from tolerance import assert_close
 
 TREE = [[-1, -1], [0, 0, 1], [2, 4]]  # parents per depth: root -> a, b; a -> c, d; b -> e; c -> f; e -> g
 
@@ -128,7 +129,7 @@ class _Tree:
             for i, path in enumerate(self.paths(b)):
                 if path is not None:
                     want = _chain(target, self.drafter, seq, path)
-                    torch.testing.assert_close(self.logits[b, i], want, atol=1e-4, rtol=1e-4, msg=f"row {b} {path}")
+                    assert_close(self.logits[b, i], want, msg=f"row {b} {path}")
 
 
 def _prompts(lengths, seed):
@@ -154,7 +155,7 @@ def test_catch_up_and_tree_nodes_equal_the_chain(setup, lengths):
     state = drafter.tree_start(len(seqs))
     logits = _catch_up(target, drafter, state, seqs, [0] * len(seqs), g)
     for b, seq in enumerate(seqs):
-        torch.testing.assert_close(logits[b], _chain(target, drafter, seq), atol=1e-4, rtol=1e-4)
+        assert_close(logits[b], _chain(target, drafter, seq))
     tree = _Tree(drafter, state, torch.tensor([len(s) - 1 for s in seqs]), g)
     for depth in range(len(TREE)):
         tree.step(_parents(depth, len(seqs)))
@@ -171,7 +172,7 @@ def test_cycles_with_accepted_tokens_equal_a_fresh_chain(setup):
     for cycle in range(3):
         logits = _catch_up(target, drafter, state, seqs, starts, g)
         for b, seq in enumerate(seqs):
-            torch.testing.assert_close(logits[b], _chain(target, drafter, seq), atol=1e-4, rtol=1e-4)
+            assert_close(logits[b], _chain(target, drafter, seq))
         tree = _Tree(drafter, state, torch.tensor([len(s) - 1 for s in seqs]), g)
         for depth in range(len(TREE)):
             tree.step(_parents(depth, len(seqs)))
@@ -203,7 +204,7 @@ def test_select_rows_keeps_rows(setup):
     drafter.tree_select_rows(state, torch.tensor([1]))
     seq = seqs[1] + tree.paths(1)[2] + [5]  # the kept row accepted node c (path a, c), then the target's token 5
     logits = _catch_up(target, drafter, state, [seq], [len(seqs[1])], g)
-    torch.testing.assert_close(logits[0], _chain(target, drafter, seq), atol=1e-4, rtol=1e-4)
+    assert_close(logits[0], _chain(target, drafter, seq))
 
 
 def test_flags_and_unsupported_drafters():

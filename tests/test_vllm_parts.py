@@ -31,6 +31,7 @@ from moa_hf.vllm.kv_cache import (
 from moa_hf.vllm.policy import DraftLengthPolicy, batch_bucket
 
 from factory import make_independent, make_target, sorted_drafter
+from tolerance import assert_close
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Synthetic paged caches: [num_blocks, Hkv, block_size, 2*hd], written as each backend writes them
@@ -518,11 +519,11 @@ def test_concat_rows_equals_each_row_alone(moa):
     logits = _tree(drafter, joined, root_pos, nodes)
     assert logits.shape == (2, 5, V)
     for b in range(2):
-        torch.testing.assert_close(logits[b], alone[b][0], atol=1e-5, rtol=1e-5, msg=f"row {b}")
+        assert_close(logits[b], alone[b][0], msg=f"row {b}")
     # the same rows in the other order
     other = MoATreeState.concat_rows([copy.deepcopy(fresh), copy.deepcopy(kept)])
     swapped = _tree(drafter, other, root_pos.flip(0), [t.flip(0) for t in nodes])
-    torch.testing.assert_close(swapped.flip(0), logits, atol=1e-5, rtol=1e-5)
+    assert_close(swapped.flip(0), logits)
 
 
 def test_pad_left_keeps_the_logits(moa):
@@ -539,7 +540,7 @@ def test_pad_left_keeps_the_logits(moa):
     state.pad_left(10)
     assert state.num_verified == 10 and state.ca_valid.shape == (1, 10) and state.layers[0].keys.shape[2] == 10
     assert state.valid[0].tolist() == [False] * 4 + [True] * 6 and not state.ca_valid[0, :4].any()
-    torch.testing.assert_close(_tree(drafter, state, torch.tensor([5]), nodes), want, atol=1e-5, rtol=1e-5)
+    assert_close(_tree(drafter, state, torch.tensor([5]), nodes), want)
     with pytest.raises(RuntimeError, match="end_tree"):
         state.pad_left(12)  # tree nodes in the state: slots cannot be re-laid
 
@@ -571,13 +572,13 @@ def test_compact_keeps_the_logits(moa):
     # CA memory moved along: position 0 has no context (row 0: slot 1 after its padding slot 0; row 1: slot 0)
     assert state.ca_valid.tolist() == [[False, False] + [True] * 8, [False] + [True] * 9]
     got = _tree(drafter, state, root_pos, nodes)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert_close(got, want)
 
     # the next cycle on the compacted state and on the uncompacted one
     spans = [(9, 11), (10, 13)]
     want = _feed(drafter, reference, cache, seqs, spans, at, torch.Generator().manual_seed(3))
     got = _feed(drafter, state, cache, seqs, spans, at, torch.Generator().manual_seed(3))
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert_close(got, want)
     nodes = _node_tokens(2, g)
     torch.testing.assert_close(
         _tree(drafter, state, torch.tensor([10, 12]), nodes),
@@ -636,7 +637,7 @@ def test_catch_up_with_a_reader_function(moa):
     assert calls and all(shape[0] == 2 for shape in calls)
     for name in ("lambda", "spy", "paged"):
         for got, want in zip(runs[name], runs["cache"]):
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
+            assert_close(got, want, msg=name)
     assert not torch.allclose(runs["shifted"][1], runs["cache"][1], atol=1e-3)
 
 

@@ -70,7 +70,8 @@ class MoATrainingArguments(TrainingArguments):
 
     The defaults of a few inherited fields differ: `remove_unused_columns=False` (the collator's columns are all
     used), `label_names=["labels"]`, `prediction_loss_only=True`, `logging_steps=10`,
-    `include_num_input_tokens_seen="non_padding"` (logs `train_tokens_per_second`), `ddp_find_unused_parameters=False`.
+    `include_num_input_tokens_seen="non_padding"` (logs `train_tokens_per_second`), `ddp_find_unused_parameters=False`,
+    `train_sampling_strategy="group_by_length"` (`TargetBatchSampler`: batches of similar lengths).
     """
 
     min_cycle: int = field(
@@ -165,6 +166,22 @@ class MoATrainingArguments(TrainingArguments):
     logging_steps: float = field(default=10, metadata={"help": "Log every X optimizer steps."})
     ddp_find_unused_parameters: bool | None = field(
         default=False, metadata={"help": "Every trainable drafter parameter is used in each forward."}
+    )
+    profile_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Time this many optimizer steps (after 2 warm-up steps) part by part, count one step's FLOPs and "
+            "write throughput.json (train tokens/s, ms per part, MFU against a measured bf16 matmul) to the output "
+            "folder. 0: off."
+        },
+    )
+    train_sampling_strategy: str = field(
+        default="group_by_length",
+        metadata={
+            "choices": ["group_by_length", "random"],
+            "help": "group_by_length: each batch holds examples of similar lengths (shuffled in groups of 16 "
+            "batches, then sorted by length), so little padding is computed; random: plain shuffling.",
+        },
     )
     include_num_input_tokens_seen: str = field(  # str (a bool still maps to "all" / "no"): HfArgumentParser-safe
         default="non_padding",

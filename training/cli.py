@@ -18,7 +18,7 @@ import torch
 from transformers import HfArgumentParser
 
 from moa_hf import MoADrafterModel, target_fingerprint
-from moa_hf.hardware import hardware_summary
+from moa_hf.hardware import hardware_summary, keep_freed_memory
 from moa_hf.loading import folder_kind, load_drafter, load_target, parse_dtype
 from moa_hf.modeling import PRIMARY_TARGET
 
@@ -78,6 +78,8 @@ def train_arguments(
 # ---------------------------------------------------------------------------------------------------------------------
 def run_data(args: argparse.Namespace) -> int:
     from .data import build_dataset
+
+    keep_freed_memory()  # CPU steps reuse their freed activations instead of faulting fresh pages in
 
     target_args, data_args = data_arguments(args)
     try:
@@ -232,6 +234,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     from .peft_utils import apply_lora, merge_lora
     from .trainer import MoATrainer
+
+    keep_freed_memory()  # CPU steps reuse their freed activations instead of faulting fresh pages in
 
     try:
         target_args, data_args, drafter_args, training = train_arguments(args)

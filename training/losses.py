@@ -48,6 +48,59 @@ class _FusedChunkedSoftCE(torch.autograd.Function):
         return grad_output[:, None].to(grads.dtype) * grads, None, None, None, None
 
 
+def _soft_ce_and_grad(teacher_logits: torch.Tensor, logits: torch.Tensor, grad_dtype: torch.dtype):
+    """(soft CE per row [n], its gradient wrt the student's logits [n, V] in `grad_dtype`) from both logits [n, V]:
+    -sum_v p_t(v) log p_s(v) and p_s - p_t. Softmaxes upcast inside their kernels; the rest in place."""
+    teacher = teacher_logits.softmax(-1, dtype=torch.float32)  # [n, V]
+    log_student = logits.log_softmax(-1, dtype=torch.float32)  # [n, V]
+    loss = -torch.linalg.vecdot(teacher, log_student)  # [n]
+    return loss, log_student.exp_().sub_(teacher).to(grad_dtype)
+
+
+class _ChunkedSoftCEWithHead(torch.autograd.Function):
+    """Per-row soft CE through a trainable head, chunk by chunk, keeping d loss / d logits = softmax(student) -
+    p_teacher ([N, V], the forward's dtype of logits) for the backward instead of recomputing the forward there.
+
+    The backward re-runs the student head once per chunk to pass that gradient through it (its parameters get their
+    gradients, the hidden states theirs); the teacher's head and both softmaxes run once. Used when N x V fits
+    `STORED_GRAD_ELEMENTS`; the checkpointed path (recompute everything) otherwise.
+    """
+
+    @staticmethod
+    def forward(ctx, student_hidden, teacher_hidden, student_head, teacher_head, chunk):  # noqa: D102
+        losses, grads = [], []
+        device = student_hidden.device.type
+        autocast = torch.is_autocast_enabled(device)
+        store = torch.get_autocast_dtype(device) if autocast else torch.float32  # bf16 under bf16 autocast
+        with torch.no_grad():
+            for start in range(0, student_hidden.shape[0], chunk):
+                teacher = teacher_head(teacher_hidden[start : start + chunk])  # [n, V]
+                logits = student_head(student_hidden[start : start + chunk].detach())  # [n, V]
+                loss, grad = _soft_ce_and_grad(teacher, logits, store)  # [n], d loss_r / d logits_r [n, V]
+                losses.append(loss)
+                grads.append(grad)
+        ctx.save_for_backward(student_hidden, *grads)
+        ctx.head, ctx.chunk, ctx.autocast = student_head, chunk, (device, autocast, store)
+        return torch.cat(losses) if losses else student_hidden.new_zeros(0, dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # noqa: D102
+        hidden, *grads = ctx.saved_tensors
+        device, autocast, dtype = ctx.autocast
+        out = []
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=autocast):
+            for i, start in enumerate(range(0, hidden.shape[0], ctx.chunk)):
+                h = hidden[start : start + ctx.chunk].detach().requires_grad_(True)  # [n, d]
+                logits = ctx.head(h)  # [n, V]: the head's parameters get their gradients from this pass
+                upstream = grad_output[start : start + ctx.chunk, None] * grads[i].float()  # [n, V]
+                torch.autograd.backward(logits, upstream.to(logits.dtype))
+                out.append(h.grad)
+        return (torch.cat(out) if out else torch.zeros_like(hidden)), None, None, None, None
+
+
+STORED_GRAD_ELEMENTS = 1 << 27  # most N x V logit gradients kept for the backward (512 MB in float32)
+
+
 def _head_is_frozen(head: Head) -> bool:
     owner = getattr(head, "__self__", None)  # a bound method such as drafter.head
     modules = [m for m in (head, owner) if isinstance(m, nn.Module)]
@@ -73,8 +126,9 @@ def chunked_soft_cross_entropy(
         teacher_hidden: [N, d_t] hidden states the `teacher_head` turns into the target distribution (no gradient).
         student_head, teacher_head: callables hidden -> logits [n, V].
         head_frozen: whether `student_head` has no trainable parameters (guessed when None). Frozen: one head pass per
-            chunk, gradients computed on the fly. Otherwise each chunk is recomputed in the backward (checkpointing)
-            so the head's parameters get their gradients too.
+            chunk, gradients computed on the fly. Otherwise the logits' gradients are kept for the backward, which
+            runs the student head once more per chunk (`_ChunkedSoftCEWithHead`), or, when N x V exceeds
+            `STORED_GRAD_ELEMENTS`, each chunk is recomputed whole in the backward (checkpointing).
     Returns: [N] float32 losses.
     """
     if student_hidden.shape[0] != teacher_hidden.shape[0]:
@@ -83,6 +137,8 @@ def chunked_soft_cross_entropy(
         head_frozen = _head_is_frozen(student_head)
     if head_frozen:
         return _FusedChunkedSoftCE.apply(student_hidden, teacher_hidden, student_head, teacher_head, chunk_size)
+    if student_hidden.shape[0] * _num_logits(student_head, student_hidden) <= STORED_GRAD_ELEMENTS:
+        return _ChunkedSoftCEWithHead.apply(student_hidden, teacher_hidden, student_head, teacher_head, chunk_size)
 
     def one_chunk(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -96,6 +152,12 @@ def chunked_soft_cross_entropy(
         for s in range(0, student_hidden.shape[0], chunk_size)
     ]
     return torch.cat(parts) if parts else student_hidden.new_zeros(0, dtype=torch.float32)
+
+
+def _num_logits(head: Head, hidden: torch.Tensor) -> int:
+    """V: the number of logits `head` gives per row (one row through it, without gradients)."""
+    with torch.no_grad():
+        return int(head(hidden[:1].detach()).shape[-1])
 
 
 def feature_loss(predicted: torch.Tensor, target: torch.Tensor, beta: float = 1.0) -> torch.Tensor:

@@ -42,6 +42,7 @@ from .drafters import adapter_for, unwrap_model
 from .evaluation import AcceptanceEvalCallback
 from .losses import chunked_soft_cross_entropy, feature_loss
 from .states import TargetStates
+from .throughput import StepProfile
 
 __all__ = [
     "IGNORE_INDEX",
@@ -119,6 +120,22 @@ class MoADataCollator:
         return batch
 
 
+def _example_lengths(dataset, max_length: int | None = None) -> list[int] | None:
+    """Token counts of a training dataset's examples (through `_Indexed`, `_Tagged`, `ConcatDataset` and cached-states
+    wrappers down to `datasets.Dataset`s), read from their `input_ids` column without loading cached states; None
+    when a part is not such a dataset."""
+    if isinstance(dataset, ConcatDataset):
+        parts = [_example_lengths(d, max_length) for d in dataset.datasets]
+        return None if any(p is None for p in parts) else [n for p in parts for n in p]
+    inner = getattr(dataset, "dataset", None)
+    if inner is not None and not hasattr(dataset, "column_names"):
+        return _example_lengths(inner, max_length)
+    if "input_ids" not in (getattr(dataset, "column_names", None) or []):
+        return None
+    lengths = [len(ids) for ids in dataset.with_format(None)["input_ids"]]
+    return [min(n, max_length) for n in lengths] if max_length else lengths
+
+
 class _Indexed(Dataset):
     """A map-style dataset whose items also carry their index (`sample_index`)."""
 
@@ -152,17 +169,26 @@ class TargetBatchSampler(Sampler[int]):
     into blocks (its last block filled up with its own first examples of the epoch), and all blocks are shuffled
     together, so targets are mixed in proportion to their dataset sizes. A pure function of (seed, epoch).
 
+    With `lengths` (the examples' token counts, in the same concatenated order), each dataset's shuffled order is cut
+    into groups of `GROUP_BATCHES` blocks and each group sorted by length before it is cut into blocks: a block holds
+    examples of similar lengths, so a right-padded batch computes little padding (the blocks are still shuffled).
+
     A DataLoader with this sampler and the same `batch_size` yields one-target batches (Accelerate hands whole
     batches to processes: the same holds per process under DDP).
     """
 
-    def __init__(self, sizes: Sequence[int], batch_size: int, seed: int = 0):
+    GROUP_BATCHES = 16
+
+    def __init__(self, sizes: Sequence[int], batch_size: int, seed: int = 0, lengths: Sequence[int] | None = None):
         if batch_size < 1 or not sizes or min(sizes) < 1:
             raise ValueError(f"Need a positive batch size and non-empty datasets, got {batch_size} and {list(sizes)}.")
         self.sizes = [int(n) for n in sizes]
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.epoch = 0
+        if lengths is not None and len(lengths) != sum(self.sizes):
+            raise ValueError(f"{len(lengths)} lengths for {sum(self.sizes)} examples.")
+        self.lengths = None if lengths is None else torch.as_tensor(lengths, dtype=torch.long)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -172,11 +198,17 @@ class TargetBatchSampler(Sampler[int]):
         blocks, offset = [], 0
         for n in self.sizes:
             order = (offset + torch.randperm(n, generator=g)).tolist()
+            if self.lengths is not None:  # sort groups of GROUP_BATCHES blocks by length, longest first
+                group = self.GROUP_BATCHES * self.batch_size
+                order = [i for s in range(0, n, group) for i in sorted(order[s : s + group], key=self._length)]
             width = -(-n // self.batch_size) * self.batch_size
             order = (order * -(-width // n))[:width]  # filled up with the first ones again
             blocks += [order[i : i + self.batch_size] for i in range(0, width, self.batch_size)]
             offset += n
         return [blocks[i] for i in torch.randperm(len(blocks), generator=g).tolist()]
+
+    def _length(self, i: int) -> int:
+        return -int(self.lengths[i])
 
     def __iter__(self):
         for block in self._blocks():
@@ -390,6 +422,9 @@ class MoATrainer(Trainer):
             **kwargs,
         )
         self.model_accepts_loss_kwargs = True  # makes the Trainer count `labels` tokens into num_items_in_batch
+        self.profile = StepProfile(args.profile_steps, args.device)  # sections cost nothing unless profiling
+        if args.profile_steps > 0:
+            self.add_callback(self.profile)
         K = len(self.exit_weights)
         self._parts = torch.zeros(3 + K, dtype=torch.float64)  # soft CE, feature loss, tokens since last log, exits
         self._agreement = torch.zeros(4, dtype=torch.float64)  # evaluation: top-1 hits, positions, first-of-cycle ones
@@ -475,9 +510,14 @@ class MoATrainer(Trainer):
         return unwrap_model(self.model)
 
     def _get_train_sampler(self, train_dataset=None):
-        """Several targets: `TargetBatchSampler` (one-target batches); else the Trainer's own sampler."""
-        if len(self._target_sizes) > 1 and (train_dataset is None or train_dataset is self.train_dataset):
-            return TargetBatchSampler(self._target_sizes, self._train_batch_size, seed=self.args.seed)
+        """`TargetBatchSampler` (one-target batches, of similar lengths with `train_sampling_strategy=
+        "group_by_length"`) for several targets or grouped lengths; else the Trainer's own sampler."""
+        grouped = self.args.train_sampling_strategy == "group_by_length"
+        if (len(self._target_sizes) > 1 or grouped) and (train_dataset is None or train_dataset is self.train_dataset):
+            lengths = _example_lengths(self.train_dataset, self.args.max_length) if grouped else None
+            # blocks of one optimizer step's examples: accumulated micro-batches see what one large batch would
+            step_batch = self._train_batch_size * self.args.gradient_accumulation_steps
+            return TargetBatchSampler(self._target_sizes, step_batch, seed=self.args.seed, lengths=lengths)
         return super()._get_train_sampler(train_dataset)
 
     def target_token_counts(self) -> dict[str, int]:
@@ -627,19 +667,23 @@ class MoATrainer(Trainer):
         exit's loss; exits of weight 0 are scored without gradients (logged only)."""
         name = self.batch_target(inputs)
         self.adapter.use_target(self.drafter, self.targets[name])  # its embedding / head
-        states = self.target_states(inputs, name)
-        cycle_starts, sa_mask = self.simulated_cycles(inputs) if self.adapter.simulates_cycles else (None, None)
-        if cycle_starts is not None and states.target_kv is not None:
-            states.target_kv_held = self.held_target_kv(inputs["prompt_lengths"], cycle_starts, name)
-        exits = self.adapter.training_forward(
-            model,
-            inputs,
-            states,
-            cycle_starts=cycle_starts,
-            sa_mask=sa_mask,
-            feature_noise=self.args.feature_noise if model.training else 0.0,
-            target_name=name,
-        )
+        section = self.profile.section
+        with section("target states"):
+            states = self.target_states(inputs, name)
+        with section("simulated cycles"):
+            cycle_starts, sa_mask = self.simulated_cycles(inputs) if self.adapter.simulates_cycles else (None, None)
+            if cycle_starts is not None and states.target_kv is not None:
+                states.target_kv_held = self.held_target_kv(inputs["prompt_lengths"], cycle_starts, name)
+        with section("drafter forward"):
+            exits = self.adapter.training_forward(
+                model,
+                inputs,
+                states,
+                cycle_starts=cycle_starts,
+                sa_mask=sa_mask,
+                feature_noise=self.args.feature_noise if model.training else 0.0,
+                target_name=name,
+            )
         if len(exits) != len(self.exit_weights):
             raise ValueError(f"The drafter gave {len(exits)} exits, expected {len(self.exit_weights)}.")
         counted = inputs["labels"] != IGNORE_INDEX  # [B, T]
@@ -647,7 +691,7 @@ class MoATrainer(Trainer):
             counted &= inputs["attention_mask"].bool()
         per_exit = []  # (total, soft CE, feature) [N] per exit
         for weight, (student, feature) in zip(self.exit_weights, exits):
-            with contextlib.nullcontext() if weight > 0 else torch.no_grad():
+            with section("loss"), contextlib.nullcontext() if weight > 0 else torch.no_grad():
                 per_exit.append(self.token_losses(student, feature, states, counted, target_name=name))
         weighted = [(w, part) for w, part in zip(self.exit_weights, per_exit) if w > 0]
         total, ce, feat = (sum(w * part[i] for w, part in weighted) for i in range(3))  # each [N]
@@ -673,6 +717,16 @@ class MoATrainer(Trainer):
             token_loss[counted] = total.detach()
             return loss, {"token_loss": token_loss, "cycle_starts": cycle_starts}
         return loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The Trainer's step (forward, backward), timed and FLOP-counted when profiling (`profile_steps`)."""
+        self.profile.count_tokens(inputs)
+        with self.profile.counting_flops(), self.profile.section("forward+backward"):
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        with self.profile.section("data"):
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
 
     @torch.no_grad()
     def _student_top1(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,158 @@
+"""Training at the machine's speed: batches of similar lengths, an LSA that skips padding, the explicit short
+attention, the kept-gradient soft CE, the step profile (tokens/s, parts, MFU) and the allocator setting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moa_hf
+from moa_hf.hardware import cpu_flags, hardware_summary, keep_freed_memory
+from moa_hf.modeling.modeling_moa import _explicit_attention
+from moa_hf.training import MoATrainer
+from moa_hf.training.trainer import TargetBatchSampler, _example_lengths, _Indexed
+
+from factory import random_dataset, tiny_target, tiny_training_args
+from tolerance import assert_close
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+def _padding(order: list[int], lengths: list[int], batch: int) -> int:
+    """Padded positions a right-padding collator computes for batches cut from `order`."""
+    blocks = [order[i : i + batch] for i in range(0, len(order), batch)]
+    return sum(max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b) for b in blocks)
+
+
+def test_length_grouped_batches_cover_every_example_and_pad_less():
+    g = torch.Generator().manual_seed(0)
+    sizes, batch = [200, 90], 4
+    lengths = torch.randint(5, 500, (sum(sizes),), generator=g).tolist()
+    grouped = TargetBatchSampler(sizes, batch, seed=3, lengths=lengths)
+    plain = TargetBatchSampler(sizes, batch, seed=3)
+    order = list(grouped)
+    assert sorted(set(order)) == list(range(sum(sizes)))  # every example, each epoch
+    for i in range(0, len(order), batch):  # blocks stay one target's
+        assert len({idx < sizes[0] for idx in order[i : i + batch]}) == 1
+    assert list(TargetBatchSampler(sizes, batch, seed=3, lengths=lengths)) == order  # a pure function of the seed
+    grouped.set_epoch(1)
+    assert list(grouped) != order  # and of the epoch
+    assert _padding(order, lengths, batch) < 0.25 * _padding(list(plain), lengths, batch)
+    with pytest.raises(ValueError, match="lengths"):
+        TargetBatchSampler(sizes, batch, lengths=lengths[:-1])
+
+
+def test_example_lengths_read_through_wrappers():
+    data = random_dataset(10, seed=1)
+    want = [len(ids) for ids in data["input_ids"]]
+    assert _example_lengths(_Indexed(data)) == want
+    assert _example_lengths(_Indexed(data), max_length=12) == [min(n, 12) for n in want]
+    assert _example_lengths([{"input_ids": [1, 2]}]) is None  # not a datasets.Dataset: no grouping
+
+
+def test_trainer_groups_lengths_by_default(tmp_path, target):
+    assert tiny_training_args(tmp_path).train_sampling_strategy == "group_by_length"
+    data = random_dataset(24, seed=2)
+    trainer = MoATrainer(
+        model=moa_hf.build_drafter(target), target=target, args=tiny_training_args(tmp_path), train_dataset=data
+    )
+    sampler = trainer._get_train_sampler()
+    assert isinstance(sampler, TargetBatchSampler) and sampler.lengths is not None
+    args = tiny_training_args(tmp_path, train_sampling_strategy="random")
+    trainer = MoATrainer(model=moa_hf.build_drafter(target), target=target, args=args, train_dataset=data)
+    assert not isinstance(trainer._get_train_sampler(), TargetBatchSampler)
+
+
+def test_lsa_on_selected_tokens_equals_the_full_lsa(target):
+    torch.manual_seed(0)
+    drafter = moa_hf.build_drafter(target, lsa_hidden_size=32)
+    kv = torch.randn(2, 7, target.config.num_hidden_layers, drafter.config.target_kv_width, requires_grad=True)
+    where = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    full = drafter.compute_context(kv)
+    picked = drafter.compute_context(kv, where=where)
+    assert_close(picked[where], full[where])
+    assert torch.equal(picked[~where], torch.zeros_like(picked[~where]))
+    (picked * where[..., None]).sum().backward()
+    grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+    drafter.zero_grad()
+    (full * where[..., None]).sum().backward()
+    for name, grad in grads.items():
+        assert_close(grad, dict(drafter.named_parameters())[name].grad, msg=name)
+
+
+def test_training_forward_skips_padding_in_the_lsa(target):
+    """Padding changes nothing the loss reads: the real tokens' outputs are the same with and without a mask."""
+    torch.manual_seed(0)
+    drafter = moa_hf.build_drafter(target, lsa_hidden_size=32)
+    ids = torch.randint(3, 100, (2, 9))
+    kv = torch.randn(2, 9, target.config.num_hidden_layers, drafter.config.target_kv_width)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, 6:] = 0
+    calls = []
+    hook = drafter.layer_self_attention.register_forward_hook(lambda m, a, out: calls.append(a[0].shape[0]))
+    try:
+        with drafter.attached(target):
+            masked = drafter(ids, target_kv=kv, attention_mask=mask, return_logits=False).hidden_states
+            plain = drafter(ids, target_kv=kv, return_logits=False).hidden_states
+    finally:
+        hook.remove()
+    assert calls == [15, 18]  # 6 + 9 real tokens, then all 18 positions
+    assert_close(masked[mask.bool()], plain[mask.bool()])
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+def test_explicit_short_attention_equals_sdpa(heads):
+    H, Hkv = heads
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(5, H, 30, 16, generator=g)
+    k, v = torch.randn(5, Hkv, 30, 16, generator=g), torch.randn(5, Hkv, 30, 16, generator=g)
+    want = F.scaled_dot_product_attention(q, k, v, enable_gqa=H != Hkv)
+    assert_close(_explicit_attention(q, k, v), want)
+
+
+def test_profile_steps_write_throughput(tmp_path, target):
+    data = random_dataset(24, seed=4)
+    args = tiny_training_args(tmp_path, max_steps=5, profile_steps=3)
+    trainer = MoATrainer(model=moa_hf.build_drafter(target), target=target, args=args, train_dataset=data)
+    trainer.train()
+    report = json.loads((tmp_path / "out" / "throughput.json").read_text())
+    assert report["steps_timed"] == 3
+    parts = report["ms_per_step"]
+    for part in ("data", "target states", "drafter forward", "drafter forward: LSA layer", "loss", "backward"):
+        assert parts[part] > 0, part
+    assert parts["drafter forward: LSA layer"] < parts["drafter forward"]
+    assert report["train_tokens_per_second"] > 0 and report["flops_per_token"] > 0
+    assert 0 < report["mfu"] < 1
+    assert report["hardware"]["cpu_flags"] == cpu_flags()
+    assert not trainer.profile.active and not trainer.profile._hooks  # the LSA hooks are gone
+
+
+def test_profile_steps_without_enough_steps_time_nothing(tmp_path, target, caplog):
+    args = tiny_training_args(tmp_path, max_steps=3, profile_steps=3)
+    trainer = MoATrainer(
+        model=moa_hf.build_drafter(target), target=target, args=args, train_dataset=random_dataset(12)
+    )
+    trainer.train()
+    assert not (tmp_path / "out" / "throughput.json").exists()
+    assert "nothing was timed" in caplog.text
+
+
+def test_hardware_names_the_cpu_flags():
+    flags = cpu_flags()
+    assert set(flags) <= {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2"}
+    if not torch.cuda.is_available():
+        assert (" ".join(flags) or "no AVX2") in hardware_summary()
+
+
+def test_keep_freed_memory_on_glibc():
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+    assert keep_freed_memory() is True
