@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["cpu_flags", "cpu_name", "hardware_info", "hardware_summary", "keep_freed_memory"]
+__all__ = ["cpu_flags", "cpu_name", "hardware_info", "hardware_summary", "keep_freed_memory", "native_bf16"]
 
 # The CPU flags that change what a figure means: matrix units (AMX), native bf16, AVX-512, AVX2
 FIGURE_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
@@ -36,6 +36,13 @@ def cpu_flags() -> list[str]:
                 have = set(line.split(":", 1)[1].split())
                 return [flag for flag in FIGURE_FLAGS if flag in have]
     return []
+
+
+def native_bf16(cpu: bool = True) -> bool:
+    """Whether bf16 compute is native here: on the CPU (`cpu=True`) AVX-512 bf16 or AMX; else the CUDA device."""
+    if not cpu:
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return any(flag in cpu_flags() for flag in ("avx512_bf16", "amx_bf16"))
 
 
 def keep_freed_memory() -> bool:

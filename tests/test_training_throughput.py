@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import HfArgumentParser
 
 import moa_hf
 from moa_hf.hardware import cpu_flags, hardware_summary, keep_freed_memory
@@ -128,7 +129,9 @@ def test_profile_steps_write_throughput(tmp_path, target):
         assert parts[part] > 0, part
     assert parts["drafter forward: LSA layer"] < parts["drafter forward"]
     assert report["train_tokens_per_second"] > 0 and report["flops_per_token"] > 0
-    assert 0 < report["mfu"] < 1
+    achieved = report["flops_per_token"] * report["train_tokens_per_second"]
+    assert report["mfu"] == pytest.approx(achieved / report["matmul_flops_per_second"], rel=0.01)
+    assert report["matmul_dtype"] == "float32"  # tiny_training_args train in float32
     assert report["hardware"]["cpu_flags"] == cpu_flags()
     assert not trainer.profile.active and not trainer.profile._hooks  # the LSA hooks are gone
 
@@ -156,3 +159,16 @@ def test_keep_freed_memory_on_glibc():
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc only")
     assert keep_freed_memory() is True
+
+
+def test_moa_train_takes_bf16_where_the_cpu_has_it(tmp_path, monkeypatch):
+    from moa_hf.training import arguments
+
+    common = ["--output", str(tmp_path), "--max-steps", "1", "--report-to", "none"]
+    parse = HfArgumentParser(arguments.TrainCommandArguments).parse_args_into_dataclasses
+    for native in (True, False):
+        monkeypatch.setattr(arguments, "native_bf16", lambda cpu=True, native=native: native)
+        (args,) = parse(common)
+        assert args.bf16 is native and (args.use_cpu or not native)
+    (args,) = parse([*common, "--bf16", "false"])
+    assert args.bf16 is False

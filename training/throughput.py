@@ -2,11 +2,12 @@
 
 `moa train --profile-steps N` times N optimizer steps after `WARMUP_STEPS` (`StepProfile`), counts the FLOPs of one
 training step with torch's per-op FLOP formulas (matrix products and attention of the drafter's forward and
-backward, and of the target's forward where it runs in the step), measures a bf16 matrix product at the step's
+backward, and of the target's forward where it runs in the step), measures a matrix product at the step's
 shapes on the same machine, and writes `throughput.json` in the output folder:
 
     tokens/s = non-padding tokens trained / wall time of the timed steps
-    MFU      = FLOPs per token x tokens/s / the measured bf16 matmul rate
+    MFU      = FLOPs per token x tokens/s / the measured matmul rate in the step's compute dtype (bf16 under bf16
+               autocast), at [padded tokens of a batch, hidden, intermediate]
 
 The parts of a step are wall times of sections of `MoATrainer` (data, target states, simulated cycles, drafter
 forward and within it the LSA layer, loss, backward, optimizer); on a GPU every section waits for the device.
@@ -197,7 +198,8 @@ class StepProfile(TrainerCallback):
         d = getattr(config, "hidden_size", 576)
         inner = getattr(config, "intermediate_size", 4 * d)
         rows = max(64, self.batch_tokens)
-        rate = matmul_rate(rows, d, inner, torch.bfloat16, self.device)
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32  # the step's
+        rate = matmul_rate(rows, d, inner, dtype, self.device)
         flops_per_token = self.flops / max(1, self.flop_tokens)
         return {
             "steps_timed": steps,
@@ -205,10 +207,10 @@ class StepProfile(TrainerCallback):
             "train_tokens_per_second": round(tokens_per_s, 1),
             "ms_per_step": {k: round(v, 1) for k, v in per_step.items()},
             "flops_per_token": round(flops_per_token),
-            "bf16_matmul_flops_per_second": round(rate),
-            "bf16_matmul_shape": [rows, d, inner],
+            "matmul_flops_per_second": round(rate),
+            "matmul_shape": [rows, d, inner],
+            "matmul_dtype": str(dtype).removeprefix("torch."),
             "mfu": round(flops_per_token * tokens_per_s / rate, 4),
-            "bf16_autocast": bool(args.bf16),
             "batch_size": args.per_device_train_batch_size,
             "hardware": hardware_info(self.device),
         }
@@ -229,7 +231,8 @@ def format_profile(result: dict) -> str:
     lines.append(
         f"  {result['train_tokens_per_second']:.0f} train tokens/s, {result['flops_per_token'] / 1e6:.1f} MFLOP/token,"
         " "
-        f"bf16 matmul {result['bf16_matmul_flops_per_second'] / 1e12:.3f} TFLOP/s at {result['bf16_matmul_shape']}: "
+        f"{result['matmul_dtype']} matmul {result['matmul_flops_per_second'] / 1e12:.3f} TFLOP/s at "
+        f"{result['matmul_shape']}: "
         f"MFU {100 * result['mfu']:.1f}%"
     )
     return "\n".join(lines)
