@@ -1,11 +1,12 @@
 """One home for what turns a prompt into the target's input and tells where its answer ends: the chat template as one
-user turn (`chat_text`, `chat_ids`, `encode_chat`) and the EOS ids `generate` stops at (`eos_token_ids`)."""
+user turn (`chat_text`, `chat_ids`, `encode_chat`) or a whole conversation (`conversation_ids`) and the EOS ids
+`generate` stops at (`eos_token_ids`)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["ChatTemplateError", "chat_ids", "chat_text", "encode_chat", "eos_token_ids"]
+__all__ = ["ChatTemplateError", "chat_ids", "chat_text", "conversation_ids", "encode_chat", "eos_token_ids"]
 
 
 class ChatTemplateError(ValueError):
@@ -31,6 +32,15 @@ def chat_ids(
     if raw_without_template and getattr(tokenizer, "chat_template", None) is None:
         return list(tokenizer(prompt)["input_ids"])
     return list(tokenizer(chat_text(tokenizer, prompt, system_prompt), add_special_tokens=False)["input_ids"])
+
+
+def conversation_ids(tokenizer, turns: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a whole conversation (``[{"role", "content"}, ...]``) in the tokenizer's chat template, with the
+    generation prompt for the assistant's next turn unless `add_generation_prompt=False`."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ChatTemplateError("The target's tokenizer has no chat template; use an instruction-tuned target.")
+    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def encode_chat(tokenizer, prompts: str | list[str], device: torch.device | str | None = None) -> dict:

@@ -273,7 +273,8 @@ class DataArguments:
         default="default",
         metadata={
             "help": "`default` (offline generator), `default:written` (material the target writes first; needs "
-            "--num-prompts), a .jsonl/.txt file, a saved `datasets` folder or a dataset name."
+            "--num-prompts), a .jsonl/.txt file, a saved `datasets` folder or a dataset name; a .jsonl/.json file "
+            "or folder of conversations (see --responses)."
         },
     )
     max_new_tokens: int = field(default=256, metadata={"help": "Most tokens of each response."})
@@ -287,6 +288,16 @@ class DataArguments:
     top_k: int | None = field(default=None, metadata={"help": "Top-k sampling (with --do-sample)."})
     no_chat_template: bool = field(default=False, metadata={"help": "Feed raw prompt text (no chat template)."})
     system_prompt: str | None = field(default=None, metadata={"help": "System message of the chat template."})
+    responses: str | None = field(
+        default=None,
+        metadata={
+            "choices": ["regenerate", "keep"],
+            "help": "Conversations (ShareGPT `conversations`, OpenAI `messages` or prompt/response records; found "
+            "by their fields): `regenerate` (the default for them) lets the target write every assistant turn "
+            "anew, turn by turn; `keep` keeps the file's answers, which the target then labels through its "
+            "next-token distribution (no generation: a prefill's cost). The loss covers assistant turns only.",
+        },
+    )
     shard_size: int = field(default=512, metadata={"help": "Prompts per saved shard (resume granularity)."})
     part: str | None = field(
         default=None,

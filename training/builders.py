@@ -56,7 +56,11 @@ def frequent_tokens(dataset, size: int, vocab_size: int, responses_only: bool = 
     ties broken by id; padded with the lowest unused ids when the data has fewer distinct tokens."""
     counts: Counter = Counter()
     for ex in dataset:
-        ids = ex["input_ids"][int(ex["prompt_length"]) :] if responses_only else ex["input_ids"]
+        ids = ex["input_ids"]
+        if responses_only and "response_mask" in ex:  # a conversation: every assistant turn
+            ids = [i for i, m in zip(ids, ex["response_mask"]) if m]
+        elif responses_only:
+            ids = ids[int(ex["prompt_length"]) :]
         counts.update(int(i) for i in ids)
     ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
     if len(ranked) < size:

@@ -77,7 +77,9 @@ def train_arguments(
 # moa data
 # ---------------------------------------------------------------------------------------------------------------------
 def run_data(args: argparse.Namespace) -> int:
-    from .data import build_dataset
+    from moa_hf.conversations import is_conversation_source
+
+    from .data import build_chat_dataset, build_dataset
 
     keep_freed_memory()  # CPU steps reuse their freed activations instead of faulting fresh pages in
 
@@ -88,6 +90,30 @@ def run_data(args: argparse.Namespace) -> int:
         raise SystemExit(str(err)) from err
     torch.manual_seed(data_args.seed)
     target, tokenizer = load_target(target_args.target, dtype=target_args.dtype, device=data_args.device)
+    if data_args.responses is not None or is_conversation_source(data_args.prompts):
+        if part is not None:
+            raise SystemExit("moa data: error: --part splits prompts; split a conversation file into parts instead.")
+        dataset = build_chat_dataset(
+            target,
+            tokenizer,
+            data_args.prompts,
+            data_args.output,
+            responses=data_args.responses or "regenerate",
+            max_new_tokens=data_args.max_new_tokens,
+            batch_size=data_args.batch_size,
+            num_conversations=data_args.num_prompts,
+            split=data_args.prompt_split,
+            do_sample=data_args.do_sample,
+            temperature=data_args.temperature,
+            top_p=data_args.top_p,
+            top_k=data_args.top_k,
+            shard_size=data_args.shard_size,
+            seed=data_args.seed,
+            progress=not data_args.quiet,
+        )
+        tokens = sum(sum(m) for m in dataset["response_mask"])
+        print(f"saved {len(dataset)} conversations ({tokens} assistant tokens) to {data_args.output}")
+        return 0
     dataset = build_dataset(
         target,
         tokenizer,

@@ -1,7 +1,9 @@
 """On-policy training data: prompts answered by the target itself, saved as a `datasets` dataset.
 
 Each example holds `input_ids` (chat-formatted prompt followed by the target's response, no padding) and
-`prompt_length`; `prompt_index` records which prompt it came from. Generation runs in left-padded batches, is
+`prompt_length`; `prompt_index` records which prompt it came from. Conversations (`build_chat_dataset`: ShareGPT,
+OpenAI `messages`, prompt/response records) also hold a `response_mask` over every assistant turn, kept as given or
+written anew by the target. Generation runs in left-padded batches, is
 written in shards and resumes after an interruption (finished shards are kept, their prompts skipped).
 """
 
@@ -20,12 +22,13 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from moa_hf.chat import eos_token_ids
+from moa_hf.chat import conversation_ids, eos_token_ids
 from moa_hf.offline_prompts import default_prompts, written_briefs
 from moa_hf.prompts import WRITTEN, SpecBenchPromptsError, check_not_spec_bench, format_prompts, load_prompts
 
 __all__ = [
     "SpecBenchPromptsError",
+    "build_chat_dataset",
     "build_dataset",
     "check_not_spec_bench",
     "default_prompts",
@@ -179,6 +182,55 @@ def _shard_seed(seed: int, shard: int) -> int:
     return int(hashlib.sha256(f"{seed}-{shard}".encode()).hexdigest()[:15], 16)
 
 
+def _check_manifest(shard_dir: Path, fingerprint: str, num_items: int) -> None:
+    """Refuse to resume into a folder whose shards were made from other inputs; start its manifest otherwise."""
+    manifest = shard_dir / _MANIFEST
+    if manifest.exists():
+        if json.loads(manifest.read_text()).get("fingerprint") != fingerprint:
+            raise ValueError(
+                f"{shard_dir.parent} holds shards generated with other prompts, target or settings. Use a new output "
+                "folder, or delete it to start over."
+            )
+    else:
+        manifest.write_text(json.dumps({"fingerprint": fingerprint, "num_prompts": num_items}, indent=1))
+
+
+_COLUMN_TYPES = {"prompt_length": "int32", "prompt_index": "int64", "conversation_index": "int64"}
+
+
+def _save_shard(shard_dir: Path, k: int, columns: dict[str, list], progress: bool) -> None:
+    """Shard k of a dataset being built, written atomically (its folder exists only once complete)."""
+    import datasets
+
+    features = {
+        name: datasets.Sequence(datasets.Value("int8" if name == "response_mask" else "int32"))
+        if name in ("input_ids", "response_mask")
+        else datasets.Value(_COLUMN_TYPES[name])
+        for name in columns
+    }
+    shard = datasets.Dataset.from_dict(columns, features=datasets.Features(features))
+    tmp = shard_dir / f".tmp-shard-{k:06d}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    with _datasets_progress(progress):
+        shard.save_to_disk(str(tmp))
+    os.replace(tmp, shard_dir / f"shard-{k:06d}")
+
+
+def _join_shards(output_dir: Path, num_shards: int, progress: bool):
+    """All shards as one dataset, saved in `output_dir` itself."""
+    import datasets
+
+    shard_dir = output_dir / _SHARDS
+    dataset = datasets.concatenate_datasets(
+        [datasets.load_from_disk(str(shard_dir / f"shard-{k:06d}")) for k in range(num_shards)]
+    )
+    if len(dataset):
+        with _datasets_progress(progress):
+            dataset.save_to_disk(str(output_dir))
+    return dataset
+
+
 def build_dataset(
     target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -282,16 +334,7 @@ def build_dataset(
         part=[first, stride],
         seed=seed,
     )
-    manifest = shard_dir / _MANIFEST
-    if manifest.exists():
-        old = json.loads(manifest.read_text())
-        if old.get("fingerprint") != fingerprint:
-            raise ValueError(
-                f"{output_dir} holds shards generated with other prompts, target or settings. Use a new output "
-                "folder, or delete it to start over."
-            )
-    else:
-        manifest.write_text(json.dumps({"fingerprint": fingerprint, "num_prompts": len(prompts)}, indent=1))
+    _check_manifest(shard_dir, fingerprint, len(prompts))
 
     num_shards = (len(prompts) + shard_size - 1) // shard_size
     done = [k for k in range(num_shards) if (shard_dir / f"shard-{k:06d}").is_dir()]
@@ -314,36 +357,19 @@ def build_dataset(
         rows = _answer_all(target, ids, keep, gen_config, eos, batch_size, _shard_seed(seed, k), on_batch=bar.update)
         bar.update(hi - lo - len(keep))
         kept = sorted(rows)
-        shard = datasets.Dataset.from_dict(
-            {
-                "input_ids": [ids[i] + rows[i] for i in kept],
-                "prompt_length": [len(ids[i]) for i in kept],
-                "prompt_index": [first + stride * (lo + i) for i in kept],
-            },
-            features=datasets.Features(
-                {
-                    "input_ids": datasets.Sequence(datasets.Value("int32")),
-                    "prompt_length": datasets.Value("int32"),
-                    "prompt_index": datasets.Value("int64"),
-                }
-            ),
-        )
-        tmp = shard_dir / f".tmp-shard-{k:06d}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        with _datasets_progress(progress):
-            shard.save_to_disk(str(tmp))
-        os.replace(tmp, final)  # atomic: a shard folder exists only once it is complete
+        columns = {
+            "input_ids": [ids[i] + rows[i] for i in kept],
+            "prompt_length": [len(ids[i]) for i in kept],
+            "prompt_index": [first + stride * (lo + i) for i in kept],
+        }
+        _save_shard(shard_dir, k, columns, progress)
     bar.close()
     if skipped_long:
         logger.warning("Skipped %d prompts longer than %d tokens.", skipped_long, max_prompt_tokens)
 
-    shards = [datasets.load_from_disk(str(shard_dir / f"shard-{k:06d}")) for k in range(num_shards)]
-    dataset = datasets.concatenate_datasets(shards)
+    dataset = _join_shards(output_dir, num_shards, progress)
     if len(dataset) == 0:
         raise ValueError(f"Every prompt was longer than max_prompt_tokens={max_prompt_tokens}; nothing to save.")
-    with _datasets_progress(progress):
-        dataset.save_to_disk(str(output_dir))
     lengths = dataset["input_ids"]
     response_tokens = sum(len(x) for x in lengths) - sum(dataset["prompt_length"])
     metadata = {
@@ -362,3 +388,152 @@ def build_dataset(
     }
     (output_dir / _METADATA).write_text(json.dumps(metadata, indent=1))
     return datasets.load_from_disk(str(output_dir))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Conversations: every assistant turn kept or written anew by the target
+# ---------------------------------------------------------------------------------------------------------------------
+RESPONSES = ("keep", "regenerate")
+
+
+def build_chat_dataset(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    conversations: str | os.PathLike | Sequence[list[dict[str, str]]],
+    output_dir: str | os.PathLike,
+    responses: str = "regenerate",
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    *,
+    num_conversations: int | None = None,
+    split: str = "train",
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int | None = None,
+    max_tokens: int | None = None,
+    shard_size: int = 512,
+    seed: int = 0,
+    progress: bool = True,
+):
+    """Training data from conversations (ShareGPT, OpenAI `messages` or prompt/response records: see
+    `moa_hf.conversations`), saved like `build_dataset`'s (resumable shards) with a `response_mask` column: 1 on the
+    tokens of every assistant turn, which are the only ones the drafter's loss covers.
+
+    Args:
+        responses: ``regenerate``: the target writes every assistant turn anew, turn by turn, each from the
+            conversation so far with its own earlier answers (greedy, or sampled with `do_sample`, at most
+            `max_new_tokens` each; its text is decoded and re-encoded with the template); ``keep``: the file's
+            answers stay (the target still labels every position through its states: the loss is a distillation
+            of its next-token distribution on that text), which costs no generation at all.
+        max_tokens: conversations longer than this many tokens are cut after the last assistant turn that fits
+            (default: the target's context).
+    Returns the saved dataset: ``input_ids``, ``response_mask``, ``prompt_length`` (where the first assistant turn
+    starts) and ``conversation_index``.
+    """
+    from tqdm.auto import tqdm
+
+    from moa_hf.conversations import format_conversation, load_conversations
+
+    if responses not in RESPONSES:
+        raise ValueError(f"responses must be one of {RESPONSES}, got {responses!r}.")
+    if isinstance(conversations, (str, os.PathLike)):
+        conversations = load_conversations(conversations, split=split, num_conversations=num_conversations)
+    else:
+        conversations = list(conversations)[:num_conversations]
+    eos, pad = _eos_and_pad(target, tokenizer)
+    regenerate = responses == "regenerate"
+    gen_config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=do_sample,
+        temperature=temperature if do_sample else None,
+        top_p=top_p if do_sample else None,
+        top_k=top_k if do_sample else None,
+        pad_token_id=pad,
+        eos_token_id=eos or None,
+    )
+    if max_tokens is None:
+        max_tokens = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    output_dir = Path(output_dir)
+    shard_dir = output_dir / _SHARDS
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    fingerprint = _fingerprint(
+        conversations=hashlib.sha256(json.dumps(conversations).encode()).hexdigest(),
+        target=getattr(target.config, "name_or_path", ""),
+        target_config=target.config.to_diff_dict(),
+        tokenizer=getattr(tokenizer, "name_or_path", ""),
+        template=getattr(tokenizer, "chat_template", None),
+        responses=responses,
+        generation=gen_config.to_diff_dict() if regenerate else None,
+        max_tokens=max_tokens,
+        shard_size=shard_size,
+        seed=seed,
+    )
+    _check_manifest(shard_dir, fingerprint, len(conversations))
+    num_shards = (len(conversations) + shard_size - 1) // shard_size
+    turns_total = sum(t["role"] == "assistant" for c in conversations for t in c)
+    bar = tqdm(total=turns_total, desc="assistant turns", unit="turn", disable=not progress)
+    for k in range(num_shards):
+        lo, hi = k * shard_size, min(len(conversations), (k + 1) * shard_size)
+        if (shard_dir / f"shard-{k:06d}").is_dir():
+            bar.update(sum(t["role"] == "assistant" for c in conversations[lo:hi] for t in c))
+            continue
+        shard = [[dict(t) for t in c] for c in conversations[lo:hi]]
+        if regenerate:
+            _regenerate_turns(target, tokenizer, shard, gen_config, eos, batch_size, _shard_seed(seed, k), bar)
+        else:
+            bar.update(sum(t["role"] == "assistant" for c in shard for t in c))
+        columns = {"input_ids": [], "response_mask": [], "prompt_length": [], "conversation_index": []}
+        for i, conversation in enumerate(shard):
+            ids, mask = format_conversation(tokenizer, conversation, eos)
+            if max_tokens is not None and len(ids) > max_tokens:  # cut after the last assistant token that fits
+                ends = [j + 1 for j in range(max_tokens) if mask[j]]
+                if not ends:
+                    continue
+                ids, mask = ids[: ends[-1]], mask[: ends[-1]]
+            columns["input_ids"].append(ids)
+            columns["response_mask"].append(mask)
+            columns["prompt_length"].append(mask.index(1))
+            columns["conversation_index"].append(lo + i)
+        _save_shard(shard_dir, k, columns, progress)
+    bar.close()
+    dataset = _join_shards(output_dir, num_shards, progress)
+    if len(dataset) == 0:
+        raise ValueError(f"Every conversation's first answer starts beyond max_tokens={max_tokens}; nothing to save.")
+    metadata = {
+        "target": getattr(target.config, "name_or_path", ""),
+        "num_conversations": len(conversations),
+        "num_examples": len(dataset),
+        "response_tokens": int(sum(sum(m) for m in dataset["response_mask"])),
+        "responses": responses,
+        "max_new_tokens": max_new_tokens if regenerate else None,
+        "do_sample": do_sample if regenerate else None,
+        "seed": seed,
+        "note": "assistant turns written by the target itself"
+        if regenerate
+        else "assistant turns as given; the target labels them through its next-token distribution",
+    }
+    (output_dir / _METADATA).write_text(json.dumps(metadata, indent=1))
+    import datasets
+
+    return datasets.load_from_disk(str(output_dir))
+
+
+def _regenerate_turns(target, tokenizer, conversations, gen_config, eos, batch_size, seed, bar) -> None:
+    """Replace every assistant turn's content by the target's answer to the conversation before it (with its own
+    earlier answers), in place: turn k of every conversation is answered in one batched pass."""
+    depth = max(sum(t["role"] == "assistant" for t in c) for c in conversations)
+    for k in range(depth):
+        at = {}  # conversation -> index of its k-th assistant turn
+        for c, conversation in enumerate(conversations):
+            positions = [j for j, t in enumerate(conversation) if t["role"] == "assistant"]
+            if k < len(positions):
+                at[c] = positions[k]
+        prompts = {c: conversation_ids(tokenizer, conversations[c][:j]) for c, j in at.items()}
+        order = list(prompts)
+        rows = _answer_all(
+            target, [prompts[c] for c in order], range(len(order)), gen_config, eos, batch_size, seed + k, bar.update
+        )
+        for i, c in enumerate(order):
+            answer = rows[i][:-1] if rows[i] and rows[i][-1] in eos else rows[i]
+            conversations[c][at[c]]["content"] = tokenizer.decode(answer, skip_special_tokens=True)

@@ -67,12 +67,13 @@ _MASK64 = (1 << 64) - 1
 # ---------------------------------------------------------------------------------------------------------------------
 @dataclass
 class MoADataCollator:
-    """Right-pads examples ``{"input_ids", "prompt_length"[, "sample_index", "target_kv", "final_hidden",
-    "tli_hidden"]}`` into a
-    training batch (cached target states are padded with zeros to [B, T, ...]).
+    """Right-pads examples ``{"input_ids", "prompt_length"[, "response_mask", "sample_index", "target_kv",
+    "final_hidden", "tli_hidden"]}`` into a training batch (cached target states are padded with zeros to [B, T, ...]).
 
     Returns ``input_ids`` and ``attention_mask`` [B, T], ``labels`` [B, T] (position i is counted, with label
-    input_ids[i+1], when token i+1 is a response token; else -100), ``prompt_lengths`` [B] and ``sample_index`` [B]
+    input_ids[i+1], when token i+1 is a response token: every token from `prompt_length` on, or, for a conversation
+    with a ``response_mask``, every token of an assistant turn; else -100), ``response_mask`` [B, T] (bool) for
+    conversations, ``prompt_lengths`` [B] and ``sample_index`` [B]
     (the example's index in the dataset: the seed of its random cycle lengths), and ``target_index`` [B] when the
     examples carry one (which of the trainer's targets produced them).
     """
@@ -91,14 +92,20 @@ class MoADataCollator:
         attention_mask = torch.zeros((B, width), dtype=torch.long)
         labels = torch.full((B, width), IGNORE_INDEX, dtype=torch.long)
         prompt_lengths = torch.zeros(B, dtype=torch.long)
+        conversations = "response_mask" in features[0]
+        response = torch.zeros((B, width), dtype=torch.bool) if conversations else None  # [B, T]
         for b, (seq, f) in enumerate(zip(seqs, features)):
             n = len(seq)
             p = min(int(f["prompt_length"]), n)
             input_ids[b, :n] = torch.tensor(seq, dtype=torch.long)
             attention_mask[b, :n] = 1
-            first = max(p - 1, 0)  # position p-1 predicts the first response token
-            if n - 1 > first:
-                labels[b, first : n - 1] = input_ids[b, first + 1 : n]
+            if conversations:  # position i is counted when token i+1 is an assistant's
+                response[b, :n] = torch.tensor(list(f["response_mask"])[:n], dtype=torch.bool)
+                labels[b, : n - 1] = input_ids[b, 1:n].masked_fill(~response[b, 1:n], IGNORE_INDEX)
+            else:
+                first = max(p - 1, 0)  # position p-1 predicts the first response token
+                if n - 1 > first:
+                    labels[b, first : n - 1] = input_ids[b, first + 1 : n]
             prompt_lengths[b] = p
         sample_index = torch.tensor([int(f.get("sample_index", -1)) for f in features], dtype=torch.long)
         batch = {
@@ -108,6 +115,8 @@ class MoADataCollator:
             "prompt_lengths": prompt_lengths,
             "sample_index": sample_index,
         }
+        if conversations:
+            batch["response_mask"] = response
         if "target_index" in features[0]:
             batch["target_index"] = torch.tensor([int(f["target_index"]) for f in features], dtype=torch.long)
         for key in ("target_kv", "final_hidden", "tli_hidden"):  # cached target states (`states.TargetStatesDataset`)
@@ -243,12 +252,22 @@ def _draw_uniform(sample_index: torch.Tensor, step: int, seed: int, salt: int) -
     return torch.tensor([_mix(seed, step, int(i), salt) / 2.0**64 for i in sample_index.tolist()])
 
 
-def staircase_restarts(prompt_lengths: torch.Tensor, cycle_lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
+def staircase_restarts(
+    prompt_lengths: torch.Tensor, cycle_lengths: torch.Tensor, seq_len: int, response_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Restart points bool [B, T]: every prompt position, and positions p >= prompt_len with
-    (p - prompt_len) % cycle_length == 0 (the token the target produced at the start of each cycle)."""
+    (p - prompt_len) % cycle_length == 0 (the token the target produced at the start of each cycle).
+
+    With a `response_mask` [B, T] (conversations: True on assistant tokens), every token outside an assistant turn
+    is a restart (the target reads a user's turn whole) and the cycles count from the start of each assistant turn."""
     pos = torch.arange(seq_len, device=prompt_lengths.device)[None, :]  # [1, T]
-    rel = pos - prompt_lengths[:, None]  # [B, T]
-    return (rel < 0) | (rel % cycle_lengths.to(rel.device)[:, None] == 0)
+    if response_mask is None:
+        response = pos >= prompt_lengths[:, None]  # [B, T]
+    else:
+        response = response_mask.to(pos.device).bool()
+    start = torch.cummax(torch.where(response, 0, pos + 1), dim=1).values  # [B, T]: where p's assistant turn starts
+    rel = pos - start  # [B, T]
+    return ~response | (rel % cycle_lengths.to(rel.device)[:, None] == 0)
 
 
 def read_ends_of_cycles(prompt_lengths: torch.Tensor, cycle_starts: torch.Tensor) -> torch.Tensor:
@@ -602,7 +621,9 @@ class MoATrainer(Trainer):
             index = torch.arange(B) + (1 << 40)  # no dataset index: deterministic per (step, row)
         index = index.cpu()
         every = draw_cycle_lengths(index, step, args.seed, args.min_cycle, args.max_cycle)
-        restarts = staircase_restarts(inputs["prompt_lengths"], every.to(input_ids.device), T)
+        restarts = staircase_restarts(
+            inputs["prompt_lengths"], every.to(input_ids.device), T, inputs.get("response_mask")
+        )
         cycle_starts = cycle_starts_from_restarts(restarts)  # [B, T]
         sa_mask = None
         if args.sa_curriculum and self.model.training:

@@ -1,0 +1,152 @@
+"""Chat data as people have it: ShareGPT and OpenAI `messages` files, multi-turn, every assistant turn kept or
+written anew by the target, the loss on assistant tokens only, cycles restarting at each assistant turn."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+import torch
+
+import moa_hf
+from moa_hf.conversations import conversation_of, format_conversation, is_conversation_source, load_conversations
+from moa_hf.prompts import SpecBenchPromptsError
+from moa_hf.training import IGNORE_INDEX, MoADataCollator, MoATrainer, staircase_restarts
+from moa_hf.training.data import build_chat_dataset
+
+from factory import tiny_target, tiny_tokenizer, tiny_training_args
+
+TURNS = [("Hi there", "Hello! How can I help?"), ("Add 2 and 3", "2 + 3 = 5.")]
+SHAREGPT = {"conversations": [{"from": s, "value": v} for q, a in TURNS for s, v in (("human", q), ("gpt", a))]}
+MESSAGES = {"messages": [{"role": r, "content": c} for q, a in TURNS for r, c in (("user", q), ("assistant", a))]}
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(logit_scale=30.0)
+
+
+@pytest.mark.parametrize("record", [SHAREGPT, MESSAGES], ids=["sharegpt", "messages"])
+def test_kept_turns_are_the_only_counted_tokens(tmp_path, target, record):
+    tok = tiny_tokenizer()
+    data = build_chat_dataset(
+        target, tok, _write(tmp_path / "chat.jsonl", [record] * 3), tmp_path / "out", responses="keep", progress=False
+    )
+    assert len(data) == 3 and data[0]["input_ids"] == data[2]["input_ids"]
+    ids, mask = data[0]["input_ids"], data[0]["response_mask"]
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "".join(a + "<|im_end|>" for _, a in TURNS)
+    assert data[0]["prompt_length"] == mask.index(1)
+    batch = MoADataCollator(pad_token_id=0)([dict(data[0]), dict(data[1])])
+    counted = batch["labels"][0] != IGNORE_INDEX
+    want = torch.tensor(mask[1:] + [0], dtype=torch.bool)  # position i predicts token i+1
+    assert torch.equal(counted[: len(ids)], want)
+    assert torch.equal(batch["labels"][0][counted], torch.tensor(ids)[1:][want[:-1]])
+
+
+def test_both_formats_give_the_same_tokens(tmp_path, target):
+    tok = tiny_tokenizer()
+    a = format_conversation(tok, conversation_of(SHAREGPT), [1])
+    b = format_conversation(tok, conversation_of(MESSAGES), [1])
+    c = format_conversation(tok, conversation_of({"prompt": "Hi there", "response": "Hello! How can I help?"}), [1])
+    assert a == b
+    assert c[0] == a[0][: len(c[0])] and sum(c[1]) == len("Hello! How can I help?") + 1
+
+
+def test_regenerated_turns_are_the_targets_answers(tmp_path, target):
+    tok = tiny_tokenizer()
+    data = build_chat_dataset(
+        target, tok, [conversation_of(MESSAGES)], tmp_path / "out", max_new_tokens=6, batch_size=2, progress=False
+    )
+    ids, mask = data[0]["input_ids"], data[0]["response_mask"]
+    kept, _ = format_conversation(tok, conversation_of(MESSAGES), [1])
+    assert ids != kept  # the target answers differently from the file
+    spans, current = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            current.append(i)
+        elif current:
+            spans.append(current)
+            current = []
+    spans += [current] if current else []
+    assert len(spans) == 2
+    first_prompt = ids[: mask.index(1)]  # the target's greedy answer to the first user turn, up to 6 tokens
+    with torch.no_grad():
+        out = target.generate(torch.tensor([first_prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    answer = out[0, len(first_prompt) :].tolist()
+    answer = answer[: answer.index(1) + 1] if 1 in answer else answer
+    assert tok.decode(spans[0]) == tok.decode(answer) + ("" if 1 in answer else "<|im_end|>")
+    again = build_chat_dataset(  # resumable: the same command reuses the finished shard
+        target, tok, [conversation_of(MESSAGES)], tmp_path / "out", max_new_tokens=6, batch_size=2, progress=False
+    )
+    assert again[0]["input_ids"] == ids
+
+
+def test_staircase_restarts_at_every_assistant_turn():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1]], dtype=torch.bool)
+    restarts = staircase_restarts(torch.tensor([2]), torch.tensor([2]), 12, mask)
+    assert restarts[0].int().tolist() == [1, 1, 1, 0, 1, 0, 1, 1, 1, 1, 0, 1]
+    g = torch.Generator().manual_seed(0)  # without a mask: the prompt/response rule, unchanged
+    prompts, every = torch.randint(0, 10, (5,), generator=g), torch.randint(2, 8, (5,), generator=g)
+    pos = torch.arange(20)[None]
+    rel = pos - prompts[:, None]
+    assert torch.equal(staircase_restarts(prompts, every, 20), (rel < 0) | (rel % every[:, None] == 0))
+    as_mask = staircase_restarts(prompts, every, 20, pos >= prompts[:, None])
+    assert torch.equal(as_mask, staircase_restarts(prompts, every, 20))
+
+
+def test_training_on_conversations(tmp_path, target):
+    tok = tiny_tokenizer()
+    data = build_chat_dataset(
+        target, tok, [conversation_of(SHAREGPT)] * 8, tmp_path / "data", responses="keep", progress=False
+    )
+    trainer = MoATrainer(
+        model=moa_hf.build_drafter(target), target=target, args=tiny_training_args(tmp_path), train_dataset=data
+    )
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 4 and all(loss == loss and loss > 0 for loss in losses)
+
+
+def test_conversation_sources_and_refusals(tmp_path):
+    sharegpt = _write(tmp_path / "a.jsonl", [SHAREGPT])
+    assert is_conversation_source(sharegpt)
+    assert not is_conversation_source(_write(tmp_path / "p.jsonl", [{"prompt": "hi"}]))
+    as_json = tmp_path / "m.json"
+    as_json.write_text(json.dumps([MESSAGES, MESSAGES]))
+    assert is_conversation_source(as_json) and len(load_conversations(as_json)) == 2
+    folder = tmp_path / "ds"
+    datasets.Dataset.from_list([MESSAGES]).save_to_disk(str(folder))
+    assert is_conversation_source(folder) and load_conversations(folder)[0] == conversation_of(MESSAGES)
+    assert not is_conversation_source("default")
+    with pytest.raises(ValueError, match="no assistant turn"):
+        conversation_of({"messages": [{"role": "user", "content": "hi"}]})
+    with pytest.raises(ValueError, match="`from`"):
+        conversation_of({"conversations": [{"from": "robot", "value": "x"}]})
+    spec = _write(tmp_path / "q.jsonl", [{"question_id": 1, "category": "x", "turns": ["a"], "messages": []}])
+    with pytest.raises(SpecBenchPromptsError):
+        load_conversations(spec)
+
+
+def test_cli_conversations_keep_then_train_with_states(tmp_path, target, capsys):
+    from moa_hf.cli import main as moa_main
+
+    folder = tmp_path / "target"
+    target.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    chat = _write(tmp_path / "chat.jsonl", [SHAREGPT, MESSAGES] * 4)
+    data = tmp_path / "data"
+    args = ["data", "--target", str(folder), "--prompts", str(chat), "--output", str(data), "--quiet"]
+    assert moa_main([*args, "--responses", "keep"]) == 0
+    assert "8 conversations" in capsys.readouterr().out
+    assert sum(datasets.load_from_disk(str(data))[0]["response_mask"]) == sum(len(a) + 1 for _, a in TURNS)
+    out = tmp_path / "drafter"
+    train = ["train", "--target", str(folder), "--data", str(data), "--states", str(tmp_path / "states")]
+    train += ["--output", str(out), "--max-steps", "2", "--batch-size", "4", "--cpu", "--quiet", "--bf16", "false"]
+    assert moa_main([*train, "--eval-num-prompts", "0", "--report-to", "none"]) == 0
+    assert (out / "model.safetensors").exists()
