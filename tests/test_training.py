@@ -334,9 +334,14 @@ class _StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-def test_resume_continues_the_same_loss_curve(tmp_path, target):
+@pytest.mark.parametrize("steps,stop", [(6, 3), (11, 9)], ids=["within-epoch", "next-epoch"])
+def test_resume_continues_the_same_loss_curve(tmp_path, target, steps, stop):
+    """Stopped at `stop` and resumed: the same losses as one uninterrupted run (8 steps an epoch: the second case
+    resumes inside epoch 2, with the length-grouped order of that epoch)."""
     data = random_dataset(24, seed=4)
-    common = dict(max_steps=6, save_strategy="steps", save_steps=3, sa_curriculum=True, per_device_train_batch_size=3)
+    common = dict(
+        max_steps=steps, save_strategy="steps", save_steps=stop, sa_curriculum=True, per_device_train_batch_size=3
+    )
 
     full = MoATrainer(
         model=make_drafter(target), target=target, args=make_args(tmp_path / "a", **common), train_dataset=data
@@ -349,11 +354,11 @@ def test_resume_continues_the_same_loss_curve(tmp_path, target):
         target=target,
         args=make_args(tmp_path / "b", **common),
         train_dataset=data,
-        callbacks=[_StopAt(3)],
+        callbacks=[_StopAt(stop)],
     )
     first.train()
-    assert max(losses_of(first)) == 3
-    ckpt = tmp_path / "b" / "out" / "checkpoint-3"
+    assert max(losses_of(first)) == stop
+    ckpt = tmp_path / "b" / "out" / f"checkpoint-{stop}"
     assert ckpt.is_dir()
     resumed = MoATrainer(
         model=make_drafter(target, seed=123),
@@ -363,10 +368,11 @@ def test_resume_continues_the_same_loss_curve(tmp_path, target):
     )
     resumed.train(resume_from_checkpoint=str(ckpt))
     after = losses_of(resumed)
-    assert sorted(reference) == list(range(1, 7)) and sorted(after) == list(range(1, 7))  # history is restored
-    for step in (1, 2, 3):
+    everything = list(range(1, steps + 1))
+    assert sorted(reference) == everything and sorted(after) == everything  # history is restored
+    for step in range(1, stop + 1):
         assert losses_of(first)[step] == pytest.approx(reference[step], rel=1e-5)
-    for step in (4, 5, 6):
+    for step in range(stop + 1, steps + 1):
         assert after[step] == pytest.approx(reference[step], rel=1e-5)
 
 

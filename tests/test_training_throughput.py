@@ -172,3 +172,14 @@ def test_moa_train_takes_bf16_where_the_cpu_has_it(tmp_path, monkeypatch):
         assert args.bf16 is native and (args.use_cpu or not native)
     (args,) = parse([*common, "--bf16", "false"])
     assert args.bf16 is False
+
+
+def test_the_loss_heads_run_under_bf16_autocast(tmp_path, target):
+    """Accelerate autocasts the model's forward only; the draft head in the loss must run in bf16 too."""
+    data = random_dataset(8, seed=5)
+    drafter = moa_hf.build_drafter(target, draft_vocab_size=32)
+    seen = []
+    drafter.draft_head.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    args = tiny_training_args(tmp_path, max_steps=1, bf16=True, use_cpu=True)
+    MoATrainer(model=drafter, target=target, args=args, train_dataset=data).train()
+    assert seen and set(seen) == {torch.bfloat16}
