@@ -33,6 +33,7 @@ from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import rotate_half
 
@@ -161,8 +162,9 @@ def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
     return scores.softmax(-1).to(v.dtype) @ v
 
 
-class MoADecoderLayer(nn.Module):
-    """Pre-norm decoder layer (attention + gated MLP). Used for SA (causal) and LSA (across target layers)."""
+class MoADecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm decoder layer (attention + gated MLP). Used for SA (causal) and LSA (across target layers).
+    Recomputed in the backward after `drafter.activation_checkpointing_enable()` (training only)."""
 
     def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, eps, act, short=False):
         super().__init__()
@@ -194,7 +196,7 @@ class MoADecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class MoACrossAttentionLayer(nn.Module):
+class MoACrossAttentionLayer(GradientCheckpointingLayer):
     """CA: queries from the SA stream, keys/values from the context vectors of verified tokens.
 
     One RMSNorm (same weights) normalises both streams, as in the authors' code. A learned null key/value is always
@@ -351,7 +353,7 @@ class MoAPreTrainedModel(PreTrainedModel):
     config_class = MoADrafterConfig
     config: MoADrafterConfig
     base_model_prefix = "moa"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True  # the SA, CA and LSA layers (`GradientCheckpointingLayer`)
     _no_split_modules = ["MoADecoderLayer", "MoACrossAttentionLayer"]
     _supports_sdpa = True
 
@@ -605,17 +607,8 @@ class MoADrafterModel(
                 there), so right-padded batches cost the LSA nothing for their padding.
         """
         with self.using_target(target_name):
-            args = (
-                context,
-                target_kv_held,
-                cycle_starts,
-                sa_mask,
-                target_tli_kv,
-                return_logits,
-                exits,
-                attention_mask,
-            )
-            return self._forward(input_ids, target_kv, *args)
+            args = (context, target_kv_held, cycle_starts, sa_mask, target_tli_kv, return_logits, exits)
+            return self._forward(input_ids, target_kv, *args, attention_mask=attention_mask)
 
     def _forward(
         self,

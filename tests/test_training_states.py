@@ -42,6 +42,30 @@ def test_cached_states_equal_the_targets_forward(tmp_path, target):
         load_target_states(folder, tiny_target(num_hidden_layers=2))
 
 
+def test_cached_states_say_their_size_and_refuse_a_disk_too_small(tmp_path, target, monkeypatch, caplog):
+    import shutil
+    from collections import namedtuple
+
+    from moa_hf.training import states
+
+    data = random_dataset(7)
+    tokens = sum(len(ids) for ids in data["input_ids"])
+    c = target.config
+    L, W, d = c.num_hidden_layers, 2 * c.num_key_value_heads * c.head_dim, c.hidden_size
+    size = states.states_bytes(tokens, L, W, d)
+    assert size == 2 * tokens * (L * W + d)
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10 * size, 9 * size, size - 1))
+    with pytest.raises(ValueError, match="Train online instead"):
+        cache_target_states(target, data, tmp_path / "states", progress=False)
+    assert not list((tmp_path / "states").glob("*.npy"))  # refused before writing anything
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10 * size, 9 * size, size))
+    cache_target_states(target, data, tmp_path / "states", progress=False)
+    assert f"{size / 1e9:.2f} GB" in caplog.text
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "states").glob("*.npy"))
+    assert size <= on_disk < size + 4096  # what was said is what was written (plus .npy headers)
+
+
 def test_training_on_cached_states_matches_online_training(tmp_path, target):
     """The same steps on cached (bf16) states and on the live target give the same losses, up to bf16 rounding."""
     data = random_dataset(8)

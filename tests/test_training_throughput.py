@@ -183,3 +183,39 @@ def test_the_loss_heads_run_under_bf16_autocast(tmp_path, target):
     args = tiny_training_args(tmp_path, max_steps=1, bf16=True, use_cpu=True)
     MoATrainer(model=drafter, target=target, args=args, train_dataset=data).train()
     assert seen and set(seen) == {torch.bfloat16}
+
+
+def test_gradient_checkpointing_same_gradients_less_kept(target):
+    """`activation_checkpointing_enable()` (HF's, as `--activation_checkpointing true` calls it) recomputes the SA, CA
+    and LSA layers in the backward: the same gradients in float32, far fewer activations kept for the backward."""
+    torch.manual_seed(0)
+    drafter = moa_hf.build_drafter(target, lsa_hidden_size=32).train()
+    ids = torch.randint(3, 100, (2, 12))
+    kv = torch.randn(2, 12, target.config.num_hidden_layers, drafter.config.target_kv_width)
+    starts = torch.tensor([0, 0, 0, 3, 3, 3, 6, 6, 6, 9, 9, 9]).expand(2, 12)
+
+    def run():
+        drafter.zero_grad()
+        kept = []
+
+        def pack(t):
+            kept.append(t.numel() * t.element_size())
+            return t
+
+        with drafter.attached(target), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = drafter(ids, target_kv=kv, cycle_starts=starts, return_logits=False).hidden_states
+            out.pow(2).mean().backward()
+        grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+        return grads, sum(kept)
+
+    plain, plain_kept = run()
+    drafter.activation_checkpointing_enable()
+    assert drafter.layer_self_attention.gradient_checkpointing and drafter.self_attention.gradient_checkpointing
+    checkpointed, checkpointed_kept = run()
+    assert plain.keys() == checkpointed.keys() and len(plain) > 10
+    for name, grad in plain.items():
+        assert_close(checkpointed[name], grad, msg=name)
+    assert checkpointed_kept < 0.5 * plain_kept
+    drafter.activation_checkpointing_disable()
+    with torch.no_grad(), drafter.attached(target):  # inference is untouched
+        assert drafter(ids, target_kv=kv, return_logits=False).hidden_states.shape == (2, 12, 64)

@@ -298,3 +298,24 @@ def test_qwen3_float32_identical_to_vllm_alone(tiny_qwen3, tmp_path_factory):
     for a, m in zip(alone["rows"], moa["rows"]):
         assert m["outputs"] == a["outputs"], f"batch {m['batch']}"
         assert m["draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_cpu_layouts_read_what_vllms_own_op_writes(isa):
+    """vLLM's CPU cache-writing op (`cpu_attn_reshape_and_cache`) lays keys/values out by ISA; the reader of each ISA
+    reads them back exactly, and the other ISA's reader is refused (`_check_layout`, run at start-up). The op only
+    moves memory, so the "amx" layout is checked on any CPU, AMX or not."""
+    import types
+
+    import torch
+
+    from moa_hf.vllm.kv_cache import LAYOUTS, UnsupportedCacheError, layout_for
+    from moa_hf.vllm.proposer import _check_layout
+
+    other = {"vec": "cpu_amx", "amx": "cpu_vec"}[isa]
+    for heads, head_dim, block_size in [(3, 64, 32), (2, 128, 64), (1, 64, 128)]:
+        cache = torch.zeros(4, heads, block_size, 2 * head_dim, dtype=torch.bfloat16)
+        layer = types.SimpleNamespace(kv_cache=cache, isa=isa)
+        _check_layout(layout_for("CPU_ATTN", isa), layer, "CPU_ATTN")
+        with pytest.raises(UnsupportedCacheError, match="did not read back"):
+            _check_layout(LAYOUTS[other], layer, "CPU_ATTN")

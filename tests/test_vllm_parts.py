@@ -113,6 +113,42 @@ def test_wrong_layout_reads_other_numbers(written, read):
     assert wrong_rows.all(), "a wrong layout must not read any token's keys/values right"
 
 
+AMX = dict(nb=3, h=2, bs=32, hd=32)  # the "amx" ISA tiles 16 tokens (keys) and 16 dimensions (values)
+
+
+def _write_cpu_amx(cache: torch.Tensor, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """vLLM's CPU "amx" layout written element by element, as its `cpu_attn_reshape_and_cache(..., "amx")` lays it
+    out (`tests/test_vllm_engine.py` checks the reader against that op): per (block, head) bs*hd key numbers, key
+    (o, d) at (o // 16) * 16 * hd + (d // 2) * 32 + (o % 16) * 2 + d % 2, then bs*hd value numbers, value (o, d) at
+    (d // 16) * bs * 16 + (o // 2) * 32 + (d % 16) * 2 + o % 2."""
+    nb, h, bs, hd2 = cache.shape
+    hd = hd2 // 2
+    flat = cache.view(-1)
+    block, o = divmod(slot, bs)
+    for head in range(h):
+        base = (block * h + head) * 2 * bs * hd
+        for d in range(hd):
+            flat[base + (o // 16) * 16 * hd + (d // 2) * 32 + (o % 16) * 2 + d % 2] = k[head, d]
+            flat[base + bs * hd + (d // 16) * bs * 16 + (o // 2) * 32 + (d % 16) * 2 + o % 2] = v[head, d]
+
+
+@pytest.mark.parametrize("read", ["cpu_amx", "cpu_vec", "head_major"])
+def test_amx_layout_reads_what_was_written(read):
+    g = torch.Generator().manual_seed(9)
+    nb, h, bs, hd = AMX.values()
+    cache = torch.randn(nb, h, bs, 2 * hd, generator=g)
+    slots = torch.randperm(nb * bs, generator=g)[:20]
+    keys, values = torch.randn(20, h, hd, generator=g), torch.randn(20, h, hd, generator=g)
+    for i, slot in enumerate(slots.tolist()):
+        _write_cpu_amx(cache, slot, keys[i], values[i])
+    expected = torch.cat([keys, values], dim=-1).reshape(20, h * 2 * hd)
+    got = LAYOUTS[read].read(cache, slots // bs, slots % bs)
+    if read == "cpu_amx":
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    else:  # another layout reads other numbers for every token
+        assert (got != expected).any(-1).all()
+
+
 def test_layout_keys_transposed_flags():
     assert LAYOUTS["cpu_vec"].keys_transposed and not LAYOUTS["head_major"].keys_transposed
     assert isinstance(LAYOUTS["cpu_vec"], PagedLayout)
@@ -144,8 +180,9 @@ def test_layout_for():
     assert layout_for("CPU_ATTN", "vec16") is LAYOUTS["cpu_vec"]
     assert layout_for("FLASH_ATTN") is LAYOUTS["head_major"]
     assert layout_for("TRITON_ATTN", None, "auto") is LAYOUTS["head_major"]
-    with pytest.raises(UnsupportedCacheError, match="'amx'"):
-        layout_for("CPU_ATTN", "amx")
+    assert layout_for("CPU_ATTN", "amx") is LAYOUTS["cpu_amx"]
+    with pytest.raises(UnsupportedCacheError, match="'neon'"):
+        layout_for("CPU_ATTN", "neon")
     with pytest.raises(UnsupportedCacheError, match="None"):
         layout_for("CPU_ATTN", None)
     with pytest.raises(UnsupportedCacheError, match="FLASHINFER"):

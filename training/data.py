@@ -81,6 +81,20 @@ def _eos_and_pad(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     return eos, (tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0))
 
 
+def _generation(target, tokenizer, max_new_tokens, do_sample, temperature, top_p, top_k):
+    """(EOS ids, the `GenerationConfig` the target answers with): greedy unless `do_sample`."""
+    eos, pad = _eos_and_pad(target, tokenizer)
+    return eos, GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=do_sample,
+        temperature=temperature if do_sample else None,
+        top_p=top_p if do_sample else None,
+        top_k=top_k if do_sample else None,
+        pad_token_id=pad,
+        eos_token_id=eos or None,
+    )
+
+
 def _answer_all(
     target: PreTrainedModel,
     prompt_ids: Sequence[list[int]],
@@ -307,16 +321,7 @@ def build_dataset(
     shard_dir = output_dir / _SHARDS
     shard_dir.mkdir(parents=True, exist_ok=True)
 
-    eos, pad = _eos_and_pad(target, tokenizer)
-    gen_config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=do_sample,
-        temperature=temperature if do_sample else None,
-        top_p=top_p if do_sample else None,
-        top_k=top_k if do_sample else None,
-        pad_token_id=pad,
-        eos_token_id=eos or None,
-    )
+    eos, gen_config = _generation(target, tokenizer, max_new_tokens, do_sample, temperature, top_p, top_k)
     context = getattr(target.config.get_text_config(), "max_position_embeddings", None)
     if max_prompt_tokens is None and context is not None:
         max_prompt_tokens = max(1, context - max_new_tokens)
@@ -441,17 +446,8 @@ def build_chat_dataset(
         conversations = load_conversations(conversations, split=split, num_conversations=num_conversations)
     else:
         conversations = list(conversations)[:num_conversations]
-    eos, pad = _eos_and_pad(target, tokenizer)
+    eos, gen_config = _generation(target, tokenizer, max_new_tokens, do_sample, temperature, top_p, top_k)
     regenerate = responses == "regenerate"
-    gen_config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=do_sample,
-        temperature=temperature if do_sample else None,
-        top_p=top_p if do_sample else None,
-        top_k=top_k if do_sample else None,
-        pad_token_id=pad,
-        eos_token_id=eos or None,
-    )
     if max_tokens is None:
         max_tokens = getattr(target.config.get_text_config(), "max_position_embeddings", None)
     output_dir = Path(output_dir)

@@ -19,7 +19,9 @@ dataset with its states; `MoATrainer` then skips the target's forward (an epoch 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +32,9 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..modeling import CACHE_NAME, gather_target_kv, target_fingerprint, target_signature
 
-__all__ = ["TargetStates", "TargetStatesDataset", "cache_target_states", "load_target_states"]
+__all__ = ["TargetStates", "TargetStatesDataset", "cache_target_states", "load_target_states", "states_bytes"]
+
+logger = logging.getLogger(__name__)
 
 _META = "states.json"
 _KV, _HIDDEN, _TLI = "target_kv", "final_hidden", "tli_hidden"
@@ -63,6 +67,36 @@ def _signature(target: PreTrainedModel) -> dict:
 
 def _as_u16(x: torch.Tensor) -> np.ndarray:
     return x.to(torch.bfloat16).contiguous().view(torch.uint16).cpu().numpy()  # bf16 bits, numpy has no bf16
+
+
+def states_bytes(tokens: int, num_layers: int, kv_width: int, hidden_size: int, tli_layers: int = 0) -> int:
+    """Bytes of cached states: per token every layer's keys/values, the final state and `tli_layers` inputs, bf16."""
+    return 2 * tokens * (num_layers * kv_width + hidden_size * (1 + tli_layers))
+
+
+def _check_room(out: Path, tokens: int, num_layers: int, kv_width: int, hidden_size: int, tli_layers: int) -> None:
+    """Say what the states will take, and refuse before writing anything when the disk cannot hold them."""
+    size = states_bytes(tokens, num_layers, kv_width, hidden_size, tli_layers)
+    free = shutil.disk_usage(out).free
+    logger.warning(
+        "Caching the target's states in %s: %d tokens x (%d layers x %d K/V width + %d final state%s) x 2 bytes = "
+        "%.2f GB (%.1f GB free).",
+        out,
+        tokens,
+        num_layers,
+        kv_width,
+        hidden_size,
+        f" x {1 + tli_layers}" if tli_layers else "",
+        size / 1e9,
+        free / 1e9,
+    )
+    if size > free:
+        raise ValueError(
+            f"The target's states for this data would take {size / 1e9:.2f} GB ({tokens} tokens x {num_layers} layers "
+            f"x {kv_width} K/V width x 2 bytes, plus final states) but {out} has {free / 1e9:.2f} GB free. Train "
+            "online instead (without --states: the target runs inside each training step), or cache fewer tokens "
+            "(--max-length) or on a larger disk."
+        )
 
 
 @torch.no_grad()
@@ -112,6 +146,7 @@ def cache_target_states(
     probe = target(input_ids=probe_ids, use_cache=True, **{CACHE_NAME: DynamicCache()})  # cache layout (L, W)
     width = gather_target_kv(getattr(probe, CACHE_NAME), 0, 1).shape[-1]
     num_layers = len(getattr(probe, CACHE_NAME).layers)
+    _check_room(out, total, num_layers, int(width), cfg.hidden_size, tli_layers)
     kv = np.lib.format.open_memmap(out / (_KV + ".npy"), mode="w+", dtype=np.uint16, shape=(total, num_layers, width))
     hid = np.lib.format.open_memmap(
         out / (_HIDDEN + ".npy"), mode="w+", dtype=np.uint16, shape=(total, cfg.hidden_size)

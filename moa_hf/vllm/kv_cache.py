@@ -30,6 +30,7 @@ class PagedLayout:
 
     name: str
     keys_transposed: bool  # keys stored [hd, block_size] per (block, head), values [block_size, hd]: the CPU kernels
+    amx_tiles: bool = False  # vLLM's CPU "amx" ISA: keys and values in AMX tiles of 16 rows x 64 bytes (see `read`)
 
     def block_size(self, cache: torch.Tensor) -> int:
         return cache.shape[2]
@@ -38,24 +39,39 @@ class PagedLayout:
         """Keys/values of N tokens at (`blocks`, `offsets`) [N] -> [N, Hkv * 2 * hd], key then value per head."""
         nb, H, bs, hd2 = cache.shape  # [num_blocks, Hkv, block_size, 2*hd]
         hd = hd2 // 2
-        if not self.keys_transposed:  # key = [..., :hd], value = [..., hd:] of each (block, head, offset)
-            return cache[blocks, :, offsets, :].reshape(blocks.shape[0], H * hd2)  # [N, H, 2*hd] -> [N, H*2*hd]
+        N = blocks.shape[0]
+        if not self.keys_transposed and not self.amx_tiles:  # key = [..., :hd], value = [..., hd:] of each slot
+            return cache[blocks, :, offsets, :].reshape(N, H * hd2)  # [N, H, 2*hd] -> [N, H*2*hd]
         flat = cache.view(nb, H, 2 * bs * hd)  # per (block, head): bs*hd key numbers, then bs*hd value numbers
-        keys = flat[:, :, : bs * hd].view(nb, H, hd, bs)[blocks, :, :, offsets]  # [N, H, hd] (stored transposed)
-        values = flat[:, :, bs * hd :].view(nb, H, bs, hd)[blocks, :, offsets, :]  # [N, H, hd]
-        return torch.cat([keys, values], dim=-1).reshape(blocks.shape[0], H * hd2)  # [N, H*2*hd]
+        keys, values = flat[:, :, : bs * hd], flat[:, :, bs * hd :]
+        if self.amx_tiles:
+            # keys: for each 16 tokens, rows of dimension pairs, each row the pair of all 16 tokens interleaved:
+            # key (t, d) at (t // 16) * 16 * hd + (d // 2) * 32 + (t % 16) * 2 + d % 2
+            tiles = keys.reshape(nb, H, bs // 16, hd // 2, 16, 2)  # [nb, H, token tile, dim pair, token, 2 dims]
+            keys = tiles[blocks, :, offsets // 16, :, offsets % 16, :].reshape(N, H, hd)  # [N, H, hd/2, 2] -> hd
+            # values: for each 16 dimensions, rows of token pairs, each row the pair's 16 dimensions interleaved:
+            # value (t, d) at (d // 16) * bs * 16 + (t // 2) * 32 + (d % 16) * 2 + t % 2
+            tiles = values.reshape(nb, H, hd // 16, bs // 2, 16, 2)  # [nb, H, dim tile, token pair, dim, 2 tokens]
+            values = tiles[blocks, :, :, offsets // 2, :, offsets % 2].reshape(N, H, hd)  # [N, H, hd/16, 16] -> hd
+        else:
+            keys = keys.view(nb, H, hd, bs)[blocks, :, :, offsets]  # [N, H, hd] (stored transposed)
+            values = values.view(nb, H, bs, hd)[blocks, :, offsets, :]  # [N, H, hd]
+        return torch.cat([keys, values], dim=-1).reshape(N, H * hd2)  # [N, H*2*hd]
 
 
 LAYOUTS = {
     # vLLM's CPU backend, ISAs "vec" and "vec16" (csrc/cpu: keys transposed per block so a query reads them as rows)
     "cpu_vec": PagedLayout("cpu_vec", keys_transposed=True),
+    # vLLM's CPU backend, ISA "amx" (bf16 on CPUs with AMX tiles, block size a multiple of 32): derived by writing
+    # known keys/values with vLLM's own `cpu_attn_reshape_and_cache(..., "amx")` and checked that way at start-up
+    "cpu_amx": PagedLayout("cpu_amx", keys_transposed=False, amx_tiles=True),
     # FlashAttention and Triton attention on GPUs: [num_blocks, Hkv, block_size, 2*hd] read through its logical view
     # (whatever its stride order), key and value halves of the last axis (`kv_cache.transpose(1, 2).split(hd, -1)`)
     "head_major": PagedLayout("head_major", keys_transposed=False),
 }
 
 _BACKENDS = {"FLASH_ATTN": "head_major", "TRITON_ATTN": "head_major"}
-_CPU_ISAS = {"vec": "cpu_vec", "vec16": "cpu_vec"}
+_CPU_ISAS = {"vec": "cpu_vec", "vec16": "cpu_vec", "amx": "cpu_amx"}
 
 
 def layout_for(backend: str, isa: str | None = None, kv_cache_dtype: str = "auto") -> PagedLayout:
@@ -70,7 +86,7 @@ def layout_for(backend: str, isa: str | None = None, kv_cache_dtype: str = "auto
         if isa not in _CPU_ISAS:
             raise UnsupportedCacheError(
                 f"vLLM's CPU attention runs with ISA {isa!r} here, whose cache layout moa-hf does not read (it reads "
-                f"{', '.join(sorted(_CPU_ISAS))}; 'amx' tiles its blocks for AMX). Nothing was read."
+                f"{', '.join(sorted(_CPU_ISAS))}). Nothing was read."
             )
         return LAYOUTS[_CPU_ISAS[isa]]
     if backend not in _BACKENDS:
