@@ -1,5 +1,5 @@
 """Scale-out: `accelerate launch` with 2 CPU processes (DDP, gloo) trains the drafter exactly like one process with
-the combined batch (same logged losses, same final weights)."""
+the combined batch (same logged losses, same final weights), on target states the main process caches once."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow  # two processes with gloo (~25 s): `make test-all
 ACCELERATE = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
 
 
-def _train_cmd(target: Path, data: Path, out: Path, batch_size: int) -> list[str]:
+def _train_cmd(target: Path, data: Path, out: Path, batch_size: int, states: Path) -> list[str]:
     return [
         "-m",
         "moa_hf.training.cli",
@@ -33,6 +33,10 @@ def _train_cmd(target: Path, data: Path, out: Path, batch_size: int) -> list[str
         str(target),
         "--data",
         str(data),
+        "--states",
+        str(states),
+        "--bf16",
+        "false",  # float32: one process and two agree to rounding
         "--output",
         str(out),
         "--max-steps",
@@ -52,10 +56,11 @@ def _train_cmd(target: Path, data: Path, out: Path, batch_size: int) -> list[str
     ]
 
 
-def _run(cmd: list[str], tmp_path: Path) -> None:
+def _run(cmd: list[str], tmp_path: Path) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout + proc.stderr
 
 
 def _free_port() -> int:
@@ -88,10 +93,10 @@ def test_two_process_ddp_matches_one_process(tmp_path):
     )
 
     single, ddp = tmp_path / "single", tmp_path / "ddp"
-    _run([sys.executable, *_train_cmd(folder, data, single, batch_size=8)], tmp_path)
+    _run([sys.executable, *_train_cmd(folder, data, single, batch_size=8, states=tmp_path / "states1")], tmp_path)
     # accelerate 1.x: `--cpu` with several processes expects MPI; `--multi_gpu` on a machine without GPUs launches
     # torchrun processes that use the gloo backend on the CPU (and `--cpu` of `moa train` keeps them there).
-    _run(
+    log = _run(
         [
             ACCELERATE,
             "launch",
@@ -106,10 +111,14 @@ def test_two_process_ddp_matches_one_process(tmp_path):
             "no",
             "--main_process_port",
             str(_free_port()),
-            *_train_cmd(folder, data, ddp, batch_size=4),
+            *_train_cmd(folder, data, ddp, batch_size=4, states=tmp_path / "states2"),
         ],
         tmp_path,
     )
+    # the target's states: computed by the main process alone (the other waits, then reads them), as one process would
+    assert log.count("Caching the target's states") == 1
+    for name in ("target_kv.npy", "final_hidden.npy"):
+        assert (tmp_path / "states2" / name).read_bytes() == (tmp_path / "states1" / name).read_bytes()
 
     state = json.loads((ddp / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["epoch"] == pytest.approx(1.0)  # 2 processes x 4 examples per step over 32 examples

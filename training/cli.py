@@ -208,10 +208,12 @@ def _with_cached_states(name: str, train_data, parts: list, folders: list[str], 
         )
     pairs = [(train_data, folders[0])] if len(folders) == 1 else list(zip(parts, folders))
     tli = adapter_for(drafter).target_layer_inference(drafter)
-    cached = [
-        TargetStatesDataset(
-            data,
-            cache_target_states(
+    cached = []
+    for data, folder in pairs:
+        # under DDP the main process computes and writes the states while the others wait; they then find the
+        # folder complete and read it (`cache_target_states` reuses a finished folder)
+        with training.main_process_first(local=False, desc=f"target states in {folder}"):
+            states = cache_target_states(
                 target,
                 data,
                 folder,
@@ -219,11 +221,8 @@ def _with_cached_states(name: str, train_data, parts: list, folders: list[str], 
                 max_length=training.max_length,
                 progress=not training.disable_tqdm,
                 tli_layers=tli,
-            ),
-            target,
-        )
-        for data, folder in pairs
-    ]
+            )
+        cached.append(TargetStatesDataset(data, states, target))
     return cached[0] if len(cached) == 1 else ConcatDataset(cached)
 
 

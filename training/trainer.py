@@ -534,8 +534,9 @@ class MoATrainer(Trainer):
         grouped = self.args.train_sampling_strategy == "group_by_length"
         if (len(self._target_sizes) > 1 or grouped) and (train_dataset is None or train_dataset is self.train_dataset):
             lengths = _example_lengths(self.train_dataset, self.args.max_length) if grouped else None
-            # blocks of one optimizer step's examples: accumulated micro-batches see what one large batch would
-            step_batch = self._train_batch_size * self.args.gradient_accumulation_steps
+            # blocks of one optimizer step's examples on all processes: accumulated micro-batches and DDP processes
+            # (Accelerate deals consecutive batches out to them) see what one large batch would
+            step_batch = self._train_batch_size * self.args.gradient_accumulation_steps * max(1, self.args.world_size)
             return TargetBatchSampler(self._target_sizes, step_batch, seed=self.args.seed, lengths=lengths)
         return super()._get_train_sampler(train_dataset)
 
