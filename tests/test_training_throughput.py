@@ -55,6 +55,8 @@ def test_example_lengths_read_through_wrappers():
     assert _example_lengths(_Indexed(data)) == want
     assert _example_lengths(_Indexed(data), max_length=12) == [min(n, 12) for n in want]
     assert _example_lengths([{"input_ids": [1, 2]}]) is None  # not a datasets.Dataset: no grouping
+    view = data.shuffle(seed=3).select([4, 0, 7])  # an index mapping over the table
+    assert _example_lengths(view) == [len(ids) for ids in view["input_ids"]]
 
 
 def test_trainer_groups_lengths_by_default(tmp_path, target):

@@ -141,7 +141,12 @@ def _example_lengths(dataset, max_length: int | None = None) -> list[int] | None
         return _example_lengths(inner, max_length)
     if "input_ids" not in (getattr(dataset, "column_names", None) or []):
         return None
-    lengths = [len(ids) for ids in dataset.with_format(None)["input_ids"]]
+    import pyarrow.compute as pc
+
+    column = dataset.data.column("input_ids")  # arrow: the lengths without reading the token ids into Python
+    lengths = pc.list_value_length(column).to_pylist()
+    if getattr(dataset, "_indices", None) is not None:  # a selected / shuffled view of the table
+        lengths = [lengths[i] for i in dataset._indices.column("indices").to_pylist()]
     return [min(n, max_length) for n in lengths] if max_length else lengths
 
 
@@ -197,7 +202,7 @@ class TargetBatchSampler(Sampler[int]):
         self.epoch = 0
         if lengths is not None and len(lengths) != sum(self.sizes):
             raise ValueError(f"{len(lengths)} lengths for {sum(self.sizes)} examples.")
-        self.lengths = None if lengths is None else torch.as_tensor(lengths, dtype=torch.long)
+        self.lengths = None if lengths is None else [int(n) for n in lengths]
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -217,7 +222,7 @@ class TargetBatchSampler(Sampler[int]):
         return [blocks[i] for i in torch.randperm(len(blocks), generator=g).tolist()]
 
     def _length(self, i: int) -> int:
-        return -int(self.lengths[i])
+        return -self.lengths[i]
 
     def __iter__(self):
         for block in self._blocks():
