@@ -180,9 +180,10 @@ class MoATrainingArguments(TrainingArguments):
     train_sampling_strategy: str = field(
         default="group_by_length",
         metadata={
-            "choices": ["group_by_length", "random"],
+            "choices": ["group_by_length", "random", "sequential", "batch_rebalance"],
             "help": "group_by_length: each batch holds examples of similar lengths (shuffled in groups of 16 "
-            "batches, then sorted by length), so little padding is computed; random: plain shuffling.",
+            "batches, then sorted by length), so little padding is computed; the others are the Trainer's own "
+            "(random: plain shuffling).",
         },
     )
     include_num_input_tokens_seen: str = field(  # str (a bool still maps to "all" / "no"): HfArgumentParser-safe
