@@ -85,13 +85,8 @@ def is_conversation_source(source: str | os.PathLike) -> bool:
     prompts."""
     path = Path(str(source)).expanduser()
     if path.is_file() and path.suffix in (".jsonl", ".json"):
-        with open(path, encoding="utf-8") as f:
-            if path.suffix == ".json":
-                records = json.load(f)
-                first = records[0] if isinstance(records, list) and records else None
-            else:
-                first = next((json.loads(line) for line in f if line.strip()), None)
-        return isinstance(first, dict) and is_conversation_record(first)
+        records = _file_records(path)
+        return bool(records) and isinstance(records[0], dict) and is_conversation_record(records[0])
     if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         import datasets
 
@@ -111,12 +106,7 @@ def load_conversations(
     path = Path(text).expanduser()
     if path.is_file():
         check_not_spec_bench(path.resolve())
-        with open(path, encoding="utf-8") as f:
-            if path.suffix == ".json":
-                records = json.load(f)
-            else:
-                records = [json.loads(line) for line in f if line.strip()]
-        where = str(path)
+        records, where = _file_records(path), str(path)
     else:
         import datasets
 
@@ -139,6 +129,15 @@ def load_conversations(
     if not out:
         raise ValueError(f"No conversations found in {text!r}.")
     return out
+
+
+def _file_records(path: Path) -> list:
+    """The records of a .json file (a list) or of a JSON Lines file (one per non-empty line)."""
+    with open(path, encoding="utf-8") as f:
+        if path.suffix == ".json":
+            records = json.load(f)
+            return records if isinstance(records, list) else [records]
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def format_conversation(

@@ -503,9 +503,7 @@ class MoADrafterModel(
         if where is not None and not bool(where.all()):
             picked = self.compute_context(target_kv[where][None])[0]  # [N, d] for the N tokens where True
             return picked.new_zeros(B, T, picked.shape[-1]).masked_scatter(where[..., None], picked)  # [B, T, d]
-        if not torch.is_autocast_enabled(
-            target_kv.device.type
-        ):  # under autocast the projection reads them as they are
+        if not torch.is_autocast_enabled(target_kv.device.type):  # autocast: the projection reads them as they are
             target_kv = target_kv.to(self.dtype)
         x = target_kv.reshape(B * T, L, W)  # each token is a sequence over the target's layers
         proj = self.lsa_in_proj  # the active target's own

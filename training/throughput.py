@@ -124,6 +124,8 @@ class StepProfile(TrainerCallback):
         self.flops += counter.total
 
     def count_tokens(self, inputs: dict[str, torch.Tensor]) -> None:
+        if not (self.counting or self.active):  # outside the profile: no host synchronisation on a GPU
+            return
         mask = inputs.get("attention_mask")
         n = int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
         if self.counting:

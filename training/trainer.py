@@ -143,10 +143,8 @@ def _example_lengths(dataset, max_length: int | None = None) -> list[int] | None
         return None
     import pyarrow.compute as pc
 
-    column = dataset.data.column("input_ids")  # arrow: the lengths without reading the token ids into Python
+    column = dataset.with_format("arrow")["input_ids"]  # the lengths without reading the token ids into Python
     lengths = pc.list_value_length(column).to_pylist()
-    if getattr(dataset, "_indices", None) is not None:  # a selected / shuffled view of the table
-        lengths = [lengths[i] for i in dataset._indices.column("indices").to_pylist()]
     return [min(n, max_length) for n in lengths] if max_length else lengths
 
 
