@@ -14,13 +14,18 @@ record.kind, record.engine_support, record.vllm_support
 
 Adding an architecture: its modeling files (config and model class), its training adapter (a
 `moa_hf.training.drafters.DrafterAdapter`), and one `register_drafter_type(DrafterType(...))` call below. The
-registry is filled at import by the registrations in this file; a kind registered elsewhere works the same.
+registry is filled at import by the registrations in this file; a kind registered elsewhere works the same. What
+varies per kind outside its own files is here: the `moa bench` methods that run it and its `--KIND` flag
+(`bench_methods`, `bench_default`), and a Hub repo's remote code and `auto_map` (`remote_code_files`, `auto_map`,
+derived from its classes); `tests/test_layout.py` checks that bench, tune, hub and loading name no kind.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from .modeling import EagleDrafterConfig, EagleDrafterModel, MoADrafterConfig, MoADrafterModel
 
@@ -43,6 +48,10 @@ class DrafterType:
     it. build_hint: how to get one, for error messages. engine_support: the tree engine drafts with it (the
     `tree_*` protocol). vllm_support: `moa_hf.vllm` serves it. publishable: `moa publish` makes a Hub repo of it,
     whose card describes its config. tunable: `moa tune --write` stores tuned settings in its config.
+    bench_methods: the `moa bench` methods that run it, the first through assisted generation (the others are
+    `moa_hf.bench.methods`' engine methods or config overrides of it); its folder is `moa bench --KIND`, whose default
+    is bench_default (None: the methods need the flag). sorted_exits: a config with `num_blocks` > 1 drafts from
+    several exits (`moa bench` adds per-exit methods of its first assisted and engine methods).
     """
 
     kind: str
@@ -55,6 +64,29 @@ class DrafterType:
     vllm_support: bool = False
     publishable: bool = False
     tunable: bool = False
+    bench_methods: tuple[str, ...] = ()
+    bench_default: str | None = None
+    sorted_exits: bool = False
+
+    @property
+    def remote_code_files(self) -> tuple[str, ...]:
+        """The files of `modeling/` a Hub repo of this kind carries for `trust_remote_code`: its modeling file and
+        every file it imports relatively (what transformers copies and loads), sorted; () for the fallback."""
+        if self.model_class is None:
+            return ()
+        from transformers.dynamic_module_utils import get_relative_import_files
+
+        source = inspect.getfile(self.model_class)
+        return tuple(sorted({Path(f).name for f in get_relative_import_files(source)} | {Path(source).name}))
+
+    @property
+    def auto_map(self) -> dict[str, str] | None:
+        """config.json's `auto_map` of a Hub repo of this kind (its classes by remote-code file); None: fallback."""
+        if self.model_class is None or self.config_class is None:
+            return None
+        classes = (self.config_class, self.model_class)
+        config, model = (f"{c.__module__.rpartition('.')[2]}.{c.__name__}" for c in classes)
+        return {"AutoConfig": config, "AutoModel": model}
 
     @property
     def model_type(self) -> str | None:
@@ -135,6 +167,9 @@ register_drafter_type(
         vllm_support=True,
         publishable=True,
         tunable=True,
+        bench_methods=("moa", "moa_nolookup", "moa_tree", "moa_tree_nolookup", "moa_chain"),
+        bench_default="default",
+        sorted_exits=True,
     )
 )
 register_drafter_type(
@@ -146,6 +181,7 @@ register_drafter_type(
         label="EAGLE drafter",
         build_hint="build one with `moa train --kind eagle ...` and pass --eagle PATH",
         engine_support=True,
+        bench_methods=("eagle",),
     )
 )
 register_drafter_type(
@@ -156,5 +192,6 @@ register_drafter_type(
         training_adapter="moa_hf.training.drafters:IndependentAdapter",
         label="independent draft model",
         build_hint="build one with `moa train --kind independent ...` and pass --independent PATH",
+        bench_methods=("independent",),
     )
 )

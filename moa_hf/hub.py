@@ -1,12 +1,13 @@
 """Publish MoA drafters as Hugging Face Hub repos: `moa publish DRAFTER --repo-id ORG/NAME --out FOLDER [--push]`.
 
 A repo folder holds everything `AutoModel.from_pretrained(repo_id, trust_remote_code=True)` needs without `moa_hf`:
-`config.json` (with `auto_map`), the remote code (`REMOTE_CODE_FILES`: `configuration_moa.py`, `modeling_moa.py` and
-the sibling files they import), `model.safetensors`, `generation_config.json` and the model card `README.md` (plus
-the benchmark / training-info JSON the card quotes). Its `custom_generate/` folder (`CUSTOM_GENERATE_FILES`, from
-`modeling/custom_generate/`) lets `target.generate(**inputs, custom_generate=REPO, trust_remote_code=True)` decode
-with the drafter: `generate.py` records where to load it from (`DRAFTER_REPO`: the Hub repo id; `DRAFTER_FOLDER`:
-also the folder's absolute path when it is not pushed, loaded while it exists).
+`config.json` (with `auto_map`), the remote code (the drafter kind's `remote_code_files` in `moa_hf.drafter_types`:
+`configuration_moa.py`, `modeling_moa.py` and the sibling files they import), `model.safetensors`,
+`generation_config.json` and the model card `README.md` (plus the benchmark / training-info JSON the card quotes). Its
+`custom_generate/` folder (`CUSTOM_GENERATE_FILES`, from `modeling/custom_generate/`) lets `target.generate(**inputs,
+custom_generate=REPO, trust_remote_code=True)` decode with the drafter: `generate.py` records where to load it from
+(`DRAFTER_REPO`: the Hub repo id; `DRAFTER_FOLDER`: also the folder's absolute path when it is not pushed, loaded while
+it exists).
 
 The card quotes the benchmark and training info given explicitly, else the `benchmark.json` / `training_info.json`
 that `moa bench` / `moa train` left in the drafter's folder (for `default`: the shipped default drafter's folder). A
@@ -30,16 +31,14 @@ from pathlib import Path
 
 from transformers import GenerationConfig
 
-from .drafter_types import drafter_type
+from .drafter_types import DrafterType, drafter_type, drafter_types
 from .embeddings import without_own_embeddings
 from .hub_cards import load_benchmark, load_target_benchmarks, load_training_info, render_card, validate_card_metadata
 from .loading import load_drafter  # re-exported: `moa_hf.hub.load_drafter` is the one loader
-from .modeling import PRIMARY_TARGET, MoADrafterModel
+from .modeling import PRIMARY_TARGET, MoADrafterModel  # the type of what is published (the card reads its config)
 
 __all__ = [
-    "AUTO_MAP",
     "CUSTOM_GENERATE_FILES",
-    "REMOTE_CODE_FILES",
     "build_repo_folder",
     "card_inputs",
     "check_repo_folder",
@@ -51,18 +50,6 @@ __all__ = [
     "target_benchmark_inputs",
 ]
 
-# every file of modeling/ that modeling_moa.py imports, itself included (save_pretrained copies them too)
-REMOTE_CODE_FILES = (
-    "configuration_moa.py",
-    "modeling_moa.py",
-    "drafting.py",
-    "lookup.py",
-    "moa_tree.py",
-    "sorted_exits.py",
-    "target_cache.py",
-    "target_parts.py",
-)
-AUTO_MAP = {"AutoConfig": "configuration_moa.MoADrafterConfig", "AutoModel": "modeling_moa.MoADrafterModel"}
 BENCHMARK_FILE = "moa_benchmark.json"
 TRAINING_INFO_FILE = "training_info.json"
 # JSON files in a drafter's folder the card quotes when none is given (the first found): `moa bench --output` writes
@@ -71,17 +58,12 @@ FOLDER_BENCHMARK_FILES = ("benchmark.json", "bench.json", BENCHMARK_FILE)
 FOLDER_TRAINING_INFO_FILES = (TRAINING_INFO_FILE,)
 # transformers' `custom_generate` folder, copied from modeling/custom_generate/ (generate.py's DRAFTER_* filled in)
 CUSTOM_GENERATE_DIR = "custom_generate"
-_CUSTOM_GENERATE_NAMES = ("generate.py", "engine.py", "tree.py", "accept.py", "policy.py")  # the loop and its pages
+# the loop and its pages
+_CUSTOM_GENERATE_NAMES = ("generate.py", "engine.py", "tree.py", "accept.py", "policy.py", "policy_core.py")
 CUSTOM_GENERATE_FILES = tuple(f"{CUSTOM_GENERATE_DIR}/{name}" for name in _CUSTOM_GENERATE_NAMES)
 _RECORDED_LINE = re.compile(r"^(DRAFTER_REPO|DRAFTER_FOLDER): str \| None = None\b.*$", re.MULTILINE)
-REQUIRED_FILES = (
-    "config.json",
-    *REMOTE_CODE_FILES,
-    *CUSTOM_GENERATE_FILES,
-    "model.safetensors",
-    "generation_config.json",
-    "README.md",
-)
+# besides the kind's remote code (`DrafterType.remote_code_files`)
+REQUIRED_FILES = ("config.json", *CUSTOM_GENERATE_FILES, "model.safetensors", "generation_config.json", "README.md")
 
 logger = logging.getLogger(__name__)
 
@@ -191,19 +173,33 @@ def _write_custom_generate(folder: Path, repo_id: str, drafter_folder: Path | No
         (folder / name).write_bytes(data)
 
 
-def _complete_remote_code(folder: Path) -> None:
+def publishable_type(drafter) -> DrafterType:
+    """The registered kind of `drafter` (a model or a config.json dict), if `moa publish` makes repos of it; else a
+    ValueError naming the kinds it does publish."""
+    record = drafter_type(drafter)
+    if not record.publishable:
+        kinds = ", ".join(f"{t.kind!r} ({t.label})" for t in drafter_types() if t.publishable)
+        raise ValueError(
+            f"`moa publish` makes Hub repos of the drafter kind(s) {kinds}, not of kind {record.kind!r} "
+            f"({record.label}); pass a drafter of those kinds."
+        )
+    return record
+
+
+def _complete_remote_code(folder: Path, record: DrafterType) -> None:
     """Add the remote code and `auto_map` if missing (`save_pretrained` writes them for auto-registered classes)."""
-    for name in REMOTE_CODE_FILES:
+    for name in record.remote_code_files:
         if not (folder / name).is_file():  # a class that was not registered with `register_for_auto_class`
             (folder / name).write_bytes(_package_file(name))
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
-    if config.get("auto_map") != AUTO_MAP or config.get("architectures") != ["MoADrafterModel"]:
-        config["auto_map"] = AUTO_MAP
-        config["architectures"] = ["MoADrafterModel"]
+    architectures = [record.model_class.__name__]
+    if config.get("auto_map") != record.auto_map or config.get("architectures") != architectures:
+        config["auto_map"] = record.auto_map
+        config["architectures"] = architectures
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     if not (folder / "generation_config.json").is_file():
-        MoADrafterModel.default_generation_config(GenerationConfig()).save_pretrained(folder)
+        record.model_class.default_generation_config(GenerationConfig()).save_pretrained(folder)
 
 
 def _prepare_out_dir(out_dir: Path, source: Path | None, overwrite: bool) -> None:
@@ -211,7 +207,8 @@ def _prepare_out_dir(out_dir: Path, source: Path | None, overwrite: bool) -> Non
         raise ValueError(f"--out {out_dir} is the drafter's own folder; choose another output folder.")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         config = out_dir / "config.json"
-        is_build = config.is_file() and json.loads(config.read_text(encoding="utf-8")).get("auto_map") == AUTO_MAP
+        auto_map = config.is_file() and json.loads(config.read_text(encoding="utf-8")).get("auto_map")
+        is_build = any(auto_map == t.auto_map for t in drafter_types() if t.publishable)
         if not overwrite:
             raise FileExistsError(
                 f"{out_dir} already exists and is not empty. Choose another folder, or pass overwrite=True "
@@ -252,7 +249,9 @@ def build_repo_folder(
     is_path = isinstance(drafter_path_or_model, (str, os.PathLike)) and str(drafter_path_or_model) != "default"
     source = Path(drafter_path_or_model) if is_path else None
     _prepare_out_dir(out_dir, source, overwrite)
-    drafter = _with_embeddings(load_drafter(drafter_path_or_model, kind="moa"), own_embeddings)
+    drafter = load_drafter(drafter_path_or_model)
+    record = publishable_type(drafter)
+    drafter = _with_embeddings(drafter, own_embeddings)
     benchmark, training_info = card_inputs(drafter_path_or_model, benchmark, training_info)
     bench = load_benchmark(benchmark)
     info = load_training_info(training_info)
@@ -266,7 +265,7 @@ def build_repo_folder(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))  # renamed into place when complete
     try:
         drafter.save_pretrained(tmp)
-        _complete_remote_code(tmp)
+        _complete_remote_code(tmp, record)
         _write_custom_generate(tmp, repo_id, out_dir.resolve() if record_folder else None)
         card.save(tmp / "README.md")
         if bench is not None:
@@ -296,17 +295,18 @@ def _target_file(file_name: str, target: str) -> str:
 def check_repo_folder(folder: str | os.PathLike) -> list[str]:
     """Check that a repo folder is complete (files, `auto_map`, card metadata); returns the names in it."""
     folder = Path(folder)
-    missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else None
+    try:
+        record = None if config is None else publishable_type(config)
+    except ValueError as err:
+        raise ValueError(f"{config_path} (model_type {config.get('model_type')!r}): {err}") from err
+    needed = (*REQUIRED_FILES, *(record.remote_code_files if record else ()))
+    missing = [name for name in needed if not (folder / name).is_file()]
     if missing:
         raise ValueError(f"The repo folder {folder} lacks {missing}; rebuild it with `moa publish`.")
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    if config.get("auto_map") != AUTO_MAP:
-        raise ValueError(f"{folder}/config.json has auto_map {config.get('auto_map')}, expected {AUTO_MAP}.")
-    if not drafter_type(config).publishable:
-        raise ValueError(
-            f"{folder}/config.json is not the config of a publishable drafter (model_type "
-            f"{config.get('model_type')!r}); `moa publish` makes repos of MoA drafters."
-        )
+    if config.get("auto_map") != record.auto_map:
+        raise ValueError(f"{config_path} has auto_map {config.get('auto_map')}, expected {record.auto_map}.")
     validate_card_metadata((folder / "README.md").read_text(encoding="utf-8"))
     return sorted(p.name for p in folder.iterdir())
 

@@ -134,7 +134,7 @@ def _setting_method(drafter, setting: dict | None, allow_other_target: bool) -> 
     if hasattr(drafter, "attached"):
         base = drafter_method("setting", drafter, allow_other_target)
     else:
-        base = independent_method(drafter)
+        base = independent_method("setting", drafter)
 
     @contextlib.contextmanager
     def context(target):

@@ -68,7 +68,7 @@ def honest_methods(target) -> list[bench.BenchMethod]:
         bench.vanilla_method(),
         bench.drafter_method("moa", drafter),
         bench.drafter_method("moa_lookup", _with_lookup(moa_hf.build_drafter(target).eval())),
-        bench.independent_method(make_independent()),
+        bench.independent_method("independent", make_independent()),
         bench.pld_method(4),
     ]
     if HAS_EAGLE:
@@ -364,7 +364,7 @@ def test_build_methods_makes_the_engine_methods_from_the_moa_drafter(tmp_path):
     torch.manual_seed(0)
     _with_lookup(moa_hf.build_drafter(target)).save_pretrained(tmp_path / "moa")
     names = ["vanilla", "moa", "moa_tree", "moa_tree_nolookup", "moa_chain"]
-    methods = bench.build_methods(names, target, moa=str(tmp_path / "moa"))
+    methods = bench.build_methods(names, target, {"moa": str(tmp_path / "moa")})
     assert [m.name for m in methods] == names
     for method in methods[2:]:
         assert method.info["engine"] and method.info["drafter"] == str(tmp_path / "moa")
@@ -372,7 +372,7 @@ def test_build_methods_makes_the_engine_methods_from_the_moa_drafter(tmp_path):
     assert [m.info["settings"]["lookup"] for m in methods[2:]] == [None, False, False]
     assert [m.info["settings"]["tree_top_k"] for m in methods[2:]] == [None, None, 1]
     with pytest.raises(bench.BenchError, match="needs a drafter"):
-        bench.build_methods(["vanilla", "moa_tree"], target, moa=None)
+        bench.build_methods(["vanilla", "moa_tree"], target, {"moa": None})
 
 
 def test_real_new_tokens_stop_at_each_rows_eos():

@@ -56,3 +56,30 @@ def test_training_adapters_come_from_the_registry():
     for record in drafter_types():
         adapter = drafters.adapter_named(record.kind)
         assert adapter.record is record and type(adapter).__name__ == record.training_adapter.rpartition(":")[2]
+
+
+def test_the_registry_carries_bench_methods_and_remote_code():
+    """What varies per kind outside its own files: its `moa bench` methods and flag, its Hub repo's files."""
+    moa, eagle, independent = drafter_types()
+    assert moa.bench_methods[0] == "moa" and "moa_tree" in moa.bench_methods and moa.bench_default == "default"
+    assert (eagle.bench_methods, eagle.bench_default) == (("eagle",), None)
+    assert independent.bench_methods == ("independent",)
+    assert moa.sorted_exits and not eagle.sorted_exits
+    assert {"modeling_moa.py", "configuration_moa.py", "drafting.py"} <= set(moa.remote_code_files)
+    assert "modeling_eagle.py" not in moa.remote_code_files and "modeling_eagle.py" in eagle.remote_code_files
+    assert eagle.auto_map == {
+        "AutoConfig": "configuration_eagle.EagleDrafterConfig",
+        "AutoModel": "modeling_eagle.EagleDrafterModel",
+    }
+    assert independent.remote_code_files == () and independent.auto_map is None
+
+
+def test_publishing_another_kind_is_refused_by_the_registry(tmp_path):
+    from moa_hf.hub import check_repo_folder, publishable_type
+
+    assert publishable_type({"model_type": MoADrafterConfig.model_type}).kind == "moa"
+    with pytest.raises(ValueError, match="kind\\(s\\) 'moa' \\(MoA drafter\\), not of kind 'eagle'"):
+        publishable_type({"model_type": EagleDrafterConfig.model_type})
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match="not of kind 'independent'"):
+        check_repo_folder(tmp_path)

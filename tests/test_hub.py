@@ -20,9 +20,8 @@ from safetensors.torch import load_file
 
 import moa_hf
 from moa_hf import MoADrafterModel, hub_cards, target_signature
+from moa_hf.drafter_types import drafter_type
 from moa_hf.hub import (
-    AUTO_MAP,
-    REMOTE_CODE_FILES,
     build_repo_folder,
     card_inputs,
     check_repo_folder,
@@ -32,6 +31,10 @@ from moa_hf.hub import (
 )
 
 from factory import make_target
+
+# what a published MoA repo's config.json must say (the registry derives it from the classes' modules)
+AUTO_MAP = {"AutoConfig": "configuration_moa.MoADrafterConfig", "AutoModel": "modeling_moa.MoADrafterModel"}
+REMOTE_CODE_FILES = drafter_type("moa").remote_code_files
 
 TARGET_ID = "moa-test/tiny-random-llama"
 REPO_ID = "moa-test/tiny-moa-drafter"
@@ -226,6 +229,7 @@ def test_remote_code_files_are_the_modeling_file_and_its_relative_imports():
     modeling = resources.files("moa_hf.modeling") / "modeling_moa.py"
     needed = {Path(f).name for f in get_relative_import_files(str(modeling))} | {"modeling_moa.py"}
     assert needed == set(REMOTE_CODE_FILES) and {"drafting.py", "lookup.py"} <= needed
+    assert drafter_type("moa").auto_map == AUTO_MAP
 
 
 def test_build_copies_remote_code_for_unregistered_class(drafter, tmp_path):

@@ -232,6 +232,63 @@ def test_no_library_file_is_over_the_size_limit(path):
     )
 
 
+MAX_CLASS_LINES = 500
+
+
+def class_sizes(source: str) -> list[tuple[int, str, int]]:
+    """(line, name, lines) of every class in `source`, nested ones included."""
+    return [
+        (node.lineno, node.name, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ClassDef)
+    ]
+
+
+@pytest.mark.parametrize("path", _library_files(), ids=_rel)
+def test_no_class_is_over_the_size_limit(path):
+    sizes = class_sizes(path.read_text())
+    big = [f"{_rel(path)}:{line}: {name} ({n} lines)" for line, name, n in sizes if n > MAX_CLASS_LINES]
+    assert not big, (
+        f"A class over {MAX_CLASS_LINES} lines does several jobs: give each its own object the class holds "
+        "(composition, as the drafter holds its sorted exits and target parts), or move code to functions:\n"
+        + "\n".join(big)
+    )
+
+
+# The drafter-type registry (moa_hf/drafter_types.py) is the one place outside a kind's own files (modeling/ and its
+# training adapter) that names kinds of drafter; these files read it instead (`drafter_type(...)`, `bench_methods`,
+# `remote_code_files`, `auto_map`). moa_hf/serving and moa_hf/vllm serve the kinds with `vllm_support` only.
+KIND_FREE = ("moa_hf/bench", "moa_hf/hub.py", "moa_hf/tune.py", "moa_hf/tune_settings.py", "moa_hf/loading.py")
+
+
+def kind_names(source: str, kinds: set[str]) -> list[tuple[int, str]]:
+    """(line, what) of every place `source` names one of `kinds`: a string `"moa"`, a keyword `moa=` or an
+    attribute `args.moa` (a kind in a longer string, `"moa_tree"`, is a method's name, not the kind's)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and node.value in kinds:
+            found.append((node.lineno, repr(node.value)))
+        elif isinstance(node, ast.keyword) and node.arg in kinds:
+            found.append((node.value.lineno, f"{node.arg}="))
+        elif isinstance(node, ast.Attribute) and node.attr in kinds:
+            found.append((node.lineno, f".{node.attr}"))
+    return sorted(found)
+
+
+@pytest.mark.parametrize(
+    "path", [p for name in KIND_FREE for p in ([ROOT / name] if name.endswith(".py") else _files(name))], ids=_rel
+)
+def test_only_the_registry_names_drafter_kinds(path):
+    from moa_hf.drafter_types import drafter_kinds
+
+    bad = [f"{_rel(path)}:{line}: {what}" for line, what in kind_names(path.read_text(), set(drafter_kinds()))]
+    assert not bad, (
+        "What varies per kind of drafter is the registry's (moa_hf/drafter_types.py: `bench_methods`, "
+        "`bench_default`, `remote_code_files`, `auto_map`, ...): read it there instead of naming a kind:\n"
+        + "\n".join(bad)
+    )
+
+
 def test_the_one_home_rules_find_what_they_forbid():
     source = (
         "from .configuration_moa import _SIGNATURE_KEYS, x\nfrom moa_hf.bench import _encode\n"
@@ -243,6 +300,11 @@ def test_the_one_home_rules_find_what_they_forbid():
     assert _imports_hub("from .. import hub\n", "moa_hf.hub_cards") == [(1, "from .. import hub")]
     assert function_level_imports(source) == [(7, "moa_hf.hub"), (8, "..hub_cards")]
     assert all((ROOT / name).is_file() for name in LONG_FILES)
+    big = "class A:\n" + "    x = 1\n" * 600 + "class B:\n    class C:\n        pass\n"
+    assert [(name, n) for _, name, n in class_sizes(big)] == [("A", 601), ("B", 3), ("C", 2)]
+    named = 'paths = {"moa": x}\nf(eagle=1)\nargs.independent\nm = "moa_tree"\n"""moa docs"""\n'
+    assert kind_names(named, {"moa", "eagle", "independent"}) == [(1, "'moa'"), (2, "eagle="), (3, ".independent")]
+    assert all((ROOT / name).exists() for name in KIND_FREE)
 
 
 def test_every_package_folder_is_shipped():

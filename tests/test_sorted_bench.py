@@ -71,7 +71,7 @@ def test_exit_methods_report_tokens_per_exit_and_reproduce_greedy(tmp_path):
     names = bench.resolve_method_names("moa_exits,moa_tree_exit1,moa_tree_adaptive", {"moa": str(folder)})
     assert names == ["vanilla", "moa_exit1", "moa_exit2", "moa_exit3", "moa_adaptive", "moa_tree_exit1",
                      "moa_tree_adaptive"]  # fmt: skip
-    methods = bench.build_methods(names, target, moa=str(folder))
+    methods = bench.build_methods(names, target, {"moa": str(folder)})
     result = bench.run_benchmark(
         target, tokenizer, questions_list(), methods, max_new_tokens=10, warmup=0, repeats=1, progress=False
     )
@@ -121,15 +121,15 @@ def test_method_names_of_sorted_drafters(tmp_path):
         "moa_tree_exit1", "moa_tree_exit2", "moa_tree_exit3"
     ]  # fmt: skip
     with pytest.raises(bench.BenchError, match="exits 1 to 3"):
-        bench.build_methods(["vanilla", "moa_exit4"], target, moa=str(untuned))
+        bench.build_methods(["vanilla", "moa_exit4"], target, {"moa": str(untuned)})
     with pytest.raises(bench.BenchError, match="moa tune"):  # adaptive depth needs tuned thresholds
-        bench.build_methods(["vanilla", "moa_adaptive"], target, moa=str(untuned))
+        bench.build_methods(["vanilla", "moa_adaptive"], target, {"moa": str(untuned)})
     with pytest.raises(bench.BenchError, match="Unknown method"):
         bench.resolve_method_names("moa_exit", {"moa": str(untuned)})
     one_block = tmp_path / "one_block"
     moa_hf.build_drafter(target).save_pretrained(one_block)
     assert "moa_exit1" not in bench.resolve_method_names(None, {**paths, "moa": str(one_block)})
-    assert [m.name for m in bench.build_methods(["vanilla", "moa_exit1"], target, moa=str(one_block))][1:] == [
+    assert [m.name for m in bench.build_methods(["vanilla", "moa_exit1"], target, {"moa": str(one_block)})][1:] == [
         "moa_exit1"
     ]  # a one-block drafter has one exit
 

@@ -50,10 +50,10 @@ from .data import (
 )
 from .methods import (
     ADAPTIVE_METHODS,
-    ALL_METHODS,
     ENGINE_METHODS,
     EXIT_SHORTHANDS,
     BenchMethod,
+    all_methods,
     build_methods,
     drafter_method,
     engine_method,
@@ -61,6 +61,7 @@ from .methods import (
     exit_method_names,
     exit_methods_of,
     independent_method,
+    method_kind,
     pld_method,
     resolve_method_names,
     vanilla_method,
@@ -70,7 +71,6 @@ from .runner import check_lossless, generate_once, real_new_tokens, run_batches,
 
 __all__ = [
     "ADAPTIVE_METHODS",
-    "ALL_METHODS",
     "BenchError",
     "BenchMethod",
     "CallCounter",
@@ -79,6 +79,7 @@ __all__ = [
     "MT_BENCH_CATEGORIES",
     "SPEC_BENCH_CATEGORIES",
     "acceptance_length",
+    "all_methods",
     "build_methods",
     "category_of",
     "check_lossless",
@@ -97,6 +98,7 @@ __all__ = [
     "hardware_info",
     "independent_method",
     "load_questions",
+    "method_kind",
     "pld_method",
     "plot_benchmark",
     "prompt_questions",

@@ -9,13 +9,15 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers import HfArgumentParser
 
 from ..chat import ChatTemplateError
 from ..hardware import hardware_info
 from ..loading import default_device, load_target, parse_dtype
 from ..modeling import target_fingerprint
+from .arguments import BENCH_ARGUMENTS, BenchArguments, drafter_paths
 from .data import BenchError, default_questions_path, load_questions, prompt_questions
-from .methods import ALL_METHODS, build_methods, checked_drafter, resolve_method_names
+from .methods import BATCH_METHOD, build_methods, checked_drafter, method_kind, resolve_method_names
 from .report import format_markdown, plot_benchmark
 from .runner import check_lossless, run_batches, run_benchmark
 
@@ -23,9 +25,10 @@ from .runner import check_lossless, run_batches, run_benchmark
 # ---------------------------------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------------------------------
-def _main(args: argparse.Namespace) -> int:
+def _main(namespace: argparse.Namespace) -> int:
+    args, paths = HfArgumentParser(BENCH_ARGUMENTS).parse_dict(vars(namespace), allow_extra_keys=True)
     try:
-        return _run(args)
+        return _run(args, drafter_paths(paths))
     except (BenchError, ChatTemplateError) as err:
         print(f"moa bench: error: {err}", file=sys.stderr)
         return 2
@@ -43,11 +46,10 @@ def _parse_batch_sizes(text: str | None) -> list[int]:
     return list(dict.fromkeys(sizes))
 
 
-def _run(args: argparse.Namespace) -> int:
-
+def _run(args: BenchArguments, paths: dict[str, str | None]) -> int:
+    """`moa bench` with its options `args` and the drafters' folders `paths` ({kind: folder})."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    paths = {"moa": args.moa, "eagle": args.eagle, "independent": args.independent}
     names = resolve_method_names(args.methods, paths)
     batch_sizes = _parse_batch_sizes(args.batch_sizes)
     questions_path = None
@@ -75,14 +77,8 @@ def _run(args: argparse.Namespace) -> int:
         target, tokenizer = load_target(args.target, dtype=dtype, device=device, local_files_only=True)
     except (OSError, ValueError) as err:
         raise BenchError(f"--target {args.target}: {err} (`default` is SmolLM2-135M-Instruct).") from err
-    method_kw = dict(
-        moa=args.moa,
-        eagle=args.eagle,
-        independent=args.independent,
-        pld_tokens=args.pld_tokens,
-        allow_other_target=args.allow_other_target,
-    )
-    methods = build_methods(names, target, **method_kw)
+    method_kw = dict(pld_tokens=args.pld_tokens, allow_other_target=args.allow_other_target)
+    methods = build_methods(names, target, paths, **method_kw)
     print(
         f"moa bench: {len(questions)} questions x {args.repeats} repeats x methods {','.join(names)}", file=sys.stderr
     )
@@ -118,7 +114,8 @@ def _run(args: argparse.Namespace) -> int:
         "records": result["records"],
     }
     if batch_sizes:
-        drafter, _ = checked_drafter("--batch-sizes", "moa", args.moa, target, args.allow_other_target, engine=True)
+        kind = method_kind(BATCH_METHOD)
+        drafter, _ = checked_drafter("--batch-sizes", kind, paths[kind], target, args.allow_other_target, engine=True)
         bench["batch"] = run_batches(
             target,
             tokenizer,
@@ -138,7 +135,7 @@ def _run(args: argparse.Namespace) -> int:
             if dtype == torch.float32
             else load_target(args.target, dtype=torch.float32, device=device, local_files_only=True)
         )
-        methods32 = build_methods(names, target32, **method_kw)
+        methods32 = build_methods(names, target32, paths, **method_kw)
         bench["check"] = check_lossless(
             target32, tok32, questions, methods32, max_new_tokens=args.max_new_tokens, progress=not args.no_progress
         )
@@ -167,52 +164,9 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "bench",
+        parents=[HfArgumentParser(BENCH_ARGUMENTS, add_help=False)],
         help="Benchmark decoding methods (vanilla, moa, the tree engine, eagle, independent, pld) on Spec-Bench.",
         description=sys.modules[__package__].__doc__,  # the package doc (moa_hf/bench/__init__.py)
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default: ../shared/data/spec_bench)")
-    p.add_argument(
-        "--prompts",
-        nargs="+",
-        default=None,
-        metavar="SOURCE",
-        help="natural held-out prompts instead of Spec-Bench, one category per source: default:validation, "
-        "default:documents, pydoc:heldout (the `default:pydoc` target's held-out API names), a .jsonl/.txt file ...",
-    )
-    p.add_argument("--num-prompts", type=int, default=8, help="with --prompts: prompts taken from each source")
-    p.add_argument(
-        "--target",
-        default="default",
-        help="a local model folder, `default` (SmolLM2-135M-Instruct) or `default:NAME` (a shipped fine-tune of it)",
-    )
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--questions-per-category", type=int, default=2, help="sampled with --seed; 0 = all")
-    p.add_argument("--warmup", type=int, default=1, help="unrecorded generations per method before measuring")
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument(
-        "--methods",
-        default=None,
-        help=f"comma list (default all: {','.join(ALL_METHODS)}; a sorted --moa drafter adds moa_exit1..K and, once "
-        "tuned, moa_adaptive and moa_tree_adaptive); sorted drafters also: moa_tree_exit<k>, and the shorthands "
-        "moa_exits / moa_tree_exits (every exit and the adaptive depth)",
-    )
-    p.add_argument("--moa", default="default", help="MoA drafter folder, or `default` (the shipped drafter)")
-    p.add_argument("--eagle", default=None, help="EAGLE drafter folder (`moa train --kind eagle`)")
-    p.add_argument("--independent", default=None, help="independent causal-LM drafter folder (`--kind independent`)")
-    p.add_argument("--pld-tokens", type=int, default=10, help="prompt lookup decoding: tokens drafted per cycle")
-    p.add_argument("--allow-other-target", action="store_true", help="attach drafters recorded for another target")
-    p.add_argument("--output", default=None, help="folder for bench.json, bench.md and bench.png")
-    p.add_argument("--check", action="store_true", help="also check losslessness in float32 (exit 1 on a difference)")
-    p.add_argument(
-        "--batch-sizes",
-        default=None,
-        help="also a batch section, e.g. 1,4,8: left-padded batches, batched target.generate vs the tree engine "
-        "(with the --moa drafter); off by default",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_main)

@@ -1,6 +1,11 @@
 """The benchmark's decoding methods (`BenchMethod`: vanilla, the MoA drafter through assisted generation or the
 tree engine, EAGLE, an independent assistant, prompt lookup), sorted drafters' fixed and adaptive exits, and
-resolving `--methods` into methods with their drafters loaded."""
+resolving `--methods` into methods with their drafters loaded.
+
+Which methods run which kind of drafter is the drafter-type registry's (`DrafterType.bench_methods`, in
+`moa_hf.drafter_types`); this file says only how a method runs: through assisted generation (a drafter with the MoA
+drafter's API, or for the fallback kind any causal LM), with config overrides (`CONFIG_OVERRIDES`), or through the
+tree engine (`ENGINE_METHODS`)."""
 
 from __future__ import annotations
 
@@ -13,24 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from .. import default_drafter_path
-from ..drafter_types import drafter_type
+from ..drafter_types import DrafterType, drafter_type, drafter_types
 from ..loading import load_drafter
 from ..modeling import fixed_exit_thresholds
 from ..modeling.custom_generate.engine import speculative_generate
 from .counting import CallCounter, count_forward_calls, ratio
 from .data import BenchError
 
-ALL_METHODS = (
-    "vanilla",
-    "moa",
-    "moa_nolookup",
-    "moa_tree",
-    "moa_tree_nolookup",
-    "moa_chain",
-    "eagle",
-    "independent",
-    "pld",
-)
+# A drafter's assisted-generation methods that change its config (the same drafter with its prompt lookup off: what
+# the network alone gives).
+CONFIG_OVERRIDES = {"moa_nolookup": {"lookup_num_tokens": 0}}
 # The engine's methods (`speculative_generate` with the MoA drafter) and the tree settings each passes to it; what is
 # not given (None) the engine chooses from its measured costs, and lookup=None follows the drafter's config.
 ENGINE_METHODS = {
@@ -38,11 +35,41 @@ ENGINE_METHODS = {
     "moa_tree_nolookup": {"lookup": False},
     "moa_chain": {"tree_top_k": 1, "lookup": False},
 }
-# Sorted drafters: the drafter's tuned `exit_thresholds` through assisted generation / the tree engine; fixed exits
-# are `moa_exit<k>` / `moa_tree_exit<k>` (1 <= k <= num_blocks); the shorthands name every exit and the adaptive one.
-ADAPTIVE_METHODS = {"moa_adaptive": "moa", "moa_tree_adaptive": "moa_tree"}
-EXIT_SHORTHANDS = {"moa_exits": "moa", "moa_tree_exits": "moa_tree"}
-_EXIT_METHOD = re.compile(r"^(moa|moa_tree)_exit(\d+)$")
+# The tree engine's method the batch section (`--batch-sizes`) compares with batched `target.generate`.
+BATCH_METHOD = "moa_tree"
+# Sorted drafters (`DrafterType.sorted_exits`): the drafter's tuned `exit_thresholds` through assisted generation / the
+# tree engine are `<base>_adaptive`, fixed exits `<base>_exit<k>` (1 <= k <= num_blocks), and the shorthand
+# `<base>_exits` names every exit and the adaptive one; the bases are the kind's first assisted method and its engine
+# method with the engine's own settings (`moa`, `moa_tree`).
+_EXIT_METHOD = re.compile(r"^(\w+)_exit(\d+)$")
+
+
+def all_methods() -> tuple[str, ...]:
+    """Every method name (sorted drafters' exits aside): vanilla, each registered kind's `bench_methods`, pld."""
+    return ("vanilla", *(name for record in drafter_types() for name in record.bench_methods), "pld")
+
+
+def _exit_bases(record: DrafterType) -> tuple[str, ...]:
+    """(assisted, engine) base methods of a sorted kind's exit methods; () for other kinds."""
+    if not record.sorted_exits:
+        return ()
+    engine = [n for n in record.bench_methods if ENGINE_METHODS.get(n) == {}]
+    return (record.bench_methods[0], *engine[:1])
+
+
+def _bases_by_suffix(suffix: str) -> dict[str, str]:
+    return {f"{base}{suffix}": base for record in drafter_types() for base in _exit_bases(record)}
+
+
+ADAPTIVE_METHODS = _bases_by_suffix("_adaptive")  # {"moa_adaptive": "moa", "moa_tree_adaptive": "moa_tree"}
+EXIT_SHORTHANDS = _bases_by_suffix("_exits")  # {"moa_exits": "moa", "moa_tree_exits": "moa_tree"}
+
+
+def method_kind(name: str) -> str | None:
+    """The kind of drafter method `name` runs (exit methods: their base's), None for vanilla, pld and unknown names."""
+    parsed = exit_methods_of(name)
+    name = parsed[0] if parsed else name
+    return next((record.kind for record in drafter_types() if name in record.bench_methods), None)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -134,7 +161,7 @@ def _record_active_target(info: dict, drafter) -> None:
     info.update(_exit_info(drafter))  # the thresholds of the target it served
 
 
-def independent_method(assistant, info: dict | None = None) -> BenchMethod:
+def independent_method(name: str, assistant, info: dict | None = None) -> BenchMethod:
     """An ordinary causal LM as assistant; its cost is the time of its forward calls (one per drafted token)."""
 
     def context(target):
@@ -149,7 +176,7 @@ def independent_method(assistant, info: dict | None = None) -> BenchMethod:
         "num_assistant_tokens": getattr(gc, "num_assistant_tokens", None),
         "assistant_confidence_threshold": getattr(gc, "assistant_confidence_threshold", None),
     }
-    return BenchMethod("independent", context, {"assistant_model": assistant}, read_stats, info)
+    return BenchMethod(name, context, {"assistant_model": assistant}, read_stats, info)
 
 
 def engine_record(stats) -> dict:
@@ -213,8 +240,8 @@ def engine_method(
 # Sorted drafters: fixed exits and adaptive depth
 # ---------------------------------------------------------------------------------------------------------------------
 def exit_method_names(base: str, num_blocks: int, adaptive: bool = True) -> list[str]:
-    """`base`_exit1 .. `base`_exitK and (with `adaptive`) `base`_adaptive; `base` is "moa" (assisted generation) or
-    "moa_tree" (the tree engine)."""
+    """`base`_exit1 .. `base`_exitK and (with `adaptive`) `base`_adaptive; `base` is a sorted kind's assisted method
+    ("moa") or its engine method ("moa_tree")."""
     return [f"{base}_exit{k}" for k in range(1, num_blocks + 1)] + ([f"{base}_adaptive"] if adaptive else [])
 
 
@@ -224,11 +251,11 @@ def exit_methods_of(name: str) -> tuple[str, int | None] | None:
     if name in ADAPTIVE_METHODS:
         return ADAPTIVE_METHODS[name], None
     match = _EXIT_METHOD.match(name)
-    return (match[1], int(match[2])) if match else None
+    return (match[1], int(match[2])) if match and f"{match[1]}_exits" in EXIT_SHORTHANDS else None
 
 
 def _sorted_config(path: str | None) -> tuple[int, list[float] | None]:
-    """(num_blocks, exit_thresholds) that the MoA drafter folder's config.json records; (1, None) without one."""
+    """(num_blocks, exit_thresholds) that a sorted drafter folder's config.json records; (1, None) without one."""
 
     folder = Path(default_drafter_path()) if path == "default" else Path(path) if path else None
     if folder is None or not (folder / "config.json").is_file():
@@ -261,46 +288,59 @@ def _set_exit(name: str, drafter, exit: int | None, target) -> None:
         drafter.override_exit_thresholds(fixed_exit_thresholds(exit, num_blocks))  # this fresh drafter's, for good
 
 
-def _requested_names(methods: str | None, moa_path: str | None) -> list[str]:
+def _drafter_path(kind: str, paths: dict[str, str | None]) -> str | None:
+    """The folder of the `kind` drafter: `--KIND` (`paths`), else the registry's `bench_default`."""
+    return paths.get(kind, drafter_type(kind).bench_default)
+
+
+def _requested_names(methods: str | None, paths: dict[str, str | None]) -> list[str]:
     """`--methods` with the shorthands expanded; by default every method, with a sorted drafter also its exits through
     assisted generation and, once tuned, its adaptive depth through both paths."""
-    num_blocks, thresholds = _sorted_config(moa_path)
-    tuned = num_blocks > 1 and thresholds is not None
+    sorted_kinds = {}  # {kind: (num_blocks, tuned)} of the sorted kinds' drafters
+    for record in (r for r in drafter_types() if r.sorted_exits):
+        num_blocks, thresholds = _sorted_config(_drafter_path(record.kind, paths))
+        sorted_kinds[record.kind] = num_blocks, num_blocks > 1 and thresholds is not None
     if not methods:
-        extra = exit_method_names("moa", num_blocks, tuned) + (["moa_tree_adaptive"] if tuned else [])
-        return list(ALL_METHODS) + (extra if num_blocks > 1 else [])
+        names = list(all_methods())
+        for kind, (num_blocks, tuned) in sorted_kinds.items():
+            assisted, *engine = _exit_bases(drafter_type(kind))
+            if num_blocks > 1:
+                names += exit_method_names(assisted, num_blocks, tuned) + [f"{b}_adaptive" for b in engine if tuned]
+        return names
     names = []
     for name in (n.strip() for n in methods.split(",") if n.strip()):
         base = EXIT_SHORTHANDS.get(name)
-        names += exit_method_names(base, num_blocks, tuned) if base else [name]
+        names += exit_method_names(base, *sorted_kinds[method_kind(base)]) if base else [name]
     return names
 
 
 def resolve_method_names(methods: str | None, paths: dict[str, str | None]) -> list[str]:
     """The method names of `--methods` (default all), `vanilla` first; errors for unknown names or missing drafters.
 
+    `paths`: {kind: its drafter folder} (`moa bench --KIND`; a kind left out: its registry `bench_default`).
     `moa_exits` / `moa_tree_exits` stand for `moa_exit1` .. `moa_exitK` (`moa_tree_...`) and, when the drafter has
     tuned exit thresholds, `moa_adaptive` (`moa_tree_adaptive`); K is the --moa drafter's `num_blocks`.
     """
-    names = _requested_names(methods, paths.get("moa"))
-    unknown = [n for n in names if n not in ALL_METHODS and exit_methods_of(n) is None]
+    names = _requested_names(methods, paths)
+    unknown = [n for n in names if n not in all_methods() and exit_methods_of(n) is None]
     if unknown:
+        exits = ", ".join(f"{base}_exit<k>" for base in EXIT_SHORTHANDS.values())
         raise BenchError(
-            f"Unknown method(s) {unknown} in --methods; choose from {','.join(ALL_METHODS)}, or for a sorted drafter "
-            f"moa_exit<k>, moa_tree_exit<k>, {', '.join(ADAPTIVE_METHODS)}, {', '.join(EXIT_SHORTHANDS)}."
+            f"Unknown method(s) {unknown} in --methods; choose from {','.join(all_methods())}, or for a sorted "
+            f"drafter {exits}, {', '.join(ADAPTIVE_METHODS)}, {', '.join(EXIT_SHORTHANDS)}."
         )
     names = ["vanilla"] + [n for n in dict.fromkeys(names) if n != "vanilla"]  # the speedup baseline is always run
-    for name in ("eagle", "independent"):
-        if name in names and not paths.get(name):
+    for name in names:
+        kind = method_kind(name)
+        if kind is not None and not _drafter_path(kind, paths):
             raise BenchError(
-                f"Method '{name}' needs a drafter: {drafter_type(name).build_hint}, or leave it out with "
+                f"Method '{name}' needs a drafter: {drafter_type(kind).build_hint}, or leave it out with "
                 f"--methods {','.join(n for n in names if n != name)}."
             )
-    users = {"moa": ("moa", "moa_nolookup", *ENGINE_METHODS), "eagle": ("eagle",), "independent": ("independent",)}
-    for kind, methods_of_kind in users.items():
-        path = paths.get(kind)
-        used = [n for n in names if n in methods_of_kind or (kind == "moa" and exit_methods_of(n) is not None)]
-        if used and path and path != "default" and not (Path(path) / "config.json").is_file():
+    for kind in drafter_kinds_of(names):
+        path = _drafter_path(kind, paths)
+        used = [n for n in names if method_kind(n) == kind]
+        if path != "default" and not (Path(path) / "config.json").is_file():
             raise BenchError(
                 f"--{kind} {path} is not a saved model folder (no config.json there); "
                 f"{drafter_type(kind).build_hint}, or leave {','.join(used)} out with --methods."
@@ -345,48 +385,56 @@ def checked_drafter(name: str, kind: str, path: str | None, target, allow_other_
     return drafter, path
 
 
+def drafter_kinds_of(names: list[str]) -> list[str]:
+    """The kinds of drafter the methods `names` run, in registry order."""
+    used = {method_kind(name) for name in names}
+    return [record.kind for record in drafter_types() if record.kind in used]
+
+
 def build_methods(
     names: list[str],
     target,
+    paths: dict[str, str | None] | None = None,
     *,
-    moa: str | None = "default",
-    eagle: str | None = None,
-    independent: str | None = None,
     pld_tokens: int = 10,
     allow_other_target: bool = False,
 ) -> list[BenchMethod]:
-    """The methods `names` for `target`, their drafters loaded from the given folders in the target's dtype (one
-    drafter per method: `moa_nolookup` and the exit methods change their drafter's config)."""
+    """The methods `names` for `target`, their drafters loaded in the target's dtype from `paths` ({kind: folder};
+    a kind left out: its registry `bench_default`), one drafter per method (`moa_nolookup` and the exit methods change
+    their drafter's config)."""
+    paths = paths or {}
     methods = []
     for name in names:
+        kind = method_kind(name)
         if name == "vanilla":
             methods.append(vanilla_method())
         elif name == "pld":
             methods.append(pld_method(pld_tokens))
-        elif name in ("moa", "moa_nolookup", "eagle"):
-            kind = "eagle" if name == "eagle" else "moa"
-            drafter, path = checked_drafter(name, kind, eagle if name == "eagle" else moa, target, allow_other_target)
-            if name == "moa_nolookup":  # the same drafter with its prompt lookup off: what the network alone gives
-                drafter.config.lookup_num_tokens = 0
-            methods.append(drafter_method(name, drafter, allow_other_target, {"drafter": str(path)}))
-        elif name in ENGINE_METHODS:  # the same MoA drafter through the tree engine
-            drafter, path = checked_drafter(name, "moa", moa, target, allow_other_target, engine=True)
-            info = {"drafter": str(path)}
-            methods.append(engine_method(name, drafter, ENGINE_METHODS[name], allow_other_target, info))
-        elif (parsed := exit_methods_of(name)) is not None:  # a sorted drafter at one exit, or adaptive
-            base, exit = parsed
-            drafter, path = checked_drafter(name, "moa", moa, target, allow_other_target, engine=base == "moa_tree")
-            _set_exit(name, drafter, exit, target)
-            info = {"drafter": str(path), "exit": "adaptive" if exit is None else exit}
-            if base == "moa_tree":  # the engine as `moa_tree` runs it: its chosen tree settings, lookup as configured
-                methods.append(engine_method(name, drafter, ENGINE_METHODS["moa_tree"], allow_other_target, info))
-            else:
-                methods.append(drafter_method(name, drafter, allow_other_target, info))
-        elif name == "independent":
-            if not independent:
-                raise BenchError(f"Method 'independent' needs a drafter: {drafter_type('independent').build_hint}.")
-            lm = _load_drafter("independent", independent, target)  # checks it shares the target's vocabulary
-            methods.append(independent_method(lm, {"drafter": str(independent)}))
+        elif kind is None:
+            raise BenchError(f"Unknown method '{name}'; choose from {','.join(all_methods())}.")
+        elif drafter_type(kind).is_fallback:  # any causal LM as the assistant
+            path = _drafter_path(kind, paths)
+            if not path:
+                raise BenchError(f"Method '{name}' needs a drafter: {drafter_type(kind).build_hint}.")
+            lm = _load_drafter(kind, path, target)  # checks it shares the target's vocabulary
+            methods.append(independent_method(name, lm, {"drafter": str(path)}))
         else:
-            raise BenchError(f"Unknown method '{name}'; choose from {','.join(ALL_METHODS)}.")
+            methods.append(_drafter_method(name, kind, _drafter_path(kind, paths), target, allow_other_target))
     return methods
+
+
+def _drafter_method(name: str, kind: str, path: str | None, target, allow_other_target: bool) -> BenchMethod:
+    """Method `name` with a drafter of the MoA drafter's API: through assisted generation (with `CONFIG_OVERRIDES`)
+    or the tree engine (`ENGINE_METHODS`), a sorted drafter at one exit or adaptive (`<base>_exit<k>`)."""
+    base, exit = exit_methods_of(name) or (name, False)
+    engine = base in ENGINE_METHODS
+    drafter, path = checked_drafter(name, kind, path, target, allow_other_target, engine=engine)
+    info = {"drafter": str(path)}
+    if exit is not False:
+        _set_exit(name, drafter, exit, target)
+        info["exit"] = "adaptive" if exit is None else exit
+    for key, value in CONFIG_OVERRIDES.get(name, {}).items():
+        setattr(drafter.config, key, value)
+    if engine:  # the exit methods run the engine as their base does: its chosen tree settings, lookup as configured
+        return engine_method(name, drafter, ENGINE_METHODS[base], allow_other_target, info)
+    return drafter_method(name, drafter, allow_other_target, info)
