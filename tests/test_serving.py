@@ -672,3 +672,42 @@ def test_sliding_window_target_context_beyond_the_window_is_marked_and_kept_out(
     assert result.token_ids == reference(target, prompt, 24) and result.unverified_tokens == 0
     for valid in seen:  # where a read had positions without context, they are the oldest ones (a prefix)
         assert valid is None or valid == sorted(valid)
+
+
+class _Recording(httpx.HTTPTransport):
+    """A transport that keeps the JSON body of every POST the client sends (then sends it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.posts: list[tuple[str, dict]] = []
+
+    def handle_request(self, request):
+        if request.method == "POST":
+            self.posts.append((request.url.path, json.loads(request.read())))
+        return super().handle_request(request)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_client_requests_are_the_protocol_models(tiny, server, do_sample):
+    """The client builds its create / verify bodies as the protocol's models (a misspelt or out-of-range field
+    fails at the client, not as the server's 422): each body is one model's fields as the client set them."""
+    from pydantic import ValidationError
+
+    from moa_hf.serving.protocol import CreateSessionRequest, VerifyRequest
+
+    _, drafter = tiny
+    transport = _Recording()
+    with MoAClient(server.url, drafter=drafter, transport=transport) as client:
+        client.generate(prompts(3, 1)[0], max_new_tokens=12, do_sample=do_sample, seed=0 if do_sample else None)
+    models = {"create": CreateSessionRequest, "verify": VerifyRequest}
+    kinds = ["verify" if path.endswith("/verify") else "create" for path, _ in transport.posts]
+    assert kinds[0] == "create" and "verify" in kinds
+    for kind, (_, body) in zip(kinds, transport.posts):
+        assert models[kind].model_validate(body).model_dump(exclude_unset=True) == body
+    assert any(body.get("draft_ids") for _, body in transport.posts)  # something was drafted and sent
+    assert all(("draft_probs" in body) == (do_sample and bool(body["draft_ids"])) for _, body in transport.posts)
+    for model, body in ((VerifyRequest, {"num_verified": 1, "last_token": 2}), (CreateSessionRequest, {})):
+        with pytest.raises(ValidationError, match="draft_idz"):
+            model(**body, input_ids=[1], draft_idz=[3]) if model is CreateSessionRequest else model(
+                **body, draft_idz=[3]
+            )

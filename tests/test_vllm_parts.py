@@ -417,6 +417,11 @@ def test_speculative_and_additional_config(tmp_path, monkeypatch):
     assert entry["draft_length"] == 2 and entry["lookup"] is False
     assert moa_hf.vllm.additional_config(tmp_path / "my_drafter")["moa_hf"]["drafter"] == str(tmp_path / "my_drafter")
     assert moa_hf.vllm.additional_config("org/not-a-folder")["moa_hf"]["drafter"] == "org/not-a-folder"  # a Hub id
+    # one dataclass: what `additional_config` writes is what the proposer reads back, unknown options refused
+    config = type("VllmConfig", (), {"additional_config": moa_hf.vllm.additional_config("org/x", catch_up_window=8)})
+    assert moa_hf.vllm.MoAVllmOptions.from_vllm(config) == moa_hf.vllm.MoAVllmOptions("org/x", catch_up_window=8)
+    with pytest.raises(ValueError, match=r"Unknown moa_hf option\(s\) \['draft_lenght'\]"):
+        moa_hf.vllm.additional_config(draft_lenght=2)
 
 
 def test_engine_and_serve_args(tmp_path):

@@ -43,6 +43,8 @@ from .draft_policy import DraftLengthPolicy
 from .protocol import (
     CONTENT_DIGEST_HEADER,
     PROTOCOL_VERSION,
+    CreateSessionRequest,
+    VerifyRequest,
     VerifyResult,
     check_content_digest,
     check_max_new_tokens,
@@ -595,8 +597,8 @@ class MoAClient(ClientDrafterMixin):
         `corrupt_retries` times, then counts the server as unreachable."""
         lost = corrupted = 0
         while True:
-            path, payload = self._payload(run, sent)
-            data = json.dumps(payload).encode()
+            path, request = self._payload(run, sent)
+            data = json.dumps(request.model_dump(exclude_unset=True)).encode()  # the fields set: as the client gave
             t0 = time.perf_counter()
             try:
                 response = self._request("POST", path, content=data, headers={"Content-Type": "application/json"})
@@ -631,9 +633,11 @@ class MoAClient(ClientDrafterMixin):
             run.session_id = result.session_id
             return result
 
-    def _payload(self, run: _Run, sent: int) -> tuple[str, dict]:
-        """(path, JSON body) of the call verifying the first `sent` pending tokens: a create when the run has no
-        session (with the sampling options, sent only when sampling: greedy decoding ignores them), else a verify."""
+    def _payload(self, run: _Run, sent: int) -> tuple[str, CreateSessionRequest | VerifyRequest]:
+        """(path, request) of the call verifying the first `sent` pending tokens: a create when the run has no
+        session (with the sampling options, sent only when sampling: greedy decoding ignores them), else a verify.
+        The request is the protocol's model, so that a wrong field fails here (pydantic's `ValidationError`), not
+        as the server's 422."""
         drafts = run.pending[:sent]
         body = {
             "draft_ids": drafts,
@@ -645,14 +649,16 @@ class MoAClient(ClientDrafterMixin):
             body["draft_probs"] = run.dists[:sent]
         if run.session_id is not None:
             path = f"/v1/sessions/{run.session_id}/verify"
-            return path, {**body, "num_verified": len(run.verified), "last_token": run.verified[-1]}
+            return path, VerifyRequest(**body, num_verified=len(run.verified), last_token=run.verified[-1])
         sampling = {}
         if run.sampling["do_sample"]:
             sampling = {k: v for k, v in run.sampling.items() if v is not None}
             if "seed" in sampling:  # a re-created session draws a fresh random stream
                 sampling["seed"] = (sampling["seed"] + 1_000_003 * run.recreations) % (1 << 63)
         remaining = run.max_new_tokens - run.generated  # what the server reserves memory for
-        return "/v1/sessions", {**body, "input_ids": run.verified, "max_new_tokens": remaining, **sampling}
+        return "/v1/sessions", CreateSessionRequest(
+            **body, input_ids=run.verified, max_new_tokens=remaining, **sampling
+        )
 
     def _check_answer(self, run: _Run, response: httpx.Response, sent: int) -> VerifyResult:
         """The decoded answer to a call verifying `sent` pending tokens; `_Corrupted` unless it is a safetensors blob

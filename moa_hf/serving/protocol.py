@@ -37,6 +37,8 @@ __all__ = [
     "VerifyRequest",
     "VerifyResult",
     "LOGIT_BOUND",
+    "MAX_IDS",
+    "MAX_SPARSE",
     "MAX_TEMPERATURE",
     "MIN_SAMPLING_TEMPERATURE",
     "check_content_digest",
@@ -61,8 +63,8 @@ PROTOCOL_VERSION = 1
 CONTEXT_FORMATS = ("fp16", "int8", "fp32")
 ContextFormat = Literal["fp16", "int8", "fp32"]
 # Hard upper bounds of the schema; the server's configured limits (smaller) are checked with clearer messages.
-_MAX_IDS = 1 << 20
-_MAX_SPARSE = 1024
+MAX_IDS = 1 << 20  # token ids in one request field
+MAX_SPARSE = 1024  # the support of one drafted token's distribution
 _META_KEY = "moa"
 # what the server runs for the client (its LSA), and a sorted multi-target drafter's per-target parts (issue 20)
 _LSA_PREFIXES = ("lsa_in_proj.", "layer_self_attention.", "Ekv2E.", "target_parts.")
@@ -151,18 +153,18 @@ class _Strict(BaseModel):
 class SparseDistribution(_Strict):
     """The drafter's distribution for one drafted token, restricted to its support (speculative sampling)."""
 
-    ids: list[_TokenId] = Field(min_length=1, max_length=_MAX_SPARSE, description="token ids of the support")
+    ids: list[_TokenId] = Field(min_length=1, max_length=MAX_SPARSE, description="token ids of the support")
     probs: list[Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]] = Field(
-        min_length=1, max_length=_MAX_SPARSE, description="their probabilities (sum ~ 1)"
+        min_length=1, max_length=MAX_SPARSE, description="their probabilities (sum ~ 1)"
     )
 
 
 class _Drafts(_Strict):
     draft_ids: list[_TokenId] = Field(
-        default_factory=list, max_length=_MAX_IDS, description="tokens to verify, in order"
+        default_factory=list, max_length=MAX_IDS, description="tokens to verify, in order"
     )
     draft_probs: list[SparseDistribution] | None = Field(
-        default=None, max_length=_MAX_IDS, description="with do_sample: one distribution per drafted token"
+        default=None, max_length=MAX_IDS, description="with do_sample: one distribution per drafted token"
     )
     context_from: json_int(ge=0) | None = Field(
         default=None, description="first position whose context vector to return (default: the first new one)"
@@ -174,8 +176,8 @@ class _Drafts(_Strict):
 class CreateSessionRequest(_Drafts):
     """Start a generation: `input_ids` are all verified (a prompt, or a verified prefix after a lost session)."""
 
-    input_ids: list[_TokenId] = Field(min_length=1, max_length=_MAX_IDS)
-    max_new_tokens: json_int(ge=1, le=_MAX_IDS) | None = Field(
+    input_ids: list[_TokenId] = Field(min_length=1, max_length=MAX_IDS)
+    max_new_tokens: json_int(ge=1, le=MAX_IDS) | None = Field(
         default=None,
         description="the most tokens the client will generate (the server reserves cache memory for the prompt, "
         "them and the drafts); None: up to the server's tokens per session",
@@ -204,7 +206,7 @@ class CreateSessionRequest(_Drafts):
 class VerifyRequest(_Drafts):
     """One drafting cycle: verify `draft_ids` after the first `num_verified` tokens of the session."""
 
-    num_verified: json_int(ge=1, le=_MAX_IDS) = Field(description="how many verified tokens the client holds")
+    num_verified: json_int(ge=1, le=MAX_IDS) = Field(description="how many verified tokens the client holds")
     last_token: _TokenId = Field(description="the client's last verified token (consistency check)")
 
 

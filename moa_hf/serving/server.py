@@ -99,19 +99,19 @@ def _bounded_models(vocab_size: int) -> tuple[type, type]:
     """Request models whose token ids are bounded by the vocabulary in the schema too (so the OpenAPI schema
     documents, and a fuzzer explores, the valid range)."""
     token_id = protocol.json_int(ge=0, lt=vocab_size)
-    ids_field = Field(min_length=1, max_length=1024, description="token ids of the support")
+    ids_field = Field(min_length=1, max_length=protocol.MAX_SPARSE, description="token ids of the support")
 
     class SparseDistribution(protocol.SparseDistribution):
         ids: list[token_id] = ids_field
 
     draft_fields = {
-        "draft_ids": (list[token_id], Field(default_factory=list, max_length=1 << 20)),
-        "draft_probs": (list[SparseDistribution] | None, Field(default=None, max_length=1 << 20)),
+        "draft_ids": (list[token_id], Field(default_factory=list, max_length=protocol.MAX_IDS)),
+        "draft_probs": (list[SparseDistribution] | None, Field(default=None, max_length=protocol.MAX_IDS)),
     }
     create = create_model(
         "CreateSessionRequest",
         __base__=CreateSessionRequest,
-        input_ids=(list[token_id], Field(min_length=1, max_length=1 << 20)),
+        input_ids=(list[token_id], Field(min_length=1, max_length=protocol.MAX_IDS)),
         **draft_fields,
     )
     verify = create_model("VerifyRequest", __base__=VerifyRequest, last_token=(token_id, ...), **draft_fields)

@@ -27,14 +27,14 @@ import contextlib
 import logging
 import re
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ..drafter_types import drafter_type, drafter_types
 from ..loading import load_drafter
-from . import CONFIG_KEY, TESTED_VLLM_VERSIONS
+from . import TESTED_VLLM_VERSIONS, MoAVllmOptions
 from .kv_cache import PagedKVReader, UnsupportedCacheError, layout_for, slots_of
 from .policy import DraftLengthPolicy, RowLives, pair_rows
 from .target import StepTap, TargetView
@@ -42,31 +42,6 @@ from .target import StepTap, TargetView
 __all__ = ["MoAProposer", "MoAVllmOptions", "match_rows", "unsupported_drafter_reason"]
 
 logger = logging.getLogger("vllm.moa_hf")  # under vLLM's logger: shown with its output
-
-
-@dataclass
-class MoAVllmOptions:
-    """What travels in vLLM's `additional_config["moa_hf"]` (`moa_hf.vllm.engine_args` writes it)."""
-
-    drafter: str = "default"  # "default", a saved drafter folder, or a Hub repo id in the local Hub cache
-    draft_length: int | None = None  # a fixed draft length; None: chosen per step from measured costs
-    lookup: bool = True  # the drafter's own prompt lookup (its config's `lookup_*`), as in the transformers path
-    allow_other_target: bool = False  # serve a target whose weights differ from the drafter's recorded ones
-    allow_untested_vllm: bool = False  # run on a vLLM version moa-hf was not tested with
-    # a row the drafter starts on (a new request, or one whose drafter state fell further behind than this) is read
-    # from its last `catch_up_window` verified tokens only (None: all): a long prompt's full read costs about a tenth
-    # of its prefill, which the few tokens a tail of drafting gains do not repay; prompt lookup still sees everything
-    catch_up_window: int | None = 256
-
-    @classmethod
-    def from_vllm(cls, vllm_config) -> MoAVllmOptions:
-        extra = vllm_config.additional_config or {}
-        given = dict(extra.get(CONFIG_KEY) or {}) if isinstance(extra, dict) else {}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(given) - known)
-        if unknown:
-            raise ValueError(f"Unknown moa_hf option(s) {unknown} in additional_config; known: {sorted(known)}.")
-        return cls(**given)
 
 
 def unsupported_reason(vllm_config, options: MoAVllmOptions) -> str | None:
