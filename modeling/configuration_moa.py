@@ -181,6 +181,8 @@ def target_layer_defaults(target_config) -> dict:
     )
 
 
+LSA_KEYS = ("rotated", "unrotated", "none")  # see `MoADrafterConfig.lsa_keys`
+LSA_POOLING = ("mean", "last")
 PRIMARY_TARGET = "main"  # the name of a drafter's primary target (its `target_*` fields)
 
 
@@ -220,6 +222,12 @@ class MoADrafterConfig(PreTrainedConfig):
             or its last layers).
         lsa_hidden_size: width of the Layer Self-Attention that runs across the target's layers for each verified
             token. Defaults to `2 * target_num_key_value_heads * target_head_dim` (one key and value per KV head).
+        lsa_keys: how the LSA reads the target's keys: "rotated" (as the cache holds them, after RoPE: the paper),
+            "unrotated" (RoPE undone at each token's position with the target's own rotation, so a key's features do
+            not depend on where the token stands; plain RoPE targets only) or "none" (values only).
+        lsa_layers: the target layers the LSA reads (indices, in order; None: every layer).
+        lsa_pooling: how the LSA's per-layer outputs become one vector per token: "mean" over layers (the paper) or
+            "last" (the output at the last layer read).
         target_layer_inference: N in the paper. 0: the target's LM head reads the CA output. N > 0: the CA output is
             the predicted activation after target layer L-N, and the target's last N layers, final norm and head run.
         own_embeddings: keep (and save) the drafter's own copy of the embedding and LM head, for standalone use
@@ -279,6 +287,9 @@ class MoADrafterConfig(PreTrainedConfig):
     lsa_num_attention_heads: int | None = None
     lsa_num_key_value_heads: int | None = None
     lsa_intermediate_size: int | None = None
+    lsa_keys: str = "rotated"
+    lsa_layers: list[int] | None = None
+    lsa_pooling: str = "mean"
     # Target Layer Inference.
     target_layer_inference: int = 0
     own_embeddings: bool = False
@@ -298,6 +309,8 @@ class MoADrafterConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         kv_width = 2 * self.target_num_key_value_heads * self.target_head_dim
+        if self.lsa_layers is not None:  # a negative index counts from the target's last layer
+            self.lsa_layers = [i + self.target_num_hidden_layers if i < 0 else i for i in self.lsa_layers]
         if self.lsa_hidden_size is None:
             self.lsa_hidden_size = kv_width
         if self.lsa_num_attention_heads is None:
@@ -310,6 +323,19 @@ class MoADrafterConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
         self.validate_lookup()  # fail at construction, not when drafting
         self.validate_sorted()
+        self.validate_lsa()
+
+    def validate_lsa(self):
+        """Check `lsa_keys`, `lsa_layers` and `lsa_pooling`."""
+        if self.lsa_keys not in LSA_KEYS or self.lsa_pooling not in LSA_POOLING:
+            raise ValueError(
+                f"lsa_keys must be one of {LSA_KEYS} and lsa_pooling one of {LSA_POOLING}, got {self.lsa_keys!r} and "
+                f"{self.lsa_pooling!r}."
+            )
+        layers, num = self.lsa_layers, self.target_num_hidden_layers
+        bad = layers is not None and (not layers or any(not 0 <= i < num for i in layers))
+        if bad or (layers is not None and len(set(layers)) < len(layers)):
+            raise ValueError(f"lsa_layers must list distinct target layers in [0, {num}) (None: all), got {layers!r}.")
 
     def validate_sorted(self, extra_targets: dict | None = None):
         """Check `num_blocks`, `exit_thresholds` and `extra_targets` (or the given `extra_targets` instead)."""
@@ -376,6 +402,11 @@ class MoADrafterConfig(PreTrainedConfig):
         """Size of one target layer's key and value for one token, joined per KV head."""
         return 2 * self.target_num_key_value_heads * self.target_head_dim
 
+    @property
+    def lsa_input_width(self) -> int:
+        """Size of what the LSA reads of one target layer for one token: key and value, or the value only."""
+        return self.target_kv_width // 2 if self.lsa_keys == "none" else self.target_kv_width
+
     def target_exit_thresholds(self, name: str) -> list[float] | None:
         """The exit thresholds target `name` drafts with: its own (`extra_targets[name]["exit_thresholds"]`), else
         `exit_thresholds` (None: every token leaves at the last exit)."""
@@ -394,6 +425,14 @@ class MoADrafterConfig(PreTrainedConfig):
         reason = unsupported_target_reason(target_config) or tli_unsupported_reason(
             target_config, overrides.get("target_layer_inference", 0)
         )
+        if reason is None and overrides.get("lsa_keys") == "unrotated":
+            rope = getattr(text_config_of(target_config), "rope_parameters", None) or {}
+            partial = getattr(text_config_of(target_config), "partial_rotary_factor", 1) != 1
+            if rope.get("rope_type", "default") != "default" or partial:
+                reason = (
+                    f"lsa_keys='unrotated' undoes plain RoPE only, and this target's is {rope.get('rope_type')!r}"
+                    " (or partial); use lsa_keys='rotated' or 'none'"
+                )
         if reason is not None:
             raise ValueError(f"Cannot build a MoA drafter for this target: {reason}.")
         kwargs = target_layer_defaults(target_config)

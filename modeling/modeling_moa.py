@@ -12,18 +12,23 @@ Sorted drafters (S2D, arXiv 2407.01955), `num_blocks` K > 1: K stacked SA + CA b
 `self_attention` + `cross_attention`, then `blocks`), every CA reading the same context vectors, with an exit after
 each block into the shared head; training takes the loss at every exit (`forward(exits="all")`).
 
-Where the rest lives (sibling files, every one shipped with this one as remote code):
-- sorted_exits.py: drafting with sorted blocks, the adaptive exits and their thresholds (`SortedExitsMixin`);
-- target_parts.py: several targets per drafter (`MoATargetParts`, LoRA deltas, `select_target`, `add_target`),
-  recognising a target by its fingerprint and attaching to it (`TargetPartsMixin`);
+Where the rest lives (sibling files, every one shipped with this one as remote code). The drafter holds its parts as
+objects with public methods (no modules of their own: the layers stay this model's attributes, so the state-dict keys
+`blocks.<i>.…` and `target_parts.<name>.…` are those of every saved drafter), and keeps a thin method per public one:
+- sorted_exits.py: drafting with sorted blocks, the adaptive exits and their thresholds (`MoASortedExits`,
+  `drafter.sorted_exits`);
+- target_parts.py: several targets per drafter (`MoATargetParts`, LoRA deltas; `MoATargets`, `drafter.targets`:
+  selecting, adding, recognising a target by its fingerprint) and what attaching borrows (`Attachment`);
 - target_cache.py: reading the target's cache (`gather_target_kv`, `gather_target_kv_at`, `held_*`);
-- moa_tree.py: the tree drafting protocol (`tree_start`, `tree_catch_up`, `tree_step`; `MoATreeMixin`);
+- moa_tree.py: the tree drafting protocol (`MoATreeDrafting`, `drafter.tree`, behind `tree_start`, `tree_catch_up`,
+  `tree_step`);
 - drafting.py: the runtime shared with the EAGLE drafter (target hooks, `generate`, statistics); lookup.py: prompt
   lookup.
 
 This file ships inside every Hub repo as remote code: it imports only torch, transformers and its sibling files.
 """
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,12 +42,13 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import rotate_half
 
-from .configuration_moa import PRIMARY_TARGET, MoADrafterConfig
-from .drafting import CACHE_NAME, DrafterMixin, DraftingSession, RollbackCache
-from .moa_tree import MoATreeMixin, MoATreeState
-from .sorted_exits import DeepBlock, SortedExitsMixin, crop_deep
+from .configuration_moa import PRIMARY_TARGET, MoADrafterConfig, tli_unsupported_reason, unsupported_target_reason
+from .drafting import CACHE_NAME, DrafterMixin, DraftingSession, RollbackCache, TargetTap
+from .drafting import target_fingerprint as fingerprint_of
+from .moa_tree import MoATreeDrafting, MoATreeState
+from .sorted_exits import DeepBlock, MoASortedExits, crop_deep
 from .target_cache import gather_target_kv, gather_target_kv_at, oldest_held_position
-from .target_parts import Attachment, MoALinear, MoALoRA, MoATargetParts, TargetPartsMixin
+from .target_parts import Attachment, MoALinear, MoALoRA, MoATargetParts, MoATargets, tli_decoder_reason
 
 __all__ = [
     "CONTEXT_CHUNK",
@@ -385,9 +391,7 @@ class MoAPreTrainedModel(PreTrainedModel):
             init.zeros_(module.B)
 
 
-class MoADrafterModel(
-    TargetPartsMixin, SortedExitsMixin, MoATreeMixin, DrafterMixin, MoAPreTrainedModel, GenerationMixin
-):
+class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
     """The MoA drafter. Attach it to its target, then pass it as `assistant_model` to `target.generate`.
 
     ```python
@@ -407,8 +411,8 @@ class MoADrafterModel(
         self.cross_attention = MoACrossAttentionLayer(c)
         lsa_head_dim = c.lsa_hidden_size // c.lsa_num_attention_heads
         self.lsa_in_proj = (
-            nn.Linear(c.target_kv_width, c.lsa_hidden_size, bias=False)
-            if c.lsa_hidden_size != c.target_kv_width
+            nn.Linear(c.lsa_input_width, c.lsa_hidden_size, bias=False)
+            if c.lsa_hidden_size != c.lsa_input_width
             else None
         )
         self.layer_self_attention = MoADecoderLayer(
@@ -424,6 +428,9 @@ class MoADrafterModel(
         self.Ekv2E = nn.Linear(c.lsa_hidden_size, c.hidden_size, bias=True)  # authors' name for the LSA projection
         self.rotary_emb = MoARotaryEmbedding(c.head_dim, c.rope_theta)
         self.lsa_rotary_emb = MoARotaryEmbedding(lsa_head_dim, 10000.0)
+        if c.lsa_keys == "unrotated":  # the target's own rotation, undone on the keys the LSA reads
+            self.target_rotary_emb = MoARotaryEmbedding(c.target_head_dim, c.target_rope_theta)
+        self._context_ablated = False  # `context_ablated()`
         if c.own_embeddings:
             self.embed_tokens = nn.Embedding(c.vocab_size, c.target_hidden_size)
             self.lm_head = nn.Linear(c.target_hidden_size, c.vocab_size, bias=False)
@@ -432,13 +439,13 @@ class MoADrafterModel(
             self.register_buffer("draft_ids", torch.arange(c.draft_vocab_size), persistent=True)  # [V'] full ids
         if c.num_blocks > 1:  # S2D: blocks 2..K, an exit after each
             self.blocks = nn.ModuleList(MoABlock(c) for _ in range(c.num_blocks - 1))
-        if c.extra_targets:
-            self.target_parts = nn.ModuleDict(
-                {name: self._new_parts(int(spec.get("lora_rank", 0))) for name, spec in c.extra_targets.items()}
-            )
-        self._active_target = PRIMARY_TARGET
-        self._exit_override: list[float] | None = None  # `override_exit_thresholds`
-        self._exit_tops: list[dict] | None = None  # `recording_exit_tops`
+        self.target_parts = nn.ModuleDict()  # the extra targets' own parts (empty: no state-dict keys)
+        self.targets = MoATargets(c, self.target_parts, self.shared_linears)
+        for name, spec in (c.extra_targets or {}).items():
+            self.target_parts[name] = self.targets.new_parts(int(spec.get("lora_rank", 0)))
+        self.sorted_exits = MoASortedExits(c, self.block_layers, self._exit_logits, self.targets)
+        parts = (self.embed, self.rotary_emb, self.block_layers, self._context_chunks, self.head, self.sorted_exits)
+        self.tree = MoATreeDrafting(c, *parts)
         self._attachment: Attachment | None = None
         self._session: DraftingSession | None = None
         self.post_init()
@@ -494,26 +501,69 @@ class MoADrafterModel(
     # ----------------------------------------------------------------------------------------------------------------
     # The three attentions
     # -----------------------------------------------------------------------------------------------------------------
-    def compute_context(self, target_kv: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_context(
+        self, target_kv: torch.Tensor, where: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """LSA: [B, T, L, 2*Hkv*hd] target keys/values per layer -> [B, T, d] one context vector per token.
 
         where: optional bool [B, T], the tokens whose context is needed (training: not padding, held by the target);
-        the LSA runs on those only and the others get zero vectors."""
-        B, T, L, W = target_kv.shape
+        the LSA runs on those only and the others get zero vectors. positions: [B, T] or [T] the tokens' positions in
+        their sequence (needed by `lsa_keys="unrotated"` only, which undoes the target's RoPE there)."""
+        B, T = target_kv.shape[:2]
+        if positions is not None:
+            positions = positions.expand(B, T)
+        if self._context_ablated:  # `context_ablated()`: what the drafter does without the target's state
+            return target_kv.new_zeros(B, T, self.config.hidden_size, dtype=self.dtype)
         if where is not None and not bool(where.all()):
-            picked = self.compute_context(target_kv[where][None])[0]  # [N, d] for the N tokens where True
+            pos = None if positions is None else positions[where][None]  # [1, N]
+            picked = self.compute_context(target_kv[where][None], positions=pos)[0]  # [N, d] for the N tokens picked
             return picked.new_zeros(B, T, picked.shape[-1]).masked_scatter(where[..., None], picked)  # [B, T, d]
         if not torch.is_autocast_enabled(target_kv.device.type):  # autocast: the projection reads them as they are
             target_kv = target_kv.to(self.dtype)
+        target_kv = self.lsa_inputs(target_kv, positions)  # [B, T, L', W'] what the LSA reads of each layer
+        L, W = target_kv.shape[2:]
         x = target_kv.reshape(B * T, L, W)  # each token is a sequence over the target's layers
         proj = self.lsa_in_proj  # the active target's own
-        if self._active_target != PRIMARY_TARGET:
-            proj = self.target_parts[self._active_target].lsa_in_proj
+        if self.active_target != PRIMARY_TARGET:
+            proj = self.target_parts[self.active_target].lsa_in_proj
         if proj is not None:
             x = proj(x)  # [B*T, L, lsa_hidden]
         cos, sin = self.lsa_rotary_emb(torch.arange(L, device=x.device), x.dtype)  # position = layer index
         x = self.layer_self_attention(x, cos, sin, mask=None)  # no mask across layers
-        return self.Ekv2E(x.mean(dim=1)).view(B, T, -1)  # mean over layers -> [B, T, d]
+        pooled = x.mean(dim=1) if self.config.lsa_pooling == "mean" else x[:, -1]  # [B*T, lsa_hidden]
+        return self.Ekv2E(pooled).view(B, T, -1)  # [B, T, d]
+
+    def lsa_inputs(self, target_kv: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """What the LSA reads of the target's keys/values [B, T, L, Hkv*2*hd] (`config.lsa_layers`, `lsa_keys`):
+        [B, T, L', W'] with L' the layers read and W' = Hkv*2*hd (keys and values) or Hkv*hd (values only)."""
+        c = self.config
+        if c.lsa_layers is not None:
+            target_kv = target_kv[:, :, c.lsa_layers]  # [B, T, L', Hkv*2*hd]
+        if c.lsa_keys == "rotated":
+            return target_kv
+        kv = target_kv.unflatten(-1, (c.target_num_key_value_heads, 2, c.target_head_dim))  # [B, T, L', Hkv, 2, hd]
+        keys, values = kv.unbind(-2)  # 2 x [B, T, L', Hkv, hd]
+        if c.lsa_keys == "none":
+            return values.flatten(-2)  # [B, T, L', Hkv*hd]
+        if positions is None:
+            raise ValueError(
+                "lsa_keys='unrotated' undoes the target's RoPE at each token's position: pass `positions` "
+                "(this drafting path does not know them)."
+            )
+        cos, sin = self.target_rotary_emb(positions.expand(target_kv.shape[:2]), torch.float32)  # [B, T, hd]
+        cos, sin = cos[:, :, None, None], sin[:, :, None, None]  # [B, T, 1, 1, hd]
+        keys = (keys.float() * cos - rotate_half(keys.float()) * sin).to(values.dtype)  # rotation by -position
+        return torch.stack([keys, values], dim=-2).flatten(-3)  # [B, T, L', Hkv*2*hd]
+
+    @contextlib.contextmanager
+    def context_ablated(self):
+        """Inside the block every context vector is zero: the drafter runs without the target's state (its CA reads
+        zeros), to measure how much of its acceptance the target's state brings."""
+        self._context_ablated = True
+        try:
+            yield self
+        finally:
+            self._context_ablated = False
 
     def read_context(self, target_cache, start: int, end: int) -> torch.Tensor:
         """Context vectors [B, end-start, d] of target positions [start, end) read from the target's cache.
@@ -530,14 +580,17 @@ class MoADrafterModel(
         2.74-2.80 for a tiny target with window 8 < prompt 24 (1500 training steps, 3 runs, 96 held-out prompts).
         """
         lo = min(max(start, oldest_held_position(target_cache)), end)  # positions [lo, end) are held by every layer
-        out = self._context_chunks(lambda s, e: gather_target_kv(target_cache, lo + s, lo + e), end - lo)
+        out = self._context_chunks(lambda s, e: gather_target_kv(target_cache, lo + s, lo + e), end - lo, first=lo)
         keys = target_cache.layers[0].keys
         dropped = keys.new_zeros(keys.shape[0], lo - start, self.config.hidden_size, dtype=self.dtype)  # no context
         return torch.cat([dropped, *out], dim=1)  # [B, end-start, d]
 
-    def _context_chunks(self, gather: Callable[[int, int], torch.Tensor], n: int) -> list[torch.Tensor]:
+    def _context_chunks(
+        self, gather: Callable[[int, int], torch.Tensor], n: int, first: int | None = None
+    ) -> list[torch.Tensor]:
         """Context vectors of n tokens in chunks [B, <= CONTEXT_CHUNK, d], from `gather(s, e)`: their target
-        keys/values [B, e-s, L, W] of tokens s..e-1 (each chunk zero-padded to a power of two, see `read_context`)."""
+        keys/values [B, e-s, L, W] of tokens s..e-1 (each chunk zero-padded to a power of two, see `read_context`).
+        first: the position of token 0 (None: unknown, e.g. slots of a tree)."""
         out = []
         for s in range(0, n, CONTEXT_CHUNK):
             kv = gather(s, min(n, s + CONTEXT_CHUNK))  # [B, m, L, W]
@@ -545,7 +598,8 @@ class MoADrafterModel(
             size = min(CONTEXT_CHUNK, 1 << (m - 1).bit_length())  # m rounded up to a power of two
             if m < size:
                 kv = torch.cat([kv, kv.new_zeros(kv.shape[0], size - m, *kv.shape[2:])], dim=1)  # [B, size, L, W]
-            out.append(self.compute_context(kv)[:, :m])  # [B, m, d]
+            pos = None if first is None else torch.arange(first + s, first + s + size, device=kv.device)  # [size]
+            out.append(self.compute_context(kv, positions=pos)[:, :m])  # [B, m, d]
         return out
 
     def _tli(self, h, positions, tli_cache, mask=None):
@@ -632,7 +686,7 @@ class MoADrafterModel(
             read = None if attention_mask is None else attention_mask.bool()  # [B, T]: tokens the CA may read
             if target_kv_held is not None:
                 read = target_kv_held if read is None else read & target_kv_held
-            context = self.compute_context(target_kv, where=read)
+            context = self.compute_context(target_kv, where=read, positions=pos)
         h = self.embed(input_ids)  # [B, T, d]
         cos, sin = self.rotary_emb(pos, h.dtype)
         causal = pos[None, :] <= pos[:, None]  # [T, T]
@@ -718,7 +772,7 @@ class MoADrafterModel(
         context = context.to(self.dtype)
         cos, sin = self.rotary_emb(torch.arange(start, start + context.shape[1], device=context.device), context.dtype)
         cache.append_context(*self.cross_attention.context_keys_values(context, cos, sin), valid=valid)
-        for block, (_, ca) in zip(self._deep_blocks(cache), self.block_layers()[1:]):
+        for block, (_, ca) in zip(self.sorted_exits.deep_blocks(cache), self.block_layers()[1:]):
             block.append_context(*ca.context_keys_values(context, cos, sin))
 
     def draft_step(self, new_ids: torch.Tensor, cache: MoADrafterCache) -> torch.Tensor:
@@ -745,7 +799,11 @@ class MoADrafterModel(
             B, hkv, hd = h.shape[0], self.config.num_key_value_heads, self.config.head_dim
             cache.ca_keys = cache.ca_values = h.new_zeros(B, hkv, 0, hd)
         if self.config.num_blocks > 1:
-            return self._decode_sorted(h, past, cos, sin, cache)
+            cycle = len(self._session.calls) if self._session is not None else None
+            logits, exit_of = self.sorted_exits.draft(h, past, cos, sin, cache, cycle=cycle)  # [B, V], [B, 1]
+            if self._session is not None:
+                self.record_exits(torch.bincount(exit_of.flatten() - 1, minlength=self.config.num_blocks).tolist())
+            return logits
         self.record_exits([h.shape[0]])
         h = h[:, -1:]  # only the last position drafts
         ca_mask = None if cache.ca_valid is None else cache.ca_valid[None, None, None, :]  # [1, 1, 1, M]
@@ -759,7 +817,7 @@ class MoADrafterModel(
     def new_cache(self) -> MoADrafterCache:
         cache = MoADrafterCache()
         if self.config.num_blocks > 1:
-            self._deep_blocks(cache)
+            self.sorted_exits.deep_blocks(cache)
         return cache
 
     def _prepare_draft(
@@ -778,6 +836,183 @@ class MoADrafterModel(
             return self._decode(pending if token is None else token, cache)  # [1, V]
 
         return next_logits, max_new_tokens
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Targets (`self.targets`) and attaching to one
+    # -----------------------------------------------------------------------------------------------------------------
+    def shared_linears(self) -> dict[str, MoALinear]:
+        """The linear layers of the SA/CA blocks, which an extra target's low-rank deltas adapt."""
+        blocks = ("self_attention", "cross_attention", "blocks")
+        return {n: m for n, m in self.named_modules() if isinstance(m, MoALinear) and n.split(".")[0] in blocks}
+
+    @property
+    def target_names(self) -> list[str]:
+        """The targets this drafter serves: `PRIMARY_TARGET` ("main") first, then `config.extra_targets`."""
+        return self.targets.names
+
+    @property
+    def active_target(self) -> str:
+        return self.targets.active
+
+    def select_target(self, name: str) -> None:
+        """Draft (and train, see `forward`'s `target_name`) with the parts of target `name` (`MoATargets.select`);
+        `attach` selects by fingerprint."""
+        self.targets.select(name)
+
+    @contextlib.contextmanager
+    def using_target(self, name: str | None):
+        """`with drafter.using_target(name):` the parts of `name` inside (None: the active ones), the previous
+        selection restored after."""
+        with self.targets.using(name):
+            yield self
+
+    def target_part_parameters(self, name: str) -> list[nn.Parameter]:
+        """The parameters only target `name` uses (to train a new target's parts alone): its LSA input projection and
+        low-rank deltas; for "main", the primary LSA input projection (none when the LSA reads the keys/values
+        directly)."""
+        return self.targets.part_parameters(name, primary=self.lsa_in_proj)
+
+    def add_target(
+        self,
+        name: str,
+        target: PreTrainedModel | None = None,
+        *,
+        target_name_or_path: str | None = None,
+        target_fingerprint: str | None = None,
+        lora_rank: int = 0,
+    ) -> None:
+        """Serve another target of the primary one's signature (e.g. a fine-tune of it) with parts of its own
+        (`MoATargets.add`): an LSA input projection copied from the primary's and, with `lora_rank` > 0, low-rank
+        deltas on every linear layer of the SA/CA blocks, zero at first. Train them alone with
+        `target_part_parameters(name)` (see docs/training.md). `target` (the model) gives the name and fingerprint by
+        which `attach` recognises it; without it pass them, or select it with `select_target`."""
+        if target is not None:
+            diffs = self._signature_differences(target)
+            if diffs:
+                raise ValueError(
+                    f"Target {name!r} cannot share this drafter: its signature differs from the primary target's ("
+                    + "; ".join(diffs)
+                    + "). A drafter serves targets of one architecture and vocabulary; train another for this one."
+                )
+            target_name_or_path = target_name_or_path or getattr(target.config, "name_or_path", None) or None
+            target_fingerprint = target_fingerprint or fingerprint_of(target)
+        spec = {"target_name_or_path": target_name_or_path, "target_fingerprint": target_fingerprint}
+        self.targets.add(name, spec, lora_rank, self.lsa_in_proj, device=self.device, dtype=self.dtype)
+
+    def target_for(self, target: PreTrainedModel) -> str | None:
+        """The name of the served target whose recorded fingerprint `target`'s weights have, or None."""
+        return self.targets.identify(target)
+
+    def attach(self, target: PreTrainedModel, allow_other_target: bool = False) -> "MoADrafterModel":
+        """Borrow the target's embedding, LM head (and last N layers) and install hooks that expose its cache.
+
+        Nothing on the target is modified: two forward hooks are registered and removed again by `detach`.
+        """
+        if self._attachment is not None:
+            if self._attachment.target is target:
+                return self
+            self.detach()
+        name = self.check_target(target, allow_other_target=allow_other_target)
+        self.select_target(name or PRIMARY_TARGET)
+        tap = TargetTap(on_new_session=self._start_session)
+        self._attachment = Attachment.borrow(target, tap, self.config.target_layer_inference)
+        self._start_session()
+        return self
+
+    def check_target(self, target: PreTrainedModel, allow_other_target: bool = False) -> str | None:
+        """Raise a `ValueError` saying what is wrong if this drafter cannot serve `target`; else return the name of
+        the recorded target it is (None: another model, accepted with `allow_other_target`)."""
+        n = self.config.target_layer_inference
+        reason = unsupported_target_reason(target.config) or tli_unsupported_reason(target.config, n)
+        if reason is not None:
+            raise ValueError(f"This target cannot be served by a MoA drafter: {reason}.")
+        name = self.target_for(target) if self.config.extra_targets else None
+        try:
+            self._check_signature(target, allow_other_target or name is not None)
+        except ValueError as err:
+            if not self.config.extra_targets:
+                raise
+            raise ValueError(f"{err} This drafter serves: {self.targets.describe()}.") from None
+        reason = tli_decoder_reason(target, n)
+        if reason is not None:
+            raise ValueError(reason)
+        return name if name is not None else (None if self._other_target_reason(target) else PRIMARY_TARGET)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Sorted blocks and their exits (`self.sorted_exits`)
+    # -----------------------------------------------------------------------------------------------------------------
+    def block_layers(self) -> list[tuple[MoADecoderLayer, MoACrossAttentionLayer]]:
+        """(SA, CA) of blocks 1..K: block 1 is `self_attention` + `cross_attention`, then `blocks`."""
+        deeper = [(b.self_attention, b.cross_attention) for b in getattr(self, "blocks", None) or ()]
+        return [(self.self_attention, self.cross_attention), *deeper]
+
+    def keep_first_block(self) -> "MoADrafterModel":
+        """Drop blocks 2..K of a sorted drafter: it then drafts every token at exit 1, exactly as the full drafter
+        does with thresholds that leave every token there (block 1 keeps the one-block drafter's modules). For
+        engines that draft at one exit only (vLLM's proposer)."""
+        if self.config.num_blocks > 1:
+            del self.blocks
+            self.sorted_exits.keep_first_block()
+        return self
+
+    def exit_thresholds_for(self, name: str | None = None) -> list[float] | None:
+        """The exit thresholds drafting for target `name` (None: the active one) uses (`MoASortedExits.thresholds_for`:
+        an override, else the target's own, else `config.exit_thresholds`)."""
+        return self.sorted_exits.thresholds_for(name)
+
+    def set_exit_thresholds(self, thresholds: list[float] | None, target: str = PRIMARY_TARGET) -> None:
+        """Store tuned thresholds for `target` (`MoASortedExits.set_thresholds`)."""
+        self.sorted_exits.set_thresholds(thresholds, target)
+
+    def override_exit_thresholds(self, thresholds: list[float] | None) -> contextlib.AbstractContextManager:
+        """Draft every target with `thresholds` (e.g. `fixed_exit_thresholds(k, K)`: always exit k) instead of the
+        stored ones; None lifts the override. Lasts until the next call, or used as `with drafter.override_exit_
+        thresholds(t):` until the block ends (the previous override restored)."""
+        return self.sorted_exits.override(thresholds, owner=self)
+
+    def recording_exit_tops(self) -> contextlib.AbstractContextManager:
+        """`with drafter.recording_exit_tops() as records:` every chain drafting step (`draft_step`, assisted
+        generation) of a sorted drafter runs all K exits and appends its record (`MoASortedExits.recording_tops`)."""
+        return self.sorted_exits.recording_tops()
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Tree drafting (`self.tree`; the engine in custom_generate/engine.py, see `DrafterMixin` and `TreeState`)
+    # -----------------------------------------------------------------------------------------------------------------
+    def tree_unsupported_reason(self) -> str | None:
+        return self.tree.unsupported_reason()
+
+    def tree_start(self, batch_size: int) -> MoATreeState:
+        """A fresh tree drafting state for `batch_size` rows (no verified token yet)."""
+        self._check_tree()
+        return self.tree.start(batch_size, dtype=self.dtype, device=self.device)
+
+    def tree_catch_up(
+        self,
+        state: MoATreeState,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        prev_slots: torch.Tensor,
+        target_cache,
+        prev_hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Feed newly verified `tokens` [B, n] (right-aligned; `valid` [B, n] False on left padding; `positions`
+        [B, n] real positions). CA memory: the context (LSA) of the target's keys/values at `prev_slots` [B, n]
+        (the token at position-1; -1: none) of `target_cache` (a transformers cache, or a function reading another
+        engine's cache: slots [B, m] -> [B, m, L, 2*Hkv*hd], as `moa_hf.vllm` reads vLLM's), with RoPE at
+        position-1. Returns float32 logits [B, V] of the token after each row's last one (the tree root's children),
+        from the exit each row's root leaves at; the deeper blocks run on these tokens when a later token first
+        needs them."""
+        return self.tree.catch_up(state, tokens, positions, valid, prev_slots, target_cache)
+
+    def tree_step(
+        self, state: MoATreeState, tokens: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor
+    ) -> torch.Tensor:
+        """Feed one depth of tree nodes: `tokens`, `positions`, `parents` [B, k] (`TreeState.add_nodes`). Each node
+        sees in SA the row's verified tokens, its ancestors and itself; in CA the verified context. Returns float32
+        logits [B, k, V] of each node's next token. A sorted drafter's nodes each leave at their own exit; a deeper
+        block runs on the whole frontier when any node needs it (see `MoASortedExits.adaptive_exits`)."""
+        return self.tree.step(state, tokens, positions, parents)
 
 
 MoADrafterConfig.register_for_auto_class()

@@ -1,7 +1,8 @@
 """Several targets per MoA drafter, and attaching to one: what an extra target keeps of its own (`MoATargetParts`:
-its LSA input projection and `MoALoRA` low-rank deltas on the shared linear layers, `MoALinear`), selecting them
-(`select_target`, `using_target`), adding one (`add_target`), recognising a target by its weights fingerprint
-(`target_for`) and attaching to it (`attach`, `check_target`), as `TargetPartsMixin`, a base of `MoADrafterModel`.
+its LSA input projection and `MoALoRA` low-rank deltas on the shared linear layers, `MoALinear`); `MoATargets`, the
+drafter's `targets`: which targets it serves, selecting one (`select`, `using`), adding one (`add`) and recognising a
+target by its weights fingerprint (`identify`); and what attaching borrows of the target (`Attachment.borrow`,
+`tli_decoder_reason`).
 
 This file ships inside every Hub repo as remote code (a sibling of modeling_moa.py): it imports only torch,
 transformers and its sibling files.
@@ -12,21 +13,25 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from .configuration_moa import PRIMARY_TARGET, tli_unsupported_reason, unsupported_target_reason
+from .configuration_moa import PRIMARY_TARGET
 from .drafting import TargetTap, decoder_of, register_hooks, weights_difference
 from .drafting import target_fingerprint as fingerprint_of
 
-if TYPE_CHECKING:  # annotations only
-    from .modeling_moa import MoADrafterModel
-
-__all__ = ["Attachment", "MoALinear", "MoALoRA", "MoATargetParts", "TargetPartsMixin", "full_attention_rotary"]
+__all__ = [
+    "Attachment",
+    "MoALinear",
+    "MoALoRA",
+    "MoATargetParts",
+    "MoATargets",
+    "full_attention_rotary",
+    "tli_decoder_reason",
+]
 
 
 class MoALinear(nn.Linear):
@@ -98,116 +103,131 @@ class Attachment:
     tap: TargetTap
     handles: list
 
+    @classmethod
+    def borrow(cls, target: nn.Module, tap: TargetTap, num_tli_layers: int) -> "Attachment":
+        """Borrow the target's embedding, LM head (and last `num_tli_layers` layers with its final norm and RoPE) and
+        register `tap`'s hooks on it (removed again with `handles`)."""
+        n, decoder = num_tli_layers, decoder_of(target)
+        return cls(
+            target=target,
+            embed=target.get_input_embeddings(),
+            lm_head=target.get_output_embeddings(),
+            tli_layers=list(decoder.layers[len(decoder.layers) - n :]) if n > 0 else [],
+            final_norm=getattr(decoder, "norm", None) if n > 0 else None,
+            rotary=full_attention_rotary(decoder) if n > 0 else None,
+            tap=tap,
+            handles=register_hooks(target, tap),
+        )
 
-class TargetPartsMixin:
-    """The per-target parts and attaching of `MoADrafterModel` (which provides `config`, `lsa_in_proj`, the blocks
-    and the drafting session)."""
 
-    def _shared_linears(self) -> dict[str, MoALinear]:
-        """The linear layers of the SA/CA blocks, which an extra target's low-rank deltas adapt."""
-        return {
-            name: m
-            for name, m in self.named_modules()
-            if isinstance(m, MoALinear) and name.split(".")[0] in ("self_attention", "cross_attention", "blocks")
-        }
+def tli_decoder_reason(target: nn.Module, num_tli_layers: int) -> str | None:
+    """Why the target's decoder cannot run Target Layer Inference over its last `num_tli_layers` layers (a
+    sentence), or None."""
+    if num_tli_layers <= 0:
+        return None
+    decoder = decoder_of(target)
+    for attr in ("layers", "norm", "rotary_emb"):
+        if not hasattr(decoder, attr):
+            return (
+                f"target_layer_inference={num_tli_layers} needs the target's decoder to expose `{attr}` "
+                f"({type(decoder).__name__} does not). Use target_layer_inference=0 for this target."
+            )
+    return None
 
-    def _new_parts(self, lora_rank: int) -> MoATargetParts:
-        c = self.config
-        return MoATargetParts(c.target_kv_width, c.lsa_hidden_size, self._shared_linears(), lora_rank)
+
+class MoATargets:
+    """The targets a `MoADrafterModel` serves and the one it drafts for (the drafter's `targets`, as PEFT's tuner
+    layers hold their adapters): `PRIMARY_TARGET` ("main"), served by the shared weights alone, then one per
+    `config.extra_targets` entry with parts of its own (`MoATargetParts`, in `parts`: the drafter's `target_parts`
+    module dict, so their state-dict keys are `target_parts.<name>.…`).
+
+    `shared_linears()` gives the linear layers of the drafter's SA/CA blocks (read at each call: a layer replaced
+    after construction is seen), on which `select` sets the selected target's low-rank deltas.
+    """
+
+    def __init__(self, config, parts: nn.ModuleDict, shared_linears: Callable[[], dict[str, MoALinear]]):
+        self.config = config
+        self.parts = parts
+        self.shared_linears = shared_linears
+        self.active = PRIMARY_TARGET
 
     @property
-    def target_names(self) -> list[str]:
-        """The targets this drafter serves: `PRIMARY_TARGET` ("main") first, then `config.extra_targets`."""
+    def names(self) -> list[str]:
+        """`PRIMARY_TARGET` first, then `config.extra_targets`."""
         return [PRIMARY_TARGET, *(self.config.extra_targets or {})]
 
-    @property
-    def active_target(self) -> str:
-        return self._active_target
-
-    def select_target(self, name: str) -> None:
-        """Draft (and train, see `forward`'s `target_name`) with the parts of target `name`: its LSA input projection
-        and low-rank deltas; "main" (`PRIMARY_TARGET`): the shared weights alone. `attach` selects by fingerprint."""
-        self._check_target_name(name)
-        parts = self.target_parts[name] if name != PRIMARY_TARGET else None
-        for layer_name, linear in self._shared_linears().items():
-            linear.delta = parts.delta(layer_name) if parts is not None else None  # plain references, not submodules
-        self._active_target = name
-
-    def _check_target_name(self, name: str) -> None:
-        if name not in self.target_names:
-            known = ", ".join(f"{n!r} ({path})" for n, path in self._target_paths().items())
-            raise ValueError(
-                f"Unknown target {name!r}: this drafter serves {known}. Add one with "
-                "`drafter.add_target(name, model)`."
-            )
-
-    def _target_paths(self) -> dict[str, str | None]:
-        """{name: target_name_or_path} of every target the drafter serves, the primary first."""
+    def paths(self) -> dict[str, str | None]:
+        """{name: target_name_or_path} of every target served, the primary first."""
         extra = {n: spec.get("target_name_or_path") for n, spec in (self.config.extra_targets or {}).items()}
         return {PRIMARY_TARGET: self.config.target_name_or_path, **extra}
 
+    def describe(self) -> str:
+        """The targets served, for error messages: "'main' (path), 'ft' (path)"."""
+        return ", ".join(f"{n!r} ({path})" for n, path in self.paths().items())
+
+    def check_name(self, name: str) -> None:
+        if name not in self.names:
+            raise ValueError(
+                f"Unknown target {name!r}: this drafter serves {self.describe()}. Add one with "
+                "`drafter.add_target(name, model)`."
+            )
+
+    def select(self, name: str) -> None:
+        """Draft (and train) with the parts of target `name`: its LSA input projection and low-rank deltas; "main":
+        the shared weights alone."""
+        self.check_name(name)
+        parts = self.parts[name] if name != PRIMARY_TARGET else None
+        for layer_name, linear in self.shared_linears().items():
+            linear.delta = parts.delta(layer_name) if parts is not None else None  # plain references, not submodules
+        self.active = name
+
     @contextlib.contextmanager
-    def using_target(self, name: str | None):
-        """`with drafter.using_target(name):` the parts of `name` inside (None: the active ones), the previous
-        selection restored after."""
-        previous = self._active_target
-        self.select_target(previous if name is None else name)
+    def using(self, name: str | None):
+        """`with targets.using(name):` the parts of `name` inside (None: the active ones), the previous selection
+        restored after."""
+        previous = self.active
+        self.select(previous if name is None else name)
         try:
             yield self
         finally:
-            self.select_target(previous)
+            self.select(previous)
 
-    def target_part_parameters(self, name: str) -> list[nn.Parameter]:
-        """The parameters only target `name` uses (to train a new target's parts alone): its LSA input projection and
-        low-rank deltas; for "main", the primary LSA input projection (none when the LSA reads the keys/values
-        directly)."""
-        self._check_target_name(name)
+    def lsa_in_proj(self, primary: nn.Module | None) -> nn.Module | None:
+        """The active target's LSA input projection (`primary`: the primary target's, None where the LSA reads the
+        keys/values directly)."""
+        return primary if self.active == PRIMARY_TARGET else self.parts[self.active].lsa_in_proj
+
+    def part_parameters(self, name: str, primary: nn.Module | None) -> list[nn.Parameter]:
+        """The parameters only target `name` uses: its LSA input projection and low-rank deltas (for "main", the
+        `primary` LSA input projection, if any)."""
+        self.check_name(name)
         if name == PRIMARY_TARGET:
-            return [] if self.lsa_in_proj is None else list(self.lsa_in_proj.parameters())
-        return list(self.target_parts[name].parameters())
+            return [] if primary is None else list(primary.parameters())
+        return list(self.parts[name].parameters())
+
+    def new_parts(self, lora_rank: int) -> MoATargetParts:
+        c = self.config
+        return MoATargetParts(c.lsa_input_width, c.lsa_hidden_size, self.shared_linears(), lora_rank)
 
     @torch.no_grad()
-    def add_target(
-        self,
-        name: str,
-        target: PreTrainedModel | None = None,
-        *,
-        target_name_or_path: str | None = None,
-        target_fingerprint: str | None = None,
-        lora_rank: int = 0,
-    ) -> None:
-        """Serve another target of the primary one's signature (e.g. a fine-tune of it) with parts of its own
-        (`MoATargetParts`): an LSA input projection copied from the primary's and, with `lora_rank` > 0, low-rank
-        deltas on every linear layer of the SA/CA blocks, zero at first (so it first drafts as for the primary). Train
-        them alone with `target_part_parameters(name)` (see docs/training.md). `target` (the model) gives the name
-        and fingerprint by which `attach` recognises it; without it pass them, or select it with `select_target`."""
-        if target is not None:
-            diffs = self._signature_differences(target)
-            if diffs:
-                raise ValueError(
-                    f"Target {name!r} cannot share this drafter: its signature differs from the primary target's ("
-                    + "; ".join(diffs)
-                    + "). A drafter serves targets of one architecture and vocabulary; train another for this one."
-                )
-            target_name_or_path = target_name_or_path or getattr(target.config, "name_or_path", None) or None
-            target_fingerprint = target_fingerprint or fingerprint_of(target)
-        if name in self.target_names:
+    def add(self, name: str, spec: dict, lora_rank: int, primary: nn.Module | None, device, dtype) -> None:
+        """Serve target `name` (`spec`: its `target_name_or_path` and `target_fingerprint`) with new parts: an LSA
+        input projection copied from `primary` (the identity where the primary reads the keys/values directly) and,
+        with `lora_rank` > 0, zero low-rank deltas (so it first drafts as the primary does)."""
+        if name in self.names:
             raise ValueError(f"This drafter already serves a target named {name!r}: choose another name.")
-        spec = {"target_name_or_path": target_name_or_path, "target_fingerprint": target_fingerprint}
         extra = {**(self.config.extra_targets or {}), name: {**spec, "lora_rank": int(lora_rank)}}
         self.config.validate_sorted(extra)  # raises before anything changes
-        parts = self._new_parts(int(lora_rank))
-        if self.lsa_in_proj is not None:
-            parts.lsa_in_proj.weight.copy_(self.lsa_in_proj.weight)
-        else:  # the primary reads the keys/values directly: start from the identity
+        parts = self.new_parts(int(lora_rank))
+        if primary is not None:
+            parts.lsa_in_proj.weight.copy_(primary.weight)
+        else:
             nn.init.eye_(parts.lsa_in_proj.weight)
         self.config.extra_targets = extra
-        if getattr(self, "target_parts", None) is None:
-            self.target_parts = nn.ModuleDict()
-        self.target_parts[name] = parts.to(device=self.device, dtype=self.dtype)
-        self.select_target(self._active_target)
+        self.parts[name] = parts.to(device=device, dtype=dtype)
+        self.select(self.active)
 
-    def target_for(self, target: PreTrainedModel) -> str | None:
+    def identify(self, target: PreTrainedModel) -> str | None:
         """The name of the served target whose recorded fingerprint `target`'s weights have (the primary first), or
         None (no match, or no fingerprints to compare)."""
         recorded = {PRIMARY_TARGET: self.config.target_fingerprint}
@@ -216,62 +236,3 @@ class TargetPartsMixin:
             return None
         actual = fingerprint_of(target)
         return next((n for n, fp in recorded.items() if fp and weights_difference(fp, actual) == ""), None)
-
-    # ----------------------------------------------------------------------------------------------------------------
-    # Attaching to the target
-    # -----------------------------------------------------------------------------------------------------------------
-    def attach(self, target: PreTrainedModel, allow_other_target: bool = False) -> "MoADrafterModel":
-        """Borrow the target's embedding, LM head (and last N layers) and install hooks that expose its cache.
-
-        Nothing on the target is modified: two forward hooks are registered and removed again by `detach`.
-        """
-        if self._attachment is not None:
-            if self._attachment.target is target:
-                return self
-            self.detach()
-        name = self.check_target(target, allow_other_target=allow_other_target)
-        self.select_target(name or PRIMARY_TARGET)
-        n = self.config.target_layer_inference
-        decoder = decoder_of(target)
-        tli_layers = list(decoder.layers[len(decoder.layers) - n :]) if n > 0 else []
-        tap = TargetTap(on_new_session=self._start_session)
-        handles = register_hooks(target, tap)
-        self._attachment = Attachment(
-            target=target,
-            embed=target.get_input_embeddings(),
-            lm_head=target.get_output_embeddings(),
-            tli_layers=tli_layers,
-            final_norm=getattr(decoder, "norm", None) if n > 0 else None,
-            rotary=full_attention_rotary(decoder) if n > 0 else None,
-            tap=tap,
-            handles=handles,
-        )
-        self._start_session()
-        return self
-
-    def check_target(self, target: PreTrainedModel, allow_other_target: bool = False) -> str | None:
-        """Raise a `ValueError` saying what is wrong if this drafter cannot serve `target`; else return the name of
-        the recorded target it is (None: another model, accepted with `allow_other_target`)."""
-        reason = unsupported_target_reason(target.config) or tli_unsupported_reason(
-            target.config, self.config.target_layer_inference
-        )
-        if reason is not None:
-            raise ValueError(f"This target cannot be served by a MoA drafter: {reason}.")
-        name = self.target_for(target) if self.config.extra_targets else None
-        try:
-            self._check_signature(target, allow_other_target or name is not None)
-        except ValueError as err:
-            if not self.config.extra_targets:
-                raise
-            known = ", ".join(f"{n!r} ({path})" for n, path in self._target_paths().items())
-            raise ValueError(f"{err} This drafter serves: {known}.") from None
-        n = self.config.target_layer_inference
-        if n > 0:
-            decoder = decoder_of(target)
-            for attr in ("layers", "norm", "rotary_emb"):
-                if not hasattr(decoder, attr):
-                    raise ValueError(
-                        f"target_layer_inference={n} needs the target's decoder to expose `{attr}` "
-                        f"({type(decoder).__name__} does not). Use target_layer_inference=0 for this target."
-                    )
-        return name if name is not None else (None if self._other_target_reason(target) else PRIMARY_TARGET)

@@ -126,6 +126,14 @@ class MoATrainingArguments(TrainingArguments):
             "(the other measurements draft as the drafter does by default).",
         },
     )
+    eval_context_ablation: bool = field(
+        default=False,
+        metadata={
+            "help": "MoA: every evaluation also runs with the drafter's context vectors zeroed (the target's state "
+            "withheld): `*_no_context` metrics (top-1, loss, acceptance length) show how much the target's state "
+            "is worth to the drafter."
+        },
+    )
     exit_loss_weights: str | None = field(
         default=None,
         metadata={
@@ -419,6 +427,29 @@ class DrafterArguments:
             "LSA runs over every target layer of every token, so it dominates training cost."
         },
     )
+    lsa_keys: str | None = field(
+        default=None,
+        metadata={
+            "choices": ["rotated", "unrotated", "none"],
+            "help": "MoA: how the LSA reads the target's keys: as cached after RoPE (rotated, the default), with RoPE "
+            "undone (unrotated), or not at all (none: values only).",
+        },
+    )
+    lsa_layers: str | None = field(
+        default=None,
+        metadata={
+            "metavar": "I,J,...",
+            "help": "MoA: the target layers the LSA reads, comma-separated; a negative index counts from the last "
+            "layer (default: all).",
+        },
+    )
+    lsa_pooling: str | None = field(
+        default=None,
+        metadata={
+            "choices": ["mean", "last"],
+            "help": "MoA: one vector per token from the LSA's outputs per layer: their mean (default) or the last.",
+        },
+    )
     init_from_target_layer: int | None = field(
         default=None,
         metadata={"metavar": "I", "help": "Start the drafter's decoder layers from the target's layer I (e.g. -1)."},
@@ -450,6 +481,11 @@ class DrafterArguments:
     def __post_init__(self):
         self.draft_vocab_size = self.draft_vocab_size or None  # 0: the full vocabulary
         self.lsa_hidden_size = self.lsa_hidden_size or None  # 0: the default width
+        if isinstance(self.lsa_layers, str):
+            try:
+                self.lsa_layers = [int(i) for i in self.lsa_layers.split(",")]
+            except ValueError:
+                raise ValueError(f"--lsa-layers takes comma-separated indices, got {self.lsa_layers!r}.") from None
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"--num-blocks must be >= 1, got {self.num_blocks}.")
 

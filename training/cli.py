@@ -338,6 +338,9 @@ def run_train(args: argparse.Namespace) -> int:
             "acceptance_length_heldout": final.get("eval_acceptance_length"),
             "top1_heldout": final.get("eval_top1"),  # with --eval-data: top-1 agreement with the target
             "top1_first_heldout": final.get("eval_top1_first"),
+            # with --eval-context-ablation: the same with the drafter's context vectors zeroed
+            "acceptance_length_heldout_no_context": final.get("eval_acceptance_length_no_context"),
+            "top1_heldout_no_context": final.get("eval_top1_no_context"),
             **_sorted_info(trainer, specs, final, trainable, drafter_args, tokens_per_target),
             "learning_curve": _learning_curve(trainer, info_from=info_from),
         }

@@ -144,6 +144,13 @@ class DrafterAdapter:
         (None: the drafter's active target). `model` may be wrapped (PEFT / DDP)."""
         raise NotImplementedError
 
+    def context_ablated(self, drafter: torch.nn.Module):
+        """A context manager inside which `drafter` runs without the target's state (MoA: zero context vectors)."""
+        raise ValueError(
+            f"A {type(drafter).__name__} has no context vectors to withhold: --eval-context-ablation is for MoA "
+            "drafters."
+        )
+
     def student_head(self, drafter: torch.nn.Module):
         """(head, column ids): what turns the drafter's hidden states [n, d] into its logits, and the
         full-vocabulary ids of those logits' columns (None: the full vocabulary itself)."""
@@ -233,6 +240,9 @@ class MoAAdapter(_AttachingAdapter):
         "target_layer_inference": "target_layer_inference",
         "draft_vocab_size": "draft_vocab_size",
         "lsa_hidden_size": "lsa_hidden_size",
+        "lsa_keys": "lsa_keys",
+        "lsa_layers": "lsa_layers",
+        "lsa_pooling": "lsa_pooling",
         "init_from_target_layer": "init_from_target_layer",
         "num_blocks": "num_blocks",
     }
@@ -248,6 +258,9 @@ class MoAAdapter(_AttachingAdapter):
             ids = frequent_tokens(data, size, target.config.get_text_config().vocab_size)
             drafter.init_draft_vocab(ids, target.get_output_embeddings().weight)
         return drafter
+
+    def context_ablated(self, drafter):
+        return unwrap_model(drafter).context_ablated()
 
     def target_layer_inference(self, drafter) -> int:
         return drafter.config.target_layer_inference

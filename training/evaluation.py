@@ -112,6 +112,8 @@ class AcceptanceEvalCallback(TrainerCallback):
         each_exit: a drafter with several blocks: also measure every fixed exit (and adaptive depth when it has exit
             thresholds) on the final evaluation (`"final"`: once training reached `max_steps`), on every measurement
             (`"always"`) or `"never"`.
+        context_ablation: also measure with the drafter's context vectors zeroed
+            (``eval_acceptance_length_no_context``: what the drafter accepts without the target's state; MoA).
     Metrics: ``eval_acceptance_length`` (plus cycles/tokens counts: pooled over the targets), per target
     ``eval_{name}_acceptance_length`` (when there are several targets or the one is not the primary target), per exit
     the same keys ending in ``_exit{i}`` / ``_adaptive``. Under DDP each process generates for its share of the
@@ -128,6 +130,7 @@ class AcceptanceEvalCallback(TrainerCallback):
         trainer=None,
         chat_template: bool = True,
         each_exit: str = "final",
+        context_ablation: bool = False,
     ):
         targets = dict(target) if isinstance(target, Mapping) else {PRIMARY_TARGET: target}
         by_target = dict(prompts) if isinstance(prompts, Mapping) else {name: prompts for name in targets}
@@ -147,6 +150,7 @@ class AcceptanceEvalCallback(TrainerCallback):
         self.every_n_steps = every_n_steps
         self.trainer = trainer
         self.each_exit = each_exit
+        self.context_ablation = context_ablation
         self.history: list[dict[str, float]] = []  # one entry per measurement: metrics, step, tokens, wall time
         self.measure_time_s = 0.0  # spent measuring (the acceptance runs themselves)
         self._t0: float | None = None
@@ -187,6 +191,16 @@ class AcceptanceEvalCallback(TrainerCallback):
             if each_exit:
                 by_exit = measure_acceptance_by_exit(target, base, mine, self.max_new_tokens, target_name=name)
                 metrics.update({f"{prefix}acceptance_length_{k}": v["acceptance_length"] for k, v in by_exit.items()})
+        if self.context_ablation:
+            ablated = {"acceptance_tokens": 0.0, "acceptance_cycles": 0.0}
+            with adapter_for(base).context_ablated(base):
+                for name, (target, prompt_ids) in self.prompt_sets.items():
+                    raw = measure_acceptance(
+                        target, base, self._my_share(prompt_ids), self.max_new_tokens, target_name=name
+                    )
+                    ablated = {k: v + raw[k] for k, v in ablated.items()}
+            length = acceptance_length(ablated["acceptance_tokens"], ablated["acceptance_cycles"])
+            metrics["eval_acceptance_length_no_context"] = 0.0 if length is None else length
         length = acceptance_length(pooled["acceptance_tokens"], pooled["acceptance_cycles"])
         metrics.update(
             {

@@ -465,6 +465,7 @@ class MoATrainer(Trainer):
                     every_n_steps=args.eval_acceptance_steps,
                     trainer=self,
                     each_exit=args.eval_each_exit,
+                    context_ablation=args.eval_context_ablation,
                 )
             )
 
@@ -789,6 +790,18 @@ class MoATrainer(Trainer):
     ):
         """Adds ``{prefix}_top1`` (the drafter's top-1 token = the target's, all counted positions) and
         ``{prefix}_top1_first`` (first positions of simulated cycles) to the evaluation loss."""
+        output = self._agreement_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        if self.args.eval_context_ablation:
+            with self.adapter.context_ablated(self.drafter):
+                ablated = self._agreement_loop(dataloader, description, prediction_loss_only, ignore_keys, "ablated")
+            suffixes = {"loss": "loss", "top1": "top1", "top1_first": "top1_first"}
+            for key, name in suffixes.items():
+                if f"ablated_{key}" in ablated.metrics:
+                    output.metrics[f"{metric_key_prefix}_{name}_no_context"] = ablated.metrics[f"ablated_{key}"]
+        return output
+
+    def _agreement_loop(self, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix):
+        """The Trainer's evaluation loop plus the top-1 agreement counts (`_count_agreement`)."""
         self._agreement.zero_()
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         counts = self._agreement.clone()
