@@ -1,22 +1,24 @@
 """The MoA drafter's tree drafting protocol (for the engine of custom_generate/, and the vLLM proposer): its state
 `MoATreeState` (block 1's SA cache, the CA memory of the verified tokens, a sorted drafter's deeper blocks) and
-`tree_start`, `tree_catch_up`, `tree_step`, which draft the same tokens as the chain, node by node, for left-padded
-batches (`MoATreeMixin`, a base of `MoADrafterModel`).
+`MoATreeDrafting` (the drafter's `tree`: `start`, `catch_up`, `step`, behind its `tree_start`, `tree_catch_up`,
+`tree_step`), which draft the same tokens as the chain, node by node, for left-padded batches.
 
 This file ships inside every Hub repo as remote code (a sibling of modeling_moa.py): it imports only torch and its
 sibling files.
 """
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from .drafting import TreeState
-from .sorted_exits import DeepBlock, PendingSlots, crop_deep
+from .sorted_exits import DeepBlock, MoASortedExits, PendingSlots, crop_deep
 from .target_cache import gather_target_kv_at
 
-__all__ = ["MoATreeMixin", "MoATreeState"]
+__all__ = ["MoATreeDrafting", "MoATreeState"]
 
 
 @dataclass
@@ -73,14 +75,27 @@ class MoATreeState(TreeState):
             block.pending = [p.rows(rows) for p in block.pending]
 
 
-class MoATreeMixin:
-    """Tree drafting for `MoADrafterModel` (which provides the layers, `embed`, `head`, `_context_chunks` and the
-    sorted exits)."""
+class MoATreeDrafting:
+    """Tree drafting for a `MoADrafterModel` (the drafter's `tree`; see `DrafterMixin` and `TreeState`). It holds no
+    modules, only what it runs, read at each call: `embed(ids)` the token embedding, `rotary` the drafter's RoPE,
+    `layers()` the (SA, CA) layers of blocks 1..K, `context(gather, n)` the LSA's context vectors in chunks (see
+    `MoADrafterModel.context_chunks`), `head(hidden)` the float32 logits, `exits` the sorted exits."""
 
-    # ----------------------------------------------------------------------------------------------------------------
-    # Tree drafting (the engine in custom_generate/engine.py; see `DrafterMixin` and `TreeState`)
-    # -----------------------------------------------------------------------------------------------------------------
-    def tree_unsupported_reason(self) -> str | None:
+    def __init__(
+        self,
+        config,
+        embed: Callable[[torch.Tensor], torch.Tensor],
+        rotary: nn.Module,
+        layers: Callable[[], list[tuple[nn.Module, nn.Module]]],
+        context: Callable[[Callable[[int, int], torch.Tensor], int], list[torch.Tensor]],
+        head: Callable[[torch.Tensor], torch.Tensor],
+        exits: MoASortedExits,
+    ):
+        self.config = config
+        self.embed, self.rotary, self.layers, self.context, self.head = embed, rotary, layers, context, head
+        self.exits = exits
+
+    def unsupported_reason(self) -> str | None:
         if self.config.target_layer_inference > 0:
             return (
                 f"Tree drafting needs target_layer_inference=0 (this drafter has {self.config.target_layer_inference}"
@@ -89,25 +104,24 @@ class MoATreeMixin:
             )
         return None
 
-    def tree_start(self, batch_size: int) -> MoATreeState:
+    def start(self, batch_size: int, dtype: torch.dtype, device) -> MoATreeState:
         """A fresh tree drafting state for `batch_size` rows (no verified token yet)."""
-        self._check_tree()
         c = self.config
-        empty = torch.zeros(batch_size, c.num_key_value_heads, 0, c.head_dim, dtype=self.dtype, device=self.device)
+        empty = torch.zeros(batch_size, c.num_key_value_heads, 0, c.head_dim, dtype=dtype, device=device)
         state = MoATreeState(
-            **TreeState.empty_fields(batch_size, 1, self.device),
+            **TreeState.empty_fields(batch_size, 1, device),
             ca_keys=empty,  # [B, Hkv, 0, hd]
             ca_values=empty,
-            ca_valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device),  # [B, 0]
-            root_exits=torch.ones(batch_size, dtype=torch.long, device=self.device),  # [B]
-            node_exits=torch.ones(batch_size, 0, dtype=torch.long, device=self.device),  # [B, 0]
+            ca_valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=device),  # [B, 0]
+            root_exits=torch.ones(batch_size, dtype=torch.long, device=device),  # [B]
+            node_exits=torch.ones(batch_size, 0, dtype=torch.long, device=device),  # [B, 0]
         )
         if c.num_blocks > 1:
-            self._deep_blocks(state)
+            self.exits.deep_blocks(state)
         return state
 
     @torch.no_grad()
-    def tree_catch_up(
+    def catch_up(
         self,
         state: MoATreeState,
         tokens: torch.Tensor,
@@ -115,61 +129,54 @@ class MoATreeMixin:
         valid: torch.Tensor,
         prev_slots: torch.Tensor,
         target_cache,
-        prev_hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Feed newly verified `tokens` [B, n] (right-aligned; `valid` [B, n] False on left padding; `positions`
-        [B, n] real positions). CA memory: the context (LSA) of the target's keys/values at `prev_slots` [B, n]
-        (the token at position-1; -1: none) of `target_cache` (a transformers cache, or a function reading another
-        engine's cache: slots [B, m] -> [B, m, L, 2*Hkv*hd], as `moa_hf.vllm` reads vLLM's), with RoPE at
-        position-1. Returns float32 logits [B, V] of the token after each row's last one (the tree root's children),
-        from the exit each row's root leaves at; the deeper blocks run on these tokens when a later token first
-        needs them."""
+        """`MoADrafterModel.tree_catch_up`: feed newly verified `tokens` [B, n]; float32 logits [B, V] of the token
+        after each row's last one, from the exit each row's root leaves at."""
         state.end_tree()
         # a transformers cache, or a reader of another engine's cache (vLLM's paged one): slots -> [B, m, L, W]
         read = target_cache if callable(target_cache) else functools.partial(gather_target_kv_at, target_cache)
-        context = torch.cat(self._context_chunks(lambda s, e: read(prev_slots[:, s:e]), tokens.shape[1]), dim=1)
-        cos, sin = self.rotary_emb(positions - 1, context.dtype)  # [B, n, hd]: the context is position-1's
-        k, v = self.cross_attention.context_keys_values(context, cos, sin)  # [B, Hkv, n, hd]
+        context = torch.cat(self.context(lambda s, e: read(prev_slots[:, s:e]), tokens.shape[1]), dim=1)
+        cos, sin = self.rotary(positions - 1, context.dtype)  # [B, n, hd]: the context is position-1's
+        layers = self.layers()
+        self_attention, cross_attention = layers[0]
+        k, v = cross_attention.context_keys_values(context, cos, sin)  # [B, Hkv, n, hd]
         state.append_context(k, v, valid & (prev_slots >= 0))
-        for block, (_, ca) in zip(state.deep, self.block_layers()[1:]):
+        for block, (_, ca) in zip(state.deep, layers[1:]):
             block.append_context(*ca.context_keys_values(context, cos, sin))
         h = self.embed(tokens)  # [B, n, d]
-        cos, sin = self.rotary_emb(positions, h.dtype)  # [B, n, hd]
+        cos, sin = self.rotary(positions, h.dtype)  # [B, n, hd]
         sa_mask = state.add_verified(valid)  # [B, 1, n, V]
         if self.config.num_blocks > 1:
-            h = self.self_attention(h, cos, sin, mask=sa_mask, cache=state.layers[0])
+            h = self_attention(h, cos, sin, mask=sa_mask, cache=state.layers[0])
             n, M = tokens.shape[1], state.ca_keys.shape[2]
             own = M - n + torch.arange(n, device=h.device)  # [n] each verified token's CA slot (position-1's context)
             ca_mask = (torch.arange(M, device=h.device)[None, :] <= own[:, None])[None] & state.ca_valid[:, None, :]
-            logits, exits = self._tree_exits(state, PendingSlots(h, sa_mask, cos, sin, ca_mask[:, None]), m=1)
+            logits, exits = self.exits.tree_exits(state, PendingSlots(h, sa_mask, cos, sin, ca_mask[:, None]), m=1)
             state.root_exits = exits[:, -1]  # [B]
             return logits[:, -1]  # [B, V]
-        h = self.self_attention(h, cos, sin, mask=sa_mask, cache=state.layers[0])[:, -1:]
+        h = self_attention(h, cos, sin, mask=sa_mask, cache=state.layers[0])[:, -1:]
         state.root_exits = torch.ones_like(tokens[:, -1])  # [B]
-        return self._tree_logits(state, h, cos[:, -1:], sin[:, -1:])[:, -1]  # [B, V]
+        return self._logits(state, h, cos[:, -1:], sin[:, -1:])[:, -1]  # [B, V]
 
     @torch.no_grad()
-    def tree_step(
-        self, state: MoATreeState, tokens: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor
-    ) -> torch.Tensor:
-        """Feed one depth of tree nodes: `tokens`, `positions`, `parents` [B, k] (`TreeState.add_nodes`). Each node
-        sees in SA the row's verified tokens, its ancestors and itself; in CA the verified context. Returns float32
-        logits [B, k, V] of each node's next token. A sorted drafter's nodes each leave at their own exit; a deeper
-        block runs on the whole frontier when any node needs it (see `_adaptive_exits`)."""
+    def step(self, state: MoATreeState, tokens: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor):
+        """`MoADrafterModel.tree_step`: feed one depth of tree nodes [B, k]; float32 logits [B, k, V] of each node's
+        next token."""
         h = self.embed(tokens)  # [B, k, d]
-        cos, sin = self.rotary_emb(positions, h.dtype)  # [B, k, hd]
+        cos, sin = self.rotary(positions, h.dtype)  # [B, k, hd]
         sa_mask = state.add_nodes(parents)  # [B, 1, k, S]
-        h = self.self_attention(h, cos, sin, mask=sa_mask, cache=state.layers[0])
+        h = self.layers()[0][0](h, cos, sin, mask=sa_mask, cache=state.layers[0])
         if self.config.num_blocks > 1:
             ca_mask = state.ca_valid[:, None, None, :].expand(-1, -1, h.shape[1], -1)  # [B, 1, k, M]
-            logits, state.node_exits = self._tree_exits(
+            logits, state.node_exits = self.exits.tree_exits(
                 state, PendingSlots(h, sa_mask, cos, sin, ca_mask), m=h.shape[1]
             )
             return logits
         state.node_exits = torch.ones_like(tokens)  # [B, k]
-        return self._tree_logits(state, h, cos, sin)  # [B, k, V]
+        return self._logits(state, h, cos, sin)  # [B, k, V]
 
-    def _tree_logits(self, state: MoATreeState, h, cos, sin) -> torch.Tensor:
+    def _logits(self, state: MoATreeState, h, cos, sin) -> torch.Tensor:
         """CA over the verified context of each row and the head: h [B, T, d] -> float32 logits [B, T, V]."""
         mask = state.ca_valid[:, None, None, :]  # [B, 1, 1, M]
-        return self.head(self.cross_attention(h, cos, sin, state.ca_keys, state.ca_values, mask=mask))
+        cross_attention = self.layers()[0][1]
+        return self.head(cross_attention(h, cos, sin, state.ca_keys, state.ca_values, mask=mask))

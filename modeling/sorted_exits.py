@@ -2,27 +2,25 @@
 While drafting, a token leaves at the first exit k < K whose top probability clears `exit_thresholds[k-1]` (else at
 exit K; `_adaptive_exits`). Each deeper block keeps its own keys/values (`DeepBlock`); a block skipped by tokens that
 left earlier first catches up on them from the stored outputs of the block before (`DeepBlock.pending`), so every exit
-drafts exactly what `forward` gives there. The thresholds: `exit_thresholds_for`, `set_exit_thresholds`,
-`override_exit_thresholds`; `recording_exit_tops` for analysis. `SortedExitsMixin` is a base of `MoADrafterModel`.
+drafts exactly what `forward` gives there. `MoASortedExits` (the drafter's `sorted_exits`) runs them and keeps the
+thresholds: `thresholds_for`, `set_thresholds`, `override`; `recording_tops` for analysis.
 
 This file ships inside every Hub repo as remote code (a sibling of modeling_moa.py): it imports only torch and its
 sibling files.
 """
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from .configuration_moa import PRIMARY_TARGET, check_exit_thresholds
 from .drafting import LayerKV
+from .target_parts import MoATargets
 
-if TYPE_CHECKING:  # annotations only
-    from .moa_tree import MoATreeState
-    from .modeling_moa import MoACrossAttentionLayer, MoADecoderLayer, MoADrafterCache, MoADrafterModel
-
-__all__ = ["DeepBlock", "PendingSlots", "SortedExitsMixin", "crop_deep", "fit_mask"]
+__all__ = ["DeepBlock", "MoASortedExits", "PendingSlots", "crop_deep", "fit_mask"]
 
 
 @dataclass
@@ -98,33 +96,51 @@ def crop_deep(deep: list[DeepBlock], first_length: int, length: int) -> None:
         done = kept
 
 
-class SortedExitsMixin:
-    """The sorted blocks and adaptive exits of `MoADrafterModel` (which provides `config`, the blocks' layers,
-    `_exit_logits`, the drafting session and `_check_target_name`)."""
+class MoASortedExits:
+    """The sorted blocks and adaptive exits of a `MoADrafterModel` (the drafter's `sorted_exits`): drafting a chain
+    token (`draft`) or tree nodes (`tree_exits`) through the blocks, each leaving at its exit, and the exit
+    thresholds (per target, an override, recording every exit's top for analysis).
+
+    It holds no modules: `layers()` gives the (SA, CA) layers of blocks 1..K (the drafter's `self_attention` +
+    `cross_attention`, then `blocks`, whose state-dict keys stay theirs), `exit_head(hidden, confidence)` an exit's
+    float32 logits [..., V] and top probability, `targets` the target whose thresholds apply.
+    """
+
+    def __init__(
+        self,
+        config,
+        layers: Callable[[], list[tuple[nn.Module, nn.Module]]],
+        exit_head: Callable[[torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor | None]],
+        targets: MoATargets,
+    ):
+        self.config = config
+        self.layers = layers
+        self.exit_head = exit_head
+        self.targets = targets
+        self.override_thresholds: list[float] | None = None  # `override`
+        self.tops: list[dict] | None = None  # `recording_tops`
+
+    def deep_blocks(self, state) -> list[DeepBlock]:
+        """The deeper blocks' drafting state of a cache or tree state (created on first use)."""
+        if len(state.deep) < self.config.num_blocks - 1:
+            state.deep = [DeepBlock() for _ in range(self.config.num_blocks - 1)]
+        return state.deep
+
+    def keep_first_block(self) -> None:
+        """The config of a drafter whose blocks 2..K are dropped (`MoADrafterModel.keep_first_block`): one block, no
+        thresholds."""
+        self.config.num_blocks = 1
+        self.config.exit_thresholds = None
+        for spec in (self.config.extra_targets or {}).values():
+            spec.pop("exit_thresholds", None)
 
     # ----------------------------------------------------------------------------------------------------------------
-    # Sorted blocks (S2D)
+    # Drafting through the blocks
     # -----------------------------------------------------------------------------------------------------------------
-    def block_layers(self) -> list[tuple["MoADecoderLayer", "MoACrossAttentionLayer"]]:
-        """(SA, CA) of blocks 1..K: block 1 is `self_attention` + `cross_attention`, then `blocks`."""
-        deeper = [(b.self_attention, b.cross_attention) for b in getattr(self, "blocks", None) or ()]
-        return [(self.self_attention, self.cross_attention), *deeper]
-
-    def keep_first_block(self) -> "MoADrafterModel":
-        """Drop blocks 2..K of a sorted drafter: it then drafts every token at exit 1, exactly as the full drafter
-        does with thresholds that leave every token there (block 1 keeps the one-block drafter's modules). For
-        engines that draft at one exit only (vLLM's proposer)."""
-        if self.config.num_blocks > 1:
-            del self.blocks
-            self.config.num_blocks = 1
-            self.config.exit_thresholds = None
-            for spec in (self.config.extra_targets or {}).values():
-                spec.pop("exit_thresholds", None)
-        return self
-
-    def _decode_sorted(self, h, past: int, cos, sin, cache: "MoADrafterCache") -> torch.Tensor:
-        """Sorted drafters: block 1's CA on the T new positions past.. (SA output h [B, T, d]) and the adaptive exits
-        of the last one; logits [B, V]. Every position keeps its block-1 output for the deeper blocks."""
+    def draft(self, h, past: int, cos, sin, cache, cycle: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chain drafting: block 1's CA on the T new positions past.. (SA output h [B, T, d]) and the adaptive exits
+        of the last one: its logits [B, V] and exit [B, 1] (1-based). Every position keeps its block-1 output for the
+        deeper blocks. `cycle`: the drafting cycle, recorded while `recording_tops`."""
         T, M = h.shape[1], cache.context_length
         starts = torch.arange(past, past + T, device=h.device).clamp(max=M)  # [T] as `cache.cycle_starts`
         ca_mask = torch.arange(M, device=h.device)[None, :] < starts[:, None]  # [T, M]
@@ -132,50 +148,33 @@ class SortedExitsMixin:
             ca_mask = ca_mask & cache.ca_valid[None, :]
         ca_mask = ca_mask[None, None]  # [1, 1, T, M]
         every = T == 1 and past >= M and cache.ca_valid is None  # one drafted token sees all context: no mask
-        h = self.cross_attention(h, cos, sin, cache.ca_keys, cache.ca_values, mask=None if every else ca_mask)
+        cross_attention = self.layers()[0][1]
+        h = cross_attention(h, cos, sin, cache.ca_keys, cache.ca_values, mask=None if every else ca_mask)
         slots = torch.arange(past + T, device=h.device)  # [past+T]
         sa_mask = slots[None, :] <= slots[past:, None]  # [T, past+T] causal
         first = PendingSlots(h, sa_mask[None, None], cos, sin, ca_mask)
-        tops = None if self._exit_tops is None else []
-        logits, exit_of = self._adaptive_exits(first, self._deep_blocks(cache), record=tops)  # [B, 1, V], [B, 1]
-        if self._session is not None:
-            self.record_exits(torch.bincount(exit_of.flatten() - 1, minlength=self.config.num_blocks).tolist())
+        tops = None if self.tops is None else []
+        logits, exit_of = self.adaptive_exits(first, self.deep_blocks(cache), record=tops)  # [B, 1, V], [B, 1]
         if tops is not None:
-            self._exit_tops.append(
+            self.tops.append(
                 {
                     "position": past + T,
-                    "cycle": len(self._session.calls) if self._session is not None else None,
+                    "cycle": cycle,
                     "top1": torch.cat([top1 for top1, _ in tops], dim=-1),  # [B, K]
                     "confidence": torch.cat([conf for _, conf in tops], dim=-1),  # [B, K]
                     "exit": exit_of[:, -1],  # [B]
                 }
             )
-        return logits[:, -1]  # [B, V]
+        return logits[:, -1], exit_of  # [B, V], [B, 1]
 
-    def _deep_blocks(self, state) -> list[DeepBlock]:
-        """The deeper blocks' drafting state of a cache or tree state (created on first use)."""
-        if len(state.deep) < self.config.num_blocks - 1:
-            state.deep = [DeepBlock() for _ in range(self.config.num_blocks - 1)]
-        return state.deep
+    def tree_exits(self, state, first: PendingSlots, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tree drafting (`state` a `MoATreeState`): block 1's CA on the new slots (SA output `first.x`), then
+        `adaptive_exits` for the last m: their float32 logits [B, m, V] and exits [B, m]."""
+        cross_attention = self.layers()[0][1]
+        first.x = cross_attention(first.x, first.cos, first.sin, state.ca_keys, state.ca_values, first.ca_mask)
+        return self.adaptive_exits(first, state.deep, m=m)
 
-    def _run_pending(self, block: DeepBlock, sa: "MoADecoderLayer", ca: "MoACrossAttentionLayer") -> PendingSlots:
-        """Run a deeper block on all its pending slots (in slot order); returns their outputs with their masks."""
-        todo, block.pending = block.pending, []
-        width = block.length + sum(p.size for p in todo)  # the block's slots after this run
-        M = block.ca_keys.shape[2] if block.ca_keys is not None else 0
-        x = torch.cat([p.x for p in todo], dim=1)  # [B, n, d]
-        sa_mask = torch.cat([fit_mask(p.sa_mask, width) for p in todo], dim=-2)  # [B|1, 1, n, width]
-        ca_mask = torch.cat([fit_mask(p.ca_mask, M) for p in todo], dim=-2)  # [B|1, 1, n, M]
-        cos, sin = torch.cat([p.cos for p in todo], dim=-2), torch.cat([p.sin for p in todo], dim=-2)
-        if block.ca_keys is None:
-            block.ca_keys = block.ca_values = x.new_zeros(
-                x.shape[0], self.config.num_key_value_heads, 0, self.config.head_dim
-            )
-        x = sa(x, cos, sin, mask=sa_mask, cache=block.kv)
-        x = ca(x, cos, sin, block.ca_keys, block.ca_values, mask=ca_mask)
-        return PendingSlots(x, sa_mask, cos, sin, ca_mask)
-
-    def _adaptive_exits(
+    def adaptive_exits(
         self, x: PendingSlots, deep: list[DeepBlock], m: int = 1, record: list | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """S2D's adaptive depth for the last `m` slots of block 1's output `x` ([B, n, d] with what deeper blocks need
@@ -188,16 +187,17 @@ class SortedExitsMixin:
         batched call beats gathering the rows that need it), and first on its `pending` slots (tokens that left
         earlier, in slot order), so its keys/values are those the full-depth drafter has. Each exit's head runs
         once, giving both its logits and the confidence."""
-        K, thresholds = self.config.num_blocks, [*self._exit_thresholds(), 0.0]  # exit K always accepts
+        K, thresholds = self.config.num_blocks, [*self.thresholds(), 0.0]  # exit K always accepts
+        layers = self.layers() if K > 1 else []
         logits = exit_of = None
         for k in range(1, K + 1):
             if k > 1:  # block k catches up on the slots that left before it, then runs these
                 deep[k - 2].pending.append(x)
-                x = self._run_pending(deep[k - 2], *self.block_layers()[k - 1])
+                x = self._run_pending(deep[k - 2], *layers[k - 1])
             t = thresholds[k - 1]
             if t > 1.0 and record is None:  # no token leaves here: no head needed
                 continue
-            exit_logits, top = self._exit_logits(x.x[:, -m:], confidence=t > 0.0 or record is not None)
+            exit_logits, top = self.exit_head(x.x[:, -m:], t > 0.0 or record is not None)
             if record is not None:  # exit_logits [B, m, V], top [B, m] or None
                 record.append((exit_logits.argmax(-1), top))
             if t > 1.0:  # recorded only: no token leaves here
@@ -215,30 +215,50 @@ class SortedExitsMixin:
             deep[k - 1].pending.append(x)
         return logits, exit_of
 
-    def _exit_thresholds(self) -> list[float]:
-        """`exit_thresholds_for` the active target (read at every drafting step); None: never leave before exit K."""
-        thresholds = self.exit_thresholds_for()
+    def _run_pending(self, block: DeepBlock, sa: nn.Module, ca: nn.Module) -> PendingSlots:
+        """Run a deeper block on all its pending slots (in slot order); returns their outputs with their masks."""
+        todo, block.pending = block.pending, []
+        width = block.length + sum(p.size for p in todo)  # the block's slots after this run
+        M = block.ca_keys.shape[2] if block.ca_keys is not None else 0
+        x = torch.cat([p.x for p in todo], dim=1)  # [B, n, d]
+        sa_mask = torch.cat([fit_mask(p.sa_mask, width) for p in todo], dim=-2)  # [B|1, 1, n, width]
+        ca_mask = torch.cat([fit_mask(p.ca_mask, M) for p in todo], dim=-2)  # [B|1, 1, n, M]
+        cos, sin = torch.cat([p.cos for p in todo], dim=-2), torch.cat([p.sin for p in todo], dim=-2)
+        if block.ca_keys is None:
+            block.ca_keys = block.ca_values = x.new_zeros(
+                x.shape[0], self.config.num_key_value_heads, 0, self.config.head_dim
+            )
+        x = sa(x, cos, sin, mask=sa_mask, cache=block.kv)
+        x = ca(x, cos, sin, block.ca_keys, block.ca_values, mask=ca_mask)
+        return PendingSlots(x, sa_mask, cos, sin, ca_mask)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Thresholds
+    # -----------------------------------------------------------------------------------------------------------------
+    def thresholds(self) -> list[float]:
+        """`thresholds_for` the active target (read at every drafting step); None: never leave before exit K."""
+        thresholds = self.thresholds_for()
         if thresholds is None:
             return [2.0] * (self.config.num_blocks - 1)
         return check_exit_thresholds(thresholds, self.config.num_blocks)
 
-    def exit_thresholds_for(self, name: str | None = None) -> list[float] | None:
-        """The exit thresholds drafting for target `name` (None: the active one) uses: those of
-        `override_exit_thresholds` while it holds, else `config.target_exit_thresholds(name)`: the target's own, else
-        `config.exit_thresholds` (None: every token leaves at the last exit)."""
-        if self._exit_override is not None:
-            return self._exit_override
+    def thresholds_for(self, name: str | None = None) -> list[float] | None:
+        """The exit thresholds drafting for target `name` (None: the active one) uses: those of `override` while it
+        holds, else `config.target_exit_thresholds(name)`: the target's own, else `config.exit_thresholds` (None:
+        every token leaves at the last exit)."""
+        if self.override_thresholds is not None:
+            return self.override_thresholds
         if name is None:  # the drafting step's case: the active target is a known one
-            name = self._active_target
+            name = self.targets.active
         else:
-            self._check_target_name(name)
+            self.targets.check_name(name)
         return self.config.target_exit_thresholds(name)
 
-    def set_exit_thresholds(self, thresholds: list[float] | None, target: str = PRIMARY_TARGET) -> None:
+    def set_thresholds(self, thresholds: list[float] | None, target: str = PRIMARY_TARGET) -> None:
         """Store tuned thresholds for `target`: the primary's are `config.exit_thresholds` (they also serve every
         target without its own), another target's go into its `extra_targets` entry (None: it uses the primary's
         again)."""
-        self._check_target_name(target)
+        self.targets.check_name(target)
         if thresholds is not None:
             thresholds = check_exit_thresholds(thresholds, self.config.num_blocks)
         if target == PRIMARY_TARGET:
@@ -249,43 +269,37 @@ class SortedExitsMixin:
             spec["exit_thresholds"] = thresholds
         self.config.extra_targets = {**self.config.extra_targets, target: spec}
 
-    def override_exit_thresholds(self, thresholds: list[float] | None) -> contextlib.AbstractContextManager:
-        """Draft every target with `thresholds` (e.g. `fixed_exit_thresholds(k, K)`: always exit k) instead of the
-        stored ones; None lifts the override. Lasts until the next call, or used as `with drafter.override_exit_
-        thresholds(t):` until the block ends (the previous override restored)."""
-        previous = self._exit_override
-        self._exit_override = None if thresholds is None else check_exit_thresholds(thresholds, self.config.num_blocks)
+    def override(self, thresholds: list[float] | None, owner=None) -> contextlib.AbstractContextManager:
+        """Draft every target with `thresholds` instead of the stored ones; None lifts the override. Lasts until the
+        next call, or used as `with sorted_exits.override(t):` until the block ends (the previous override
+        restored; it yields `owner`)."""
+        previous = self.override_thresholds
+        num_blocks = self.config.num_blocks
+        self.override_thresholds = None if thresholds is None else check_exit_thresholds(thresholds, num_blocks)
 
         @contextlib.contextmanager
         def restore():
             try:
-                yield self
+                yield owner
             finally:
-                self._exit_override = previous
+                self.override_thresholds = previous
 
         return restore()
 
     @contextlib.contextmanager
-    def recording_exit_tops(self):
-        """Inside the block, every chain drafting step (`draft_step`, assisted generation) of a sorted drafter runs
-        all K exits and appends to the yielded list {"position": p, "cycle": c, "top1": [B, K], "confidence":
-        [B, K], "exit": [B]}: for the token drafted at sequence position p (0-based) in drafting cycle c (the
-        session's drafting calls so far), each exit's top-1 (full-vocabulary id) and top probability, and the exit
-        the token left at. The drafter still drafts with its thresholds, so the tokens stay the same; every step
-        costs the full depth. For analysis (`moa tune`'s exit agreement), not for serving."""
+    def recording_tops(self):
+        """Inside the block, every chain drafting step (`draft`) runs all K exits and appends to the yielded list
+        {"position": p, "cycle": c, "top1": [B, K], "confidence": [B, K], "exit": [B]}: for the token drafted at
+        sequence position p (0-based) in drafting cycle c, each exit's top-1 (full-vocabulary id) and top
+        probability, and the exit the token left at. The drafted tokens stay the same; every step costs the full
+        depth. For analysis (`moa tune`'s exit agreement), not for serving."""
         if self.config.num_blocks < 2:
             raise ValueError(
                 f"recording_exit_tops compares the exits of a sorted drafter; this one has num_blocks "
                 f"{self.config.num_blocks}. Use a drafter with num_blocks > 1 (`moa train --num-blocks 3`)."
             )
-        previous, self._exit_tops = self._exit_tops, []
+        previous, self.tops = self.tops, []
         try:
-            yield self._exit_tops
+            yield self.tops
         finally:
-            self._exit_tops = previous
-
-    def _tree_exits(self, state: "MoATreeState", first: PendingSlots, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sorted drafters: block 1's CA on the new slots (SA output `first.x`), then `_adaptive_exits` for the last
-        m: their float32 logits [B, m, V] and exits [B, m]."""
-        first.x = self.cross_attention(first.x, first.cos, first.sin, state.ca_keys, state.ca_values, first.ca_mask)
-        return self._adaptive_exits(first, state.deep, m=m)
+            self.tops = previous

@@ -222,7 +222,7 @@ def test_exit_agreement_lines_up_with_the_accepted_tokens(exit):
         target, drafter, prompts, exit=exit, thresholds=(0.6, 0.9), max_new_tokens=24, progress=False
     )
     assert drafter.config.exit_thresholds == [0.3, 0.3] and drafter.exit_thresholds_for() == [0.3, 0.3]
-    assert drafter._exit_tops is None and _no_hooks(target)
+    assert drafter.sorted_exits.tops is None and _no_hooks(target)
     n, shares = result["tokens"], result["top1_by_exit"]
     assert n > 0 and result["accepted_draft_tokens"] > 0
     assert round(shares[exit - 1] * n) == result["accepted_draft_tokens"]

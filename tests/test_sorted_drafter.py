@@ -215,7 +215,7 @@ def test_recording_exit_tops_keeps_the_drafts_and_matches_every_exit():
         torch.manual_seed(10)
         with drafter.recording_exit_tops() as tops:
             recorded, context = _simulate_chain(drafter, target, seed=10)
-        assert drafter._exit_tops is None  # recording stops with the block
+        assert drafter.sorted_exits.tops is None  # recording stops with the block
         assert len(tops) == len(recorded) == len(plain)
         for (p, logits, tokens, starts, left), (_, plain_logits, *_), top in zip(recorded, plain, tops):
             assert_close(logits, plain_logits)
