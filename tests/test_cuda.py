@@ -9,7 +9,7 @@ from test_engine_drafters import _eagle, _moa
 
 import moa_hf
 from moa_hf.costs import measure_costs
-from moa_hf.modeling.custom_generate.policy import synchronize
+from moa_hf.modeling.custom_generate.policy import wall_times
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
@@ -42,6 +42,8 @@ def test_engine_on_cuda_equals_generate(family, kind, settings):
     assert out.sequences[0, prompts[1].shape[0] :].tolist() == refs[1].tolist()
     if "costs" not in settings:  # measured on the device: every size took time
         assert all(t > 0 for t in (*out.costs.verify.values(), *out.costs.step.values()))
+    else:  # a fixed tree shape: drafted trees were verified (measured costs may choose plain decoding)
+        assert sum(out.speculation_stats[0].tree_sizes) > 0
     ids, mask = _left_pad([p.cpu() for p in prompts])
     out = moa_hf.generate(target, drafter, ids.to(CUDA), attention_mask=mask.to(CUDA), **kwargs)
     for b, ref in enumerate(refs):
@@ -54,21 +56,40 @@ def test_assistant_path_on_cuda_equals_generate():
         ref = target.generate(prompt[None], max_new_tokens=20, do_sample=False)
         with moa_hf.attached(drafter, target):
             out = target.generate(prompt[None], max_new_tokens=20, do_sample=False, assistant_model=drafter)
+            assert drafter.speculation_stats.drafted_tokens > 0  # it drafted (the stats go with the attachment)
         assert out.tolist() == ref.tolist()
 
 
-def test_cost_timings_wait_for_the_device():
-    """`synchronize` waits for queued kernels: a timing that ends with it covers the device's work."""
+def test_wall_times_waits_for_the_device():
+    """The engine's timings (`wall_times`) wait for each call's queued kernels: the test does no waiting of its own,
+    it watches the stream. Each timed call starts on an idle stream (the wait after the previous call emptied it),
+    nothing is queued when `wall_times` returns, and the times cover the device's work (CUDA events)."""
     x = torch.randn(4096, 4096, device=CUDA)
-    synchronize(CUDA)
-    for _ in range(8):
-        y = x @ x
-    synchronize(CUDA)
-    assert torch.cuda.current_stream().query()  # nothing left queued
+    stream = torch.cuda.current_stream()
+    idle_at_start = []
+
+    def work():
+        idle_at_start.append(stream.query())
+        for _ in range(8):
+            x @ x  # ~1 TFLOP: milliseconds of device time, microseconds to queue
+
+    times = wall_times(work, CUDA, repeats=3)
+    assert stream.query(), "wall_times returned with the last call's kernels still queued"
+    assert idle_at_start[1:] == [True, True, True], "a timed call started before the previous one's kernels ran"
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    work()
+    end.record()
+    end.synchronize()
+    assert times[0] >= 0.5 * start.elapsed_time(end) / 1000  # not just the time to queue the kernels
+
+
+def test_measured_costs_on_cuda():
     target, drafter = _pair("llama", "moa")
     with moa_hf.attached(drafter, target):
         result = measure_costs(target, drafter, _prompts(target)[1][None], repeats=2, gen_tokens=8)
-    assert result["target_decode_step_ms"] > 0 and result["engine"]["cycles"] >= 1 and y.isfinite().all()
+    assert result["target_decode_step_ms"] > 0 and result["engine"]["cycles"] >= 1
+    assert all(t > 0 for t in result["engine"]["target_verify_ms"].values())
 
 
 @pytest.mark.parametrize("kind", ["moa", "eagle"])

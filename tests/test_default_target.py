@@ -107,7 +107,8 @@ def test_folder_is_a_plain_hf_checkpoint(cache_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(cache_dir)
     assert isinstance(model, LlamaForCausalLM)
     assert not getattr(model, "is_quantized", False)
-    assert tokenizer.chat_template is not None
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert chat.startswith("<|im_start|>") and "<|im_start|>user\nhi<|im_end|>" in chat  # SmolLM2's ChatML
     assert tokenizer.eos_token == "<|im_end|>"
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert model.generation_config.eos_token_id == model.config.eos_token_id == eos_id == 2

@@ -164,9 +164,17 @@ def test_greedy_families_batch1_and_batch3(family):
     prompts = [torch.randint(3, 128, (n,)) for n in (5, 17, 11)]
     refs = [target.generate(p[None], max_new_tokens=20, do_sample=False)[0, p.shape[0] :] for p in prompts]
     out = speculative_generate(
-        target, drafter, prompts[1][None], max_new_tokens=20, do_sample=False, costs=FLAT_COSTS, tree_top_k=2
+        target,
+        drafter,
+        prompts[1][None],
+        max_new_tokens=20,
+        do_sample=False,
+        costs=FLAT_COSTS,
+        tree_top_k=2,
+        return_dict_in_generate=True,
     )
-    assert torch.equal(out[0, prompts[1].shape[0] :], refs[1])
+    assert torch.equal(out.sequences[0, prompts[1].shape[0] :], refs[1])
+    assert sum(out.speculation_stats[0].tree_sizes) > 0  # drafted trees were verified (not plain decoding)
     ids, mask = _left_pad(prompts)
     out = speculative_generate(
         target, drafter, ids, attention_mask=mask, max_new_tokens=20, do_sample=False, costs=FLAT_COSTS, tree_top_k=2

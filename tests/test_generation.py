@@ -192,6 +192,8 @@ def test_generate_options_keep_working():
         assert torch.equal(out.sequences, ref.sequences) and len(out.scores) == len(ref.scores) == 15
         for a, b in zip(out.scores, ref.scores):
             assert_close(a, b)
+        stats = drafter.speculation_stats  # the oracle's drafts were verified and some accepted (not plain decoding)
+        assert stats.drafted_tokens > 0 and stats.mean_accepted_length > 1.0
 
 
 def test_left_padded_single_prompt():
@@ -199,9 +201,11 @@ def test_left_padded_single_prompt():
     ids = torch.tensor([[0, 0, 0, 11, 12, 13, 14]])
     mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])
     drafter = moa_hf.build_drafter(target).eval()
+    drafter.generation_config.assistant_confidence_threshold = 0.0  # a random drafter's tokens stay under 0.3
     with moa_hf.attached(drafter, target):
         ref = target.generate(ids, attention_mask=mask, max_new_tokens=15, do_sample=False)
         out = target.generate(ids, attention_mask=mask, max_new_tokens=15, do_sample=False, assistant_model=drafter)
+        assert drafter.speculation_stats.drafted_tokens > 0  # it drafted (the stats go with the attachment)
     assert torch.equal(out, ref)
 
 

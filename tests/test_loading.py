@@ -206,7 +206,7 @@ def test_load_target_errors(folders, tmp_path):
     model, tokenizer = load_target(tmp_path / "no_tokenizer", device="cpu", require_tokenizer=False)
     assert tokenizer is None
     _, tokenizer = load_target(tmp_path / "no_tokenizer", device="cpu", tokenizer=folders["target"])
-    assert tokenizer is not None
+    assert tokenizer.name_or_path == str(folders["target"])  # the tokenizer given, not the model folder's (none)
 
 
 def test_a_hub_repo_id_loads_from_the_local_hub_cache_only(folders, tmp_path, monkeypatch):

@@ -55,7 +55,7 @@ def test_readme_quickstart_runs(tmp_path):
     assert lines[0].strip(), "the quickstart printed no generated text"
     accepted = re.fullmatch(r"acceptance length: (\d+\.\d\d)", lines[-1])
     assert accepted is not None, f"last line should be the acceptance length, got {lines[-1]!r}"
-    assert float(accepted.group(1)) >= 1.0  # counts the target's own token: never below plain decoding
+    assert float(accepted.group(1)) > 1.0  # the shipped drafter's tokens are accepted (1.0: none was)
 
 
 @pytest.mark.slow
@@ -67,7 +67,8 @@ def test_readme_engine_example_runs(tmp_path):
     result = run_offline(blocks[0] + blocks[1], tmp_path)
     assert result.returncode == 0, f"README engine example failed:\n{result.stdout}\n{result.stderr}"
     lengths = re.findall(r"\d+\.\d+", result.stdout.strip().splitlines()[-1])
-    assert len(lengths) == 2 and all(float(x) >= 1.0 for x in lengths)
+    # per row: 64 new tokens over the prefill and at least one more target call (a CPU may decode plainly: 1.0)
+    assert len(lengths) == 2 and all(1.0 <= float(x) <= 64 / 2 for x in lengths)
 
 
 @pytest.mark.slow

@@ -212,7 +212,7 @@ def test_offline_start_then_server_comes_back(tiny, server, states, tmp_path):
     assert [e.position for e in seen[:8]] == list(range(8))  # offline from the first token, one by one
     assert result.token_ids == ref and result.unverified_tokens == 0 and result.unverified_span is None
     assert result.offline_spans[0]["start"] == 0 and result.offline_spans[0]["drafted"] >= 8
-    assert result.offline_spans[0]["reconnected_after_s"] is not None
+    assert result.offline_spans[0]["reconnected_after_s"] > 0
     assert 0 < result.timings["first_unverified_token_s"] < result.timings["first_token_s"]
     assert result.timings["first_unverified_token_s"] < 5.0 and time.perf_counter() - t0 < 20
     assert c.connected and c.revision == states[0].revision

@@ -71,7 +71,7 @@ def test_demo_runs_and_reports_identical_outputs(smollm2, capsys):
 
     result = run_demo(dtype="float32", max_new_tokens=8)
     out = capsys.readouterr().out
-    assert result["acceptance_length"] >= 1.0 and result["speedup"] > 0 and result["vanilla_tokens_per_s"] > 0
+    assert result["acceptance_length"] > 1.0 and result["speedup"] > 0 and result["vanilla_tokens_per_s"] > 0
     assert result["differ_float32"] == 0 and "lossless: every answer is token-identical to the target alone" in out
     assert out.count("acceptance length") == 3 + 1  # each prompt, then "overall"
     assert "speculation: up to" in out

@@ -315,7 +315,8 @@ def test_cli_data_then_train(tmp_path, target, tokenizer, capsys):
     assert _saved_keys(out / "model.safetensors") == set(drafter.state_dict())
     assert not any(k.startswith(("model.", "lm_head", "embed_tokens")) for k in _saved_keys(out / "model.safetensors"))
     info = json.loads((out / "training_info.json").read_text())
-    assert info["steps"] == 4 and info["tokens"] > 0 and info["acceptance_length_heldout"] >= 1.0
+    # 6 new tokens per prompt take the prefill and at least one verification: at most 6 / 2 per target call
+    assert info["steps"] == 4 and info["tokens"] > 0 and 1.0 <= info["acceptance_length_heldout"] <= 6 / 2
     assert 0.0 <= info["top1_heldout"] <= 1.0 and 0.0 <= info["top1_first_heldout"] <= 1.0
     assert (out / "checkpoint-4").is_dir()
     # resume from the latest checkpoint with more steps
