@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel
+from transformers import HfArgumentParser, PreTrainedModel
 
 from .bench import (
     BenchMethod,
@@ -43,8 +43,8 @@ from .bench import (
     independent_method,
     vanilla_method,
 )
-from .drafter_types import drafter_kinds
 from .modeling import LookupSettings
+from .tune_arguments import EXIT_GRID, TuneArguments
 from .tune_report import (
     format_exit_agreement_markdown,
     format_exit_tuning_markdown,
@@ -57,6 +57,7 @@ __all__ = [
     "EXIT_GRID",
     "NEVER",
     "SETTING_KEYS",
+    "TuneArguments",
     "TuneError",
     "exit_agreement",
     "format_exit_agreement_markdown",
@@ -71,7 +72,6 @@ __all__ = [
 
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 TUNING_FILE = "tuning.json"
-EXIT_GRID = (0.4, 0.6, 0.8, 0.9)  # per-exit thresholds tried, besides 0 (always leave there) and NEVER
 NEVER = 2.0  # an exit threshold above 1: no token leaves at that exit
 
 
@@ -538,20 +538,7 @@ def tune_exit_thresholds(
 # ---------------------------------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------------------------------
-def _csv(kind: type):
-    def parse(text: str) -> list:
-        try:
-            values = [kind(x.strip()) for x in text.split(",") if x.strip()]
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values, got {text!r}") from err
-        if not values:
-            raise argparse.ArgumentTypeError("expected at least one value")
-        return values
-
-    return parse
-
-
-def _target_specs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+def _target_specs(args: TuneArguments) -> list[tuple[str, list[str]]]:
     """(target spec, its prompt sources) per `--target`: `SPEC=SOURCE[+SOURCE...]` gives a target its own prompts (the
     natural held-out prompts of a fine-tune, e.g. `default:pydoc=pydoc:heldout`); a plain SPEC takes `--prompts`."""
     specs = []
@@ -566,7 +553,7 @@ def _target_specs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     return specs
 
 
-def _load_prompts(sources: Sequence[str], args: argparse.Namespace) -> list[str]:
+def _load_prompts(sources: Sequence[str], args: TuneArguments) -> list[str]:
     """The held-out prompts of `sources` (`--num-prompts` from each); Spec-Bench is refused by its records here (by
     name already in `run_tune`, before any loading).
 
@@ -606,7 +593,8 @@ def _mode(requested: str, drafter) -> str:
     return "exits" if int(getattr(drafter.config, "num_blocks", 1) or 1) > 1 else "speculation"
 
 
-def run_tune(args: argparse.Namespace) -> int:
+def run_tune(args: TuneArguments) -> int:
+    """`moa tune` with its options `args`."""
     from .loading import drafter_kind, load_drafter, load_target
     from .prompts import check_not_spec_bench, format_prompts
 
@@ -691,123 +679,19 @@ def run_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _main(namespace: argparse.Namespace) -> int:
+    (args,) = HfArgumentParser(TuneArguments).parse_dict(vars(namespace), allow_extra_keys=True)
+    return run_tune(args)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `moa tune`."""
-    p = subparsers.add_parser(
+    """Add `moa tune` (its options: the fields of `TuneArguments`)."""
+    subparsers.add_parser(
         "tune",
+        parents=[HfArgumentParser(TuneArguments, add_help=False)],
         help="pick a drafter's fastest speculation settings (draft length, confidence threshold)",
         description="Time greedy speculative decoding with the drafter for every setting of a grid on held-out "
         "prompts, against the target alone (interleaved). Prints a table, writes tuning.json into the drafter "
-        "folder and, with --write, the best setting into its generation_config.json. Spec-Bench is refused.",
-    )
-    p.add_argument(
-        "--target",
-        required=True,
-        action="append",
-        help="`default` (SmolLM2-135M-Instruct, offline), `default:NAME` (a shipped fine-tune of it), a folder or a "
-        "Hub id; give it several times to tune one setting for a drafter's several targets (pooled), each as "
-        "SPEC=SOURCE[+SOURCE...] for its own prompts (e.g. default:pydoc=pydoc:heldout) or SPEC for --prompts",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "bfloat16", "float16", "float32"],
-        help="target dtype (auto: bf16 GPU, fp32 CPU)",
-    )
-    p.add_argument("--device", default=None, help="device of the target (default: cuda if available, else cpu)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.add_argument("--drafter", required=True, help="drafter folder (the --output of `moa train`)")
-    p.add_argument(
-        "--kind",
-        default="auto",
-        choices=["auto", *drafter_kinds()],
-        help="drafter type (auto: from the folder's config.json)",
-    )
-    p.add_argument(
-        "--prompts",
-        nargs="+",
-        default=["default:validation", "default:documents"],
-        help="held-out prompt sources, --num-prompts from each: `default:validation` (chat, maths, tutorials), "
-        "`default:documents` (summarise / answer from / translate a passage), a .jsonl/.txt file, a saved "
-        "`datasets` folder or a dataset name (never Spec-Bench); default: both offline splits",
-    )
-    p.add_argument("--prompt-column", default=None, help="field/column holding the prompt")
-    p.add_argument("--num-prompts", type=int, default=8, help="prompts taken from each --prompts source")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument(
-        "--num-assistant-tokens",
-        type=_csv(int),
-        default=[2, 3, 4, 5, 6, 8],
-        help="draft lengths to try, comma-separated (default: 2,3,4,5,6,8)",
-    )
-    p.add_argument(
-        "--thresholds",
-        type=_csv(float),
-        default=[0.0, 0.1, 0.2, 0.3, 0.4, 0.5],
-        help="confidence thresholds to try, comma-separated (default: 0,0.1,0.2,0.3,0.4,0.5)",
-    )
-    p.add_argument(
-        "--schedules",
-        type=_csv(str),
-        default=["constant"],
-        help="draft-length schedules to try: constant, heuristic, heuristic_transient (default: constant)",
-    )
-    p.add_argument(
-        "--lookup-tokens",
-        type=_csv(int),
-        default=[0],
-        help="MoA drafter: prompt-lookup draft lengths to try (0: off; capped by the draft length), "
-        "comma-separated (default: 0)",
-    )
-    p.add_argument(
-        "--lookup-min-ngrams",
-        type=_csv(int),
-        default=[1],
-        help="MoA drafter: shortest n-gram match that drafts by lookup instead of the network, comma-separated "
-        "(default: 1)",
-    )
-    p.add_argument(
-        "--lookup-halve-per-ngram",
-        type=_csv(int),
-        default=[0],
-        help="MoA drafter: 1 = a lookup match one token shorter than the longest n-gram proposes half as many "
-        "tokens; values to try, comma-separated 0/1 (default: 0)",
-    )
-    p.add_argument(
-        "--tune",
-        default="auto",
-        choices=["auto", "speculation", "exits", "both"],
-        help="what to tune: the speculation grid (draft length, threshold, schedule, lookup), the exit thresholds of "
-        "a sorted MoA drafter, or both (exits first, then the grid with the best thresholds); auto: exits for a "
-        "drafter with num_blocks > 1, else speculation",
-    )
-    p.add_argument(
-        "--exit-grid",
-        type=_csv(float),
-        default=list(EXIT_GRID),
-        help="exit thresholds tried for each exit besides 0 and never, comma-separated (default: "
-        f"{','.join(map(str, EXIT_GRID))})",
-    )
-    p.add_argument(
-        "--exit-rounds", type=int, default=1, help="passes of the exit-threshold search over the exits (default: 1)"
-    )
-    p.add_argument(
-        "--pooled-exits",
-        action="store_true",
-        help="several --target: tune one set of exit thresholds on all their prompts together (default: each target "
-        "the drafter serves gets its own, chosen on its prompts)",
-    )
-    p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (more: less timing noise)")
-    p.add_argument(
-        "--allow-other-target",
-        action="store_true",
-        help="attach even if the drafter records another target name (same signature)",
-    )
-    p.add_argument(
-        "--write",
-        action="store_true",
-        help="save the best setting into the drafter folder's generation_config.json (lookup and exit thresholds: its "
-        "config.json)",
-    )
-    p.set_defaults(func=run_tune)
+        "folder and, with --write, the best setting into its generation_config.json. Spec-Bench is refused. "
+        "Options: the fields of TuneArguments, each spelled with hyphens or underscores.",
+    ).set_defaults(func=_main)
