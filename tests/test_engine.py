@@ -27,6 +27,7 @@ from moa_hf.modeling.custom_generate.engine import (
 from moa_hf.modeling.custom_generate.tree import ancestors
 
 from factory import make_target
+from policy_sim import World, drive_engine
 
 FLAT_COSTS = Costs(verify={1: 1.0, 64: 1.0}, step={1: 0.01, 8: 0.01})  # verifying is free: big trees
 
@@ -486,24 +487,6 @@ def test_bad_settings_say_what_to_do():
 
 
 # -- the shape policy's arms ------------------------------------------------------------------------------------------
-def _play(policy, seconds_per_token: dict, cycles: int, context: str = "none") -> list:
-    """Drive `policy` at batch 1 in `context`: each cycle of arm a gains 2 tokens (1 plain) in 2 x
-    seconds_per_token[a] seconds."""
-    from moa_hf.modeling.custom_generate.tree import Tree
-
-    one = torch.ones(1, 1, dtype=torch.long)
-    node = Tree(one, one * -1, one, torch.zeros(1, 1), one.bool(), one.bool() & False)
-    played = []
-    for _ in range(cycles):
-        shape = policy.plan(remaining=100, context=context)
-        arm = policy.arm
-        played.append(arm)
-        tokens = 1 if arm == "plain" else 2
-        tree = engine.empty_tree(1, "cpu") if shape.depth == 0 else node
-        policy.update(tree, [tokens - 1], [], tokens * seconds_per_token[arm], 0.0, 0.0)
-    return played
-
-
 @pytest.mark.parametrize(
     "context,best", [("none", "tree"), ("none", "chain"), ("none", "plain"), ("found", "tree"), ("found", "lookup")]
 )
@@ -515,7 +498,7 @@ def test_shape_policy_plays_the_arm_that_measured_fastest(context, best):
     assert arms == {"none": ("tree", "chain", "plain"), "found": ("tree", "lookup")}[context]
     rates = dict.fromkeys(arms, 0.010)
     rates[best] = 0.006
-    played = _play(policy, rates, 300, context)
+    played = drive_engine(policy, World(arm_s=rates), 300, context)
     assert set(played[: len(arms) * ShapePolicy.PROBE]) == set(arms)  # every arm probed first
     assert played[-100:].count(best) >= 85  # then the best, probing the others now and then
     other = next(a for a in arms if a != best)
@@ -535,8 +518,8 @@ def test_shape_policy_keeps_rates_per_context():
     policy = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
     found, none = [], []
     for _ in range(150):
-        found += _play(policy, {"lookup": 0.005, "tree": 0.02}, 1, "found")
-        none += _play(policy, {"tree": 0.03, "chain": 0.03, "plain": 0.01}, 1, "none")
+        found += drive_engine(policy, World(arm_s={"lookup": 0.005, "tree": 0.02}), 1, "found")
+        none += drive_engine(policy, World(arm_s={"tree": 0.03, "chain": 0.03, "plain": 0.01}), 1, "none")
     assert found[-50:].count("lookup") >= 45 and none[-50:].count("plain") >= 45
     rates = policy.summary()["arm_ms_per_token"]
     assert rates["found/lookup"] == pytest.approx(5.0) and rates["plain"] == pytest.approx(10.0)
@@ -551,10 +534,10 @@ def test_shape_policy_keeps_rates_per_context():
 def test_verify_fit_follows_the_cost_of_more_tokens():
     """The verification table's one-token cost and its further tokens' cost are fitted separately: a context where
     each more token costs twice the table's (and the first 1.2x) is priced so, and the cut follows it."""
-    from moa_hf.modeling.custom_generate.policy import VerifyFit
+    from moa_hf.modeling.custom_generate.policy_core import VerifyFit
 
     costs = Costs(verify={1: 0.04, 8: 0.05, 64: 0.12}, step={1: 0.003})
-    fit = VerifyFit(costs)
+    fit = VerifyFit(costs.verify_cost)
     assert fit.seconds(8)[-1] == pytest.approx(0.05)
     for n in [1, 4, 8, 16, 2, 12] * 10:
         fit.update(n, 1.2 * costs.verify_cost(1) + 2.0 * (costs.verify_cost(n) - costs.verify_cost(1)))
@@ -569,7 +552,8 @@ def test_shape_policy_probes_a_far_slower_arm_rarely():
     from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
 
     policy = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
-    played = _play(policy, {"tree": 0.010, "chain": 0.011, "plain": 0.040}, 300)[50:]  # plain 4x slower
+    slow_plain = World(arm_s={"tree": 0.010, "chain": 0.011, "plain": 0.040})  # plain 4x slower
+    played = drive_engine(policy, slow_plain, 300)[50:]
     assert 0 < played.count("plain") <= 250 // ShapePolicy.MAX_EXPLORE_GAP + 1  # once per gap at most
     assert played.count("chain") >= 2 * played.count("plain")  # an arm close to the best is looked at more often
 
@@ -580,16 +564,16 @@ def test_shape_policy_probes_a_losing_arm_less_and_less():
     from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
 
     policy = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
-    played = _play(policy, {"tree": 0.0105, "chain": 0.020, "plain": 0.010}, 900)  # within START_MARGIN
+    played = drive_engine(policy, World(arm_s={"tree": 0.0105, "chain": 0.020, "plain": 0.010}), 900)  # in margin
     probes = [i for i, arm in enumerate(played) if arm == "tree"][ShapePolicy.PROBE :]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(gaps) >= 4 and gaps[1] >= 1.9 * gaps[0] and gaps[2] >= 1.9 * gaps[1]  # doubled per lost probe
     assert gaps[-1] == gaps[-2]  # up to 2^MAX_BACKOFF x
     assert policy.learned()["losses"]["none/tree"] >= ShapePolicy.MAX_BACKOFF
     carried = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True, carried=policy.learned())
-    assert carried.losses["none", "tree"] == policy.losses["none", "tree"] - 1
-    played = _play(carried, {"tree": 0.005, "chain": 0.020, "plain": 0.010}, 400)  # the tree became fastest
-    assert played[-100:].count("tree") >= 85 and carried.losses.get(("none", "tree"), 0) == 0
+    assert carried.backoff.losses["none", "tree"] == policy.backoff.losses["none", "tree"] - 1
+    played = drive_engine(carried, World(arm_s={"tree": 0.005, "chain": 0.020, "plain": 0.010}), 400)  # tree fastest
+    assert played[-100:].count("tree") >= 85 and carried.backoff.losses.get(("none", "tree"), 0) == 0
 
 
 def test_shape_policy_counts_an_arms_interval_across_calls():
@@ -599,11 +583,11 @@ def test_shape_policy_counts_an_arms_interval_across_calls():
 
     rates = {"lookup": 0.030, "tree": 0.010}  # lookup 3x slower: interval 144 cycles
     first = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
-    assert _play(first, rates, 30, "found").count("lookup") == ShapePolicy.PROBE
+    assert drive_engine(first, World(arm_s=rates), 30, "found").count("lookup") == ShapePolicy.PROBE
     second = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True, carried=first.learned())
-    assert "lookup" in _play(second, rates, 120, "found")  # 30 + 120 > 144 cycles since lookup last played
+    assert "lookup" in drive_engine(second, World(arm_s=rates), 120, "found")  # 30 + 120 > 144 cycles since it played
     fresh = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True, carried={"arms": first.learned()["arms"]})
-    assert "lookup" not in _play(fresh, rates, 120, "found")  # counting from the call's start it would wait 144
+    assert "lookup" not in drive_engine(fresh, World(arm_s=rates), 120, "found")  # from the call's start: 144 to wait
 
 
 def test_shape_policy_leaves_the_drafter_off_where_the_network_lost():
@@ -613,13 +597,13 @@ def test_shape_policy_leaves_the_drafter_off_where_the_network_lost():
 
     first = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=8, lookup=True)
     assert first.network  # nothing measured yet
-    _play(first, {"tree": 0.030, "chain": 0.020, "lookup": 0.012, "plain": 0.010}, 200)
+    drive_engine(first, World(arm_s={"tree": 0.030, "chain": 0.020, "lookup": 0.012, "plain": 0.010}), 200)
     carried = first.learned()
     assert carried["idle_calls"] == 0  # the network played (probes)
     idle = 0
     for _ in range(2 * ShapePolicy.REFRESH_CALLS):
         policy = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=8, lookup=True, carried=carried)
-        played = _play(policy, {"tree": 0.030, "chain": 0.020, "lookup": 0.012, "plain": 0.010}, 50)
+        played = drive_engine(policy, World(arm_s={"tree": 0.03, "chain": 0.02, "lookup": 0.012, "plain": 0.01}), 50)
         assert policy.network == (idle >= ShapePolicy.REFRESH_CALLS)
         assert policy.network or not {"tree", "chain"} & set(played)
         carried = policy.learned()
@@ -634,21 +618,10 @@ def test_shape_policy_keeps_rates_per_rows_still_decoding():
     decoding keeps its own rates (`key@rows`), each arm starting from its former rate x (former / rows rows)."""
     from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
 
-    def play(policy, rows, seconds_per_token, cycles):
-        one = torch.ones(rows, 1, dtype=torch.long)
-        node = Tree(one, one * -1, one, torch.zeros(rows, 1), one.bool(), one.bool() & False)  # one node per row
-        played = []
-        for _ in range(cycles):
-            shape = policy.plan(remaining=100, context="none", rows=rows)
-            played.append(policy.arm)
-            tokens = 1 if policy.arm == "plain" else 2  # per row
-            tree = engine.empty_tree(rows, "cpu") if shape.depth == 0 else node
-            policy.update(tree, [tokens - 1] * rows, [], rows * tokens * seconds_per_token[policy.arm], 0.0, 0.0)
-        return played
-
     policy = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=4, lookup=False)
-    assert play(policy, 4, {"tree": 0.006, "chain": 0.010, "plain": 0.010}, 100)[-30:].count("tree") >= 25
-    played = play(policy, 2, {"tree": 0.030, "chain": 0.030, "plain": 0.015}, 200)
+    played = drive_engine(policy, World(arm_s={"tree": 0.006, "chain": 0.010, "plain": 0.010}), 100, rows=4)
+    assert played[-30:].count("tree") >= 25
+    played = drive_engine(policy, World(arm_s={"tree": 0.030, "chain": 0.030, "plain": 0.015}), 200, rows=2)
     assert played[-50:].count("plain") >= 45
     rates = policy.summary()["arm_ms_per_token"]
     assert rates["none/tree"] == pytest.approx(6.0) and rates["plain"] == pytest.approx(10.0)  # kept at 4 rows
@@ -660,8 +633,8 @@ def test_shape_policy_follows_an_arm_that_becomes_slower():
     from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
 
     policy = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
-    _play(policy, {"tree": 0.005, "chain": 0.008, "plain": 0.010}, 60)
-    played = _play(policy, {"tree": 0.015, "chain": 0.008, "plain": 0.010}, 200)  # context grew
+    drive_engine(policy, World(arm_s={"tree": 0.005, "chain": 0.008, "plain": 0.010}), 60)
+    played = drive_engine(policy, World(arm_s={"tree": 0.015, "chain": 0.008, "plain": 0.010}), 200)  # context grew
     assert played[-100:].count("chain") >= 85
 
 
@@ -669,11 +642,11 @@ def test_shape_policy_fixed_shapes_and_carried_rates():
     from moa_hf.modeling.custom_generate.policy import ShapePolicy, TreeSettings
 
     fixed = ShapePolicy(TreeSettings(depth=3, top_k=2, budget=8), FLAT_COSTS, batch=1, lookup=False)
-    assert set(_play(fixed, {"fixed": 0.02}, 30)) == {"fixed"}  # a fixed shape never decodes plainly
+    assert set(drive_engine(fixed, World(arm_s={"fixed": 0.02}), 30)) == {"fixed"}  # never decodes plainly
     top1 = ShapePolicy(TreeSettings(top_k=1), FLAT_COSTS, batch=1, lookup=True)
     assert top1.arms == {"none": ("fixed", "plain"), "found": ("fixed", "lookup")}
     first = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True)
-    _play(first, {"tree": 0.004, "chain": 0.008, "plain": 0.010}, 40)
+    drive_engine(first, World(arm_s={"tree": 0.004, "chain": 0.008, "plain": 0.010}), 40)
     one = torch.ones(1, 1, dtype=torch.long)
     node = Tree(one, one * -1, one, torch.zeros(1, 1), one.bool(), one.bool())
     first.update(node, [0], [(10, 10, 16)] * 100 + [(1, 0, 2)] * 100, 0.01, 0.0, 0.0)  # long ones right, short wrong
@@ -686,8 +659,9 @@ def test_shape_policy_fixed_shapes_and_carried_rates():
     carried = first.learned()
     assert carried["arms"]["none/tree"][0] / carried["arms"]["none/tree"][1] == pytest.approx(0.004, rel=0.2)
     warm = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True, carried=carried)
-    long = ShapePolicy.lookup_class(16)  # rates carried (weighted) per class of proposal length
+    long = warm.lookup_rates.length_class(16)  # rates carried (weighted) per class of proposal length
     assert warm.lookup_log_probs(5, length=16)[-1] > first.lookup_log_probs(5, length=16)[-1] - 0.2
     assert warm.lookup_log_probs(1, length=2)[0] < math.log(0.2)
-    assert warm.look_tried[long][0] == ShapePolicy.CARRIED_TRIES
-    assert _play(warm, {"tree": 0.004, "chain": 0.008, "plain": 0.01}, 5) == ["tree"] * 5  # no probes
+    assert warm.lookup_rates.tried[long][0] == ShapePolicy.CARRIED_TRIES
+    played = drive_engine(warm, World(arm_s={"tree": 0.004, "chain": 0.008, "plain": 0.01}), 5)
+    assert played == ["tree"] * 5  # no probes

@@ -24,6 +24,7 @@ from moa_hf.serving.protocol import decode_drafter, decode_result, encode_drafte
 from moa_hf.serving.state import accept_drafts
 
 from factory import OracleDrafter, make_target
+from policy_sim import World, drive_client
 from tolerance import assert_close
 
 CHAT_TEMPLATE = (
@@ -581,29 +582,30 @@ def test_cli_serve_killed_and_restarted(tiny, tmp_path):
                     proc.kill()
 
 
-def test_draft_length_policy():
-    """The policy drafts more on a slow link, nothing with a useless drafter on a fast one (but still probes)."""
-    from moa_hf.serving import DraftLengthPolicy
+def test_client_draft_policy():
+    """The client's policy (driven by tests/policy_sim.py, the simulator of every route's policy) drafts more on a
+    slow link, nothing with a useless drafter on a fast one (but still probes, less and less often), and learns the
+    server's cost per verified token."""
+    from moa_hf.serving import ClientDraftPolicy
 
-    def trained(network_s: float, accepted: int, drafted: int) -> DraftLengthPolicy:
-        policy = DraftLengthPolicy(max_length=16)
-        for i in range(30):
-            policy.observe_draft(0.005)
-            k = 1 + i % 4
-            policy.observe_call(network_s, 0.04 + 0.02 * (k + 1), k + 1, drafted, accepted)
+    def trained(round_trip: float, accept: float) -> ClientDraftPolicy:
+        policy = ClientDraftPolicy(max_length=16)
+        world = World(verify=lambda n: 0.04 + 0.02 * n, draft_s=0.005, accept=accept, round_trip=round_trip)
+        drive_client(policy, world, 60)
         return policy
 
-    good_fast, good_slow = trained(0.001, 4, 5), trained(0.6, 4, 5)
+    good_fast, good_slow = trained(0.001, 0.8), trained(0.6, 0.8)
+    assert good_fast.acceptance == pytest.approx(0.8, abs=0.1)
+    assert good_fast.server.seconds_of(5) == pytest.approx(0.04 + 0.02 * 5, rel=0.1)  # fitted to the calls
     assert 0 < good_fast.choose(100) < good_slow.choose(100) <= 16
     assert good_slow.choose(3) == 3  # never more than the budget
-    useless = trained(0.001, 0, 1)
+    useless = trained(0.001, 0.0)
     choices = [useless.choose(100) for _ in range(40)]
     assert set(choices) == {0, 1} and choices.count(1) <= 5  # plain decoding, with rare probes
-    for _ in range(200):  # rejected probes space out
-        if useless.choose(100):
-            useless.observe_call(0.001, 0.06, 2, 1, 0)
-    assert useless._interval == useless.max_probe_every
-    assert DraftLengthPolicy(fixed=3).choose(100) == 3 and DraftLengthPolicy(fixed=3).choose(2) == 2
+    choices = drive_client(useless, World(verify=lambda n: 0.04 + 0.02 * n, accept=0.0, round_trip=0.001), 400)
+    probes = [i for i, k in enumerate(choices) if k]
+    assert [b - a for a, b in zip(probes, probes[1:])][-2:] == [useless.max_probe_every] * 2  # rejected: spaced
+    assert ClientDraftPolicy(fixed=3).choose(100) == 3 and ClientDraftPolicy(fixed=3).choose(2) == 2
 
 
 def test_drafter_blob_with_draft_vocabulary_keeps_float_embeddings(tiny):

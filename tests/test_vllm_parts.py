@@ -18,6 +18,7 @@ from transformers import DynamicCache
 
 import moa_hf
 import moa_hf.vllm
+from moa_hf.modeling.custom_generate.policy_core import OutputLengths, batch_bucket
 from moa_hf.modeling.drafting import CACHE_NAME
 from moa_hf.modeling.modeling_moa import MoATreeState, gather_target_kv_at
 from moa_hf.vllm.kv_cache import (
@@ -28,9 +29,10 @@ from moa_hf.vllm.kv_cache import (
     layout_for,
     slots_of,
 )
-from moa_hf.vllm.policy import DraftLengthPolicy, batch_bucket
+from moa_hf.vllm.policy import VllmDraftPolicy
 
 from factory import make_independent, make_target, sorted_drafter
+from policy_sim import World, drive_vllm
 from tolerance import assert_close
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -254,26 +256,27 @@ def test_reader_needs_a_layer():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# DraftLengthPolicy
+# VllmDraftPolicy (driven by tests/policy_sim.py, the simulator of every route's policy)
 # ---------------------------------------------------------------------------------------------------------------------
 def test_batch_bucket():
     assert [batch_bucket(b) for b in (0, 1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 1, 2, 4, 4, 8, 8, 16, 16, 32]
 
 
 def test_acceptance_accounting_and_expected_tokens():
-    p = DraftLengthPolicy(max_tokens=3)
-    assert p.acceptance_rates() == [0.5, 0.5, 0.5]  # the prior
-    assert p.expected_tokens(0) == 1.0 and p.expected_tokens(2) == pytest.approx(1 + 0.5 + 0.25)
+    p = VllmDraftPolicy(max_tokens=3)
+    rates = p.network_rates  # reached and accepted counts after a prior of 1 in 2
+    assert rates.rates(3) == [0.5, 0.5, 0.5]  # the prior
+    assert rates.expected_tokens(0) == 1.0 and rates.expected_tokens(2) == pytest.approx(1 + 0.5 + 0.25)
     p.record_acceptance(3, 1)  # position 1 accepted, position 2 rejected, position 3 never reached
-    assert p.reached == [1, 1, 0] and p.accepted == [1, 0, 0]
+    assert rates.tried == [[3, 3, 2]] and rates.right == [[2, 1, 1]]
     p.record_acceptance(3, 3)  # all accepted
     p.record_acceptance(2, 0)  # rejected at position 1
     p.record_acceptance(0, 0)  # no draft: nothing
-    assert p.reached == [3, 2, 1] and p.accepted == [2, 1, 1]
-    rates = p.acceptance_rates()
-    assert rates == pytest.approx([3 / 5, 2 / 4, 2 / 3])
-    assert p.expected_tokens(1) == pytest.approx(1 + 3 / 5)
-    assert p.expected_tokens(3) == pytest.approx(1 + 3 / 5 + 3 / 10 + 1 / 5)
+    assert rates.tried == [[5, 4, 3]] and rates.right == [[3, 2, 2]]
+    assert rates.rates(3) == pytest.approx([3 / 5, 2 / 4, 2 / 3])
+    assert rates.expected_tokens(1) == pytest.approx(1 + 3 / 5)
+    assert rates.expected_tokens(3) == pytest.approx(1 + 3 / 5 + 3 / 10 + 1 / 5)
+    assert p.lookup_rates.rates(3) == [0.5, 0.5, 0.5]  # lookup's drafts kept apart
 
 
 def _engine_cost(per_token: float, fixed: float = 0.010):
@@ -281,30 +284,15 @@ def _engine_cost(per_token: float, fixed: float = 0.010):
     return lambda tokens: fixed + per_token * tokens
 
 
-def _simulate(policy, batch_size, engine_cost, steps, accept=0.8, draft_per_token=0.0005):
-    """Drive `policy` as the proposer does: choose k, run a step verifying batch_size * (1 + k) tokens (engine_cost
-    of them, plus draft_per_token per drafted token per row), record it and each row's accepted prefix:
-    P(prefix >= i) = accept**i, drawn from an evenly spread deterministic sequence."""
-    chosen, draws = [], 0
-    for _ in range(steps):
-        k = policy.choose(batch_size)
-        chosen.append(k)
-        tokens = batch_size * (1 + k)
-        policy.record_step(batch_size, k, tokens, engine_cost(tokens), draft_per_token * k * batch_size)
-        if k:
-            for _ in range(batch_size):
-                draws += 1
-                u = (draws * 0.6180339887498949) % 1.0
-                n = 0
-                while n < k and u < accept ** (n + 1):
-                    n += 1
-                policy.record_acceptance(k, n)
-    return chosen
+def _lengths(policy, batch_size, engine_cost, steps, accept=0.8, draft_per_token=0.0005) -> list[int]:
+    """The draft lengths `policy` chooses when the simulator drives it without lookup (see `drive_vllm`)."""
+    world = World(verify=engine_cost, accept=accept, draft_s=draft_per_token)
+    return [k for k, _ in drive_vllm(policy, world, steps, batch_size)]
 
 
 def test_measures_max_then_zero_first():
-    p = DraftLengthPolicy(max_tokens=3, samples=2, explore_every=10**6)
-    chosen = _simulate(p, 1, _engine_cost(0.0001), 4)
+    p = VllmDraftPolicy(max_tokens=3, samples=2, explore_every=10**6)
+    chosen = _lengths(p, 1, _engine_cost(0.0001), 4)
     assert chosen == [3, 3, 0, 0]
     assert p.draft_seconds(1, 3) == pytest.approx(0.0015)
     assert p.draft_seconds(1, 1) == pytest.approx(0.0015 * 2 / 4)  # from k = max's: catch-up + k drafting steps
@@ -312,27 +300,27 @@ def test_measures_max_then_zero_first():
 
 
 def test_engine_seconds_interpolates_by_tokens():
-    p = DraftLengthPolicy(max_tokens=3)
-    assert p.engine_seconds(4) is None
+    p = VllmDraftPolicy(max_tokens=3)
+    assert p.engine.at(4) is None
     p.record_step(1, 0, 1, 0.010, 0.0)
     p.record_step(1, 3, 4, 0.016, 0.002)
-    assert p.engine_seconds(1) == pytest.approx(0.010)
-    assert p.engine_seconds(2) == pytest.approx(0.012)  # linear between measured token counts
-    assert p.engine_seconds(8) == pytest.approx(0.032)  # beyond: proportional (pessimistic for drafting)
+    assert p.engine.at(1) == pytest.approx(0.010)
+    assert p.engine.at(2) == pytest.approx(0.012)  # linear between measured token counts
+    assert p.engine.at(8) == pytest.approx(0.032)  # beyond: proportional (pessimistic for drafting)
     # a measurement at batch 4 without drafting (4 tokens) is the same engine cost as batch 1 with k = 3
     p.record_step(4, 0, 4, 0.018, 0.0)
-    assert p.engine_seconds(4) == pytest.approx(0.017)  # the median of both
+    assert p.engine.at(4) == pytest.approx(0.017)  # the median of both
 
 
 def test_policy_drafts_at_batch_1_and_not_where_verifying_costs_more_than_it_brings():
-    p = DraftLengthPolicy(max_tokens=4, explore_every=10**6)
+    p = VllmDraftPolicy(max_tokens=4, explore_every=10**6)
     warmup = 2 * p.samples
     cheap = _engine_cost(0.0005)  # verifying a token more costs 5% of a step: drafting pays
-    chosen = _simulate(p, 1, cheap, warmup + 30)
+    chosen = _lengths(p, 1, cheap, warmup + 30)
     assert chosen[-20:] == [4] * 20  # once the acceptance rates have settled
-    assert p.acceptance_rates() == pytest.approx([0.8] * 4, abs=0.08)
+    assert p.network_rates.rates(4) == pytest.approx([0.8] * 4, abs=0.08)
     costly = _engine_cost(0.010, fixed=0.0)  # compute-bound: a step costs as much per token as a decode step
-    chosen = _simulate(p, 16, costly, warmup + 30)
+    chosen = _lengths(p, 16, costly, warmup + 30)
     # verifying 5x the tokens costs 5x (extrapolated from batch 1): even free drafting loses, so it is not tried
     assert chosen == [0] * (warmup + 30)
     assert p.throughput(16, 4, optimistic=True) < p.throughput(16, 0)
@@ -342,10 +330,10 @@ def test_policy_drafts_at_batch_1_and_not_where_verifying_costs_more_than_it_bri
 
 def test_policy_chooses_an_intermediate_k_where_it_pays():
     """Acceptance falls after position 1: draft length 1 maximises tokens per second."""
-    p = DraftLengthPolicy(max_tokens=3, explore_every=10**6)
+    p = VllmDraftPolicy(max_tokens=3, explore_every=10**6)
     for _ in range(200):
         p.record_acceptance(3, 1)  # position 1 always accepted, position 2 never
-    chosen = _simulate(p, 1, _engine_cost(0.002), 2 * p.samples + 5, accept=0.0)
+    chosen = _lengths(p, 1, _engine_cost(0.002), 2 * p.samples + 5, accept=0.0)
     assert chosen[2 * p.samples :] == [1] * 5
 
 
@@ -353,8 +341,8 @@ def test_reexploration_after_explore_every_steps_backs_off():
     """Verifying is cheap (drafting could pay) but drafting itself is slow: the policy measures, decodes plainly,
     and measures k = max again after explore_every steps, then after twice that, and so on."""
     every = 8
-    p = DraftLengthPolicy(max_tokens=2, explore_every=every)
-    chosen = _simulate(p, 4, _engine_cost(0.0001), 4 + 12 * every, draft_per_token=0.02)
+    p = VllmDraftPolicy(max_tokens=2, explore_every=every)
+    chosen = _lengths(p, 4, _engine_cost(0.0001), 4 + 12 * every, draft_per_token=0.02)
     assert chosen[:4] == [2, 2, 0, 0]
     again = [i for i, c in enumerate(chosen) if c == 2 and i >= 4]
     assert chosen[4:].count(0) > len(chosen[4:]) * 0.9
@@ -364,16 +352,16 @@ def test_reexploration_after_explore_every_steps_backs_off():
 
 
 def test_fixed_draft_length():
-    p = DraftLengthPolicy(max_tokens=3, fixed=2)
+    p = VllmDraftPolicy(max_tokens=3, fixed=2)
     for batch in (1, 16, 64):
         p.record_step(batch, 0, batch, 0.001, 0.0)
         p.record_step(batch, 2, 3 * batch, 10.0, 1.0)  # measured costs do not matter
         assert [p.choose(batch) for _ in range(20)] == [2] * 20
-    assert DraftLengthPolicy(max_tokens=3, fixed=0).choose(1) == 0
-    assert DraftLengthPolicy(max_tokens=3, fixed=3).choose(1) == 3
+    assert VllmDraftPolicy(max_tokens=3, fixed=0).choose(1) == 0
+    assert VllmDraftPolicy(max_tokens=3, fixed=3).choose(1) == 3
     for bad in (-1, 4):
         with pytest.raises(ValueError, match="draft_length"):
-            DraftLengthPolicy(max_tokens=3, fixed=bad)
+            VllmDraftPolicy(max_tokens=3, fixed=bad)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -684,7 +672,7 @@ def test_catch_up_with_a_reader_function(moa):
 
 
 def test_no_drafting_tried_where_free_drafting_gains_less_than_the_margin():
-    p = DraftLengthPolicy(max_tokens=1, explore_every=4)
+    p = VllmDraftPolicy(max_tokens=1, explore_every=4)
     for _ in range(50):
         p.record_acceptance(1, 1)  # position 1 almost always accepted: E(1) ~ 1.98
     # verifying 2 tokens per row costs 1.85x one: free drafting would give 1.98 / 1.85 = 1.07x < the 1.1 margin
@@ -728,53 +716,35 @@ def test_match_rows_window_starts_rows_too_far_behind_afresh():
     assert match_rows(fed, [a, b], window=9) == [None, None]
 
 
-def _simulate_sources(policy, steps, network_s, accept_network, accept_lookup=0.7, share=0.5, engine=None):
-    """Drive `policy` with prompt lookup on, at batch 1: a `share` of steps have a lookup proposal; the network costs
-    `network_s` seconds per step it runs; P(accepted prefix >= i) = accept**i per source."""
-    engine = engine or _engine_cost(0.0005)
-    chosen = []
-    for step in range(steps):
-        k, net = policy.plan(1)
-        chosen.append((k, net))
-        if not k:
-            policy.record_step(1, 0, 1, engine(1), 0.0)
-            continue
-        by_lookup = (step * 0.6180339887498949) % 1.0 < share
-        drafted = k if by_lookup or net else 0
-        policy.record_rows(int(by_lookup), 1)
-        policy.record_step(1, k, 1 + drafted, engine(1 + drafted), network_s if net and not by_lookup else 1e-4, net)
-        if drafted:
-            accept = accept_lookup if by_lookup else accept_network
-            u = (step * 0.7548776662466927) % 1.0
-            n = 0
-            while n < k and u < accept ** (n + 1):
-                n += 1
-            policy.record_acceptance(k, n, by_lookup=by_lookup)
-    return chosen
+def _sources(policy, steps, network_s, accept_network):
+    """The plans of `policy` with prompt lookup on, at batch 1, when half the rows have a lookup proposal (accepted
+    as 0.7**i) and the network costs `network_s` per step of 3 tokens (accepted as accept_network**i)."""
+    world = World(verify=_engine_cost(0.0005), draft_s=network_s / 3, accept=accept_network, lookup_share=0.5)
+    return drive_vllm(policy, world, steps)
 
 
 def test_policy_drafts_by_lookup_only_where_the_network_does_not_pay():
-    p = DraftLengthPolicy(max_tokens=3, lookup=True, explore_every=10**6)
+    p = VllmDraftPolicy(max_tokens=3, lookup=True, explore_every=10**6)
     # a weak network (accepted 15%) that costs half a target step: lookup alone is faster
-    chosen = _simulate_sources(p, 60, network_s=0.006, accept_network=0.15)
+    chosen = _sources(p, 60, 0.006, 0.15)
     assert chosen[: 3 * p.samples] == [(3, True)] * p.samples + [(3, False)] * p.samples + [(0, True)] * p.samples
     assert chosen[-20:] == [(3, False)] * 20
     assert p.lookup_share() == pytest.approx(0.5, abs=0.1)
-    assert p.acceptance_rates(by_lookup=True)[0] == pytest.approx(0.7, abs=0.15)
-    assert p.acceptance_rates()[0] < 0.5  # few network drafts: the prior still weighs
+    assert p.lookup_rates.rates(3)[0] == pytest.approx(0.7, abs=0.15)  # proposals of 3 tokens
+    assert p.network_rates.rates(1)[0] < 0.5  # few network drafts: the prior still weighs
     assert "batch<=1,k=3,lookup only" in p.as_dict()["draft_s"]
 
 
 def test_policy_runs_the_network_where_it_pays():
-    p = DraftLengthPolicy(max_tokens=3, lookup=True, explore_every=10**6)
-    chosen = _simulate_sources(p, 60, network_s=0.001, accept_network=0.8)  # a strong, cheap network
+    p = VllmDraftPolicy(max_tokens=3, lookup=True, explore_every=10**6)
+    chosen = _sources(p, 60, 0.001, 0.8)  # a strong, cheap network
     assert chosen[-20:] == [(3, True)] * 20
 
 
 def test_policy_without_lookup_never_plans_lookup_only():
-    p = DraftLengthPolicy(max_tokens=3, explore_every=10**6)
+    p = VllmDraftPolicy(max_tokens=3, explore_every=10**6)
     assert p.lookup_share() == 0.0
-    chosen = _simulate(p, 1, _engine_cost(0.0005), 20)
+    chosen = _lengths(p, 1, _engine_cost(0.0005), 20)
     assert all(p.plan(1)[1] for _ in range(10)) and chosen[-5:] == [3] * 5
 
 
@@ -793,8 +763,6 @@ def test_only_kinds_registered_for_vllm_draft_there():
 
 # -- a row's one-off catch-up against the tokens it has left ---------------------------------------------------------
 def test_output_lengths_remaining():
-    from moa_hf.vllm.policy import OutputLengths
-
     lengths = OutputLengths(prior=50.0)
     assert lengths.remaining(10) == 50.0  # nothing finished yet: the prior
     for n in (20, 40, 96, 96):
@@ -805,7 +773,7 @@ def test_output_lengths_remaining():
 
 
 def test_row_lives_follow_rows_that_move_join_and_leave():
-    from moa_hf.vllm.policy import OutputLengths, RowLives
+    from moa_hf.vllm.rows import RowLives
 
     lengths = OutputLengths()
     lives = RowLives(lengths, signature=4)
@@ -819,21 +787,21 @@ def test_row_lives_follow_rows_that_move_join_and_leave():
 
 
 def test_network_needing_a_long_catch_up_stays_off_when_few_tokens_are_left():
-    p = DraftLengthPolicy(max_tokens=3, lookup=True, explore_every=10**6)
-    _simulate_sources(p, 60, network_s=0.001, accept_network=0.8)  # a strong, cheap network
+    p = VllmDraftPolicy(max_tokens=3, lookup=True, explore_every=10**6)
+    _sources(p, 60, 0.001, 0.8)  # a strong, cheap network
     assert p.plan(1) == (3, True)
-    p.record_catch_up(256, 0.256)  # 1 ms per token caught up
-    assert p.catch_up_seconds(10) == pytest.approx(0.010)
+    p.catch_up.record(256, 0.256)  # 1 ms per token caught up
+    assert p.catch_up.seconds(10) == pytest.approx(0.010)
     assert p.plan(1, catch_up=256, remaining=4)[1] is False  # 0.26 s for a row with ~2 steps left: lookup only
     assert p.plan(1, catch_up=256, remaining=10_000) == (3, True)  # spread over thousands of tokens it pays
     assert p.plan(1, catch_up=0, remaining=4) == (3, True)  # rows already followed: nothing to catch up
 
 
 def test_network_not_explored_where_its_catch_up_could_not_pay():
-    p = DraftLengthPolicy(max_tokens=3, lookup=True, explore_every=10**6)
+    p = VllmDraftPolicy(max_tokens=3, lookup=True, explore_every=10**6)
     for _ in range(4):
         p.record_step(2, 0, 2, 0.020, 0.0)
         p.record_step(2, 0, 8, 0.022, 0.0)  # verifying 4 tokens per row costs about what 1 does
-    p.record_catch_up(100, 1.0)  # 10 ms per token
+    p.catch_up.record(100, 1.0)  # 10 ms per token
     assert p.plan(2, catch_up=512, remaining=8) == (3, False)  # lookup only is measured, not the network
     assert p.plan(2, catch_up=0) == (3, True)  # with nothing to catch up the network is measured first

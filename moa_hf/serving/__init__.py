@@ -10,8 +10,8 @@ import importlib
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "ClientDraftPolicy",
     "ClientSettings",
-    "DraftLengthPolicy",
     "GenerationEvent",
     "GenerationResult",
     "MoAClient",
@@ -24,8 +24,8 @@ __all__ = [
 ]
 
 _WHERE = {
+    "ClientDraftPolicy": "draft_policy",
     "ClientSettings": "client_types",
-    "DraftLengthPolicy": "draft_policy",
     "GenerationEvent": "client_types",
     "GenerationResult": "client_types",
     "MoAClient": "client",

@@ -39,7 +39,7 @@ from .client_types import CorruptedAnswer as _Corrupted
 from .client_types import ServerBusy as _Busy
 from .client_types import SessionLost as _SessionLost
 from .client_types import Unreachable as _Unreachable
-from .draft_policy import DraftLengthPolicy
+from .draft_policy import ClientDraftPolicy
 from .protocol import (
     CONTENT_DIGEST_HEADER,
     PROTOCOL_VERSION,
@@ -53,7 +53,7 @@ from .protocol import (
     lsa_fingerprint,
 )
 
-__all__ = ["ClientSettings", "DraftLengthPolicy", "GenerationEvent", "GenerationResult", "MoAClient", "ServingError"]
+__all__ = ["ClientSettings", "GenerationEvent", "GenerationResult", "MoAClient", "ServingError"]
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class MoAClient(ClientDrafterMixin):
         self._cached_info: dict | None = None  # its /v1/info when the cached drafter was downloaded
         self._unreachable = ""  # why the server did not answer last
         self._failed_at = -1e9  # when it did not (time.monotonic)
-        self.policy = DraftLengthPolicy(min_draft_length, max_draft_length, fixed=draft_length)
+        self.policy = ClientDraftPolicy(min_draft_length, max_draft_length, fixed=draft_length)
 
     # -- plumbing ---------------------------------------------------------------------------------------------------
     def close(self) -> None:

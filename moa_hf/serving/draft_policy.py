@@ -1,24 +1,27 @@
-"""`DraftLengthPolicy`: how many tokens `MoAClient` drafts per call, chosen from measured costs and acceptance."""
+"""`ClientDraftPolicy`: how many tokens `MoAClient` drafts per call, an adapter over the policy core
+(modeling/custom_generate/policy_core.py) that prices a round trip.
+
+A call verifying k drafts gains E(k) = 1 + a + ... + a^k tokens (accepted drafts and the target's own; the acceptance
+a pooled over positions, since a client's calls are too few to keep one per position: `PositionRates` with one
+position, older calls decayed) and costs T(k) = network + server(k + 1 tokens) + k x drafting: the round trip beyond
+the server's time and the drafting time per token as moving averages, the server's time as `VerifyFit` of a prior
+line to the calls' verifications. The policy takes the k in [min_length, max_length] with the largest E(k) / T(k).
+k = 0 is plain decoding (a useless drafter on a fast link); then one call in `probe_every` still drafts one token to
+keep measuring the acceptance (`Backoff`: the interval doubles while probes are rejected, up to `max_probe_every`).
+`fixed` turns the adaptation off.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from ..modeling.custom_generate.policy_core import Backoff, PositionRates, VerifyFit
 
-__all__ = ["DraftLengthPolicy"]
+__all__ = ["ClientDraftPolicy"]
+
+SERVER_PRIOR = (0.02, 0.002)  # seconds of a verification call ~ s0 + s1 x tokens in its forward, before measuring
 
 
-class DraftLengthPolicy:
-    """Chooses the number of tokens to draft per call by maximising expected tokens per second.
-
-    With per-token acceptance probability a, drafting k tokens yields E(k) = (1 - a^(k+1)) / (1 - a) tokens per call
-    (accepted drafts plus the target's own token) and costs T(k) = network + server(k+1 tokens) + k * drafting; the
-    policy takes the k in [min_length, max_length] with the largest E(k) / T(k). All terms are measured: network
-    time per call and drafting time per token as moving averages, the server time as a line fitted to recent
-    verification calls, the acceptance from recent cycles (decayed counts). k = 0 is plain decoding (a useless
-    drafter on a fast link); then one call in `probe_every` still drafts one token to keep measuring the
-    acceptance (the interval doubles, up to `max_probe_every`, while probes are rejected). `fixed` turns the
-    adaptation off.
-    """
+class ClientDraftPolicy:
+    """Chooses the number of tokens to draft per call by maximising expected tokens per second (see the module)."""
 
     def __init__(
         self,
@@ -32,30 +35,22 @@ class DraftLengthPolicy:
             raise ValueError(f"need 0 <= min_length <= max_length, got {min_length} and {max_length}")
         self.min_length, self.max_length, self.fixed = min_length, max_length, fixed
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
-        self._interval, self._probing = probe_every, False
+        self.backoff = Backoff(most=max_probe_every / probe_every)  # probes of k > 0 while plain decoding plays
+        self._probing, self._zeros = False, 0
         self.network_s: float | None = None
         self.draft_s = 0.005
-        self.accepted, self.trials = 1.0, 2.0  # prior: acceptance 0.5
-        self.server_points: deque[tuple[int, float]] = deque(maxlen=32)
-        self._zeros = 0
+        self.rates = PositionRates(1, decay=0.9, bounds=(0.01, 0.99))  # prior: acceptance 0.5
+        s0, s1 = SERVER_PRIOR
+        self.server = VerifyFit(lambda n: s0 + s1 * n, bounds=((1e-3, 1e3), (1e-3, 1e4)))
 
     @property
     def acceptance(self) -> float:
-        return min(0.99, max(0.01, self.accepted / self.trials))
+        return self.rates.rates(1)[0]
 
-    def server_model(self) -> tuple[float, float]:
-        """(s0, s1): seconds per verification call ~ s0 + s1 * tokens in the forward (prior until measured)."""
-        if not self.server_points:
-            return 0.02, 0.002
-        xs, ys = zip(*self.server_points)
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        if var > 0:
-            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
-        else:  # one forward size seen so far: assume a marginal token costs a tenth of a call
-            slope = 0.1 * my / max(mx, 1.0)
-        slope = max(0.0, slope)
-        return max(0.0, my - slope * mx), slope
+    @property
+    def probe_interval(self) -> float:
+        """Plain-decoding calls between two probes (doubled per rejected probe, at most `max_probe_every`)."""
+        return self.backoff.interval("probe", self.probe_every)
 
     def observe_call(
         self, network_s: float, server_s: float | None, forward_tokens: int, drafted: int, accepted: int
@@ -64,13 +59,11 @@ class DraftLengthPolicy:
         network_s = max(0.0, network_s)
         self.network_s = network_s if self.network_s is None else 0.7 * self.network_s + 0.3 * network_s
         if server_s is not None:
-            self.server_points.append((forward_tokens, server_s))
-        if drafted > 0:
-            self.accepted = 0.9 * self.accepted + accepted
-            self.trials = 0.9 * self.trials + accepted + (1 if accepted < drafted else 0)
+            self.server.update(forward_tokens, server_s)
+        self.rates.record(drafted, accepted)
         if self._probing:
             self._probing = False
-            self._interval = self.probe_every if accepted > 0 else min(2 * self._interval, self.max_probe_every)
+            self.backoff.won("probe") if accepted > 0 else self.backoff.lost("probe")
 
     def observe_draft(self, seconds_per_token: float) -> None:
         self.draft_s = 0.8 * self.draft_s + 0.2 * seconds_per_token
@@ -80,19 +73,16 @@ class DraftLengthPolicy:
         budget = max(0, budget)
         if self.fixed is not None:
             return min(self.fixed, budget)
-        a = self.acceptance
-        s0, s1 = self.server_model()
         network = 0.02 if self.network_s is None else self.network_s
         best, best_rate = 0, -1.0
         for k in range(min(self.min_length, budget), min(self.max_length, budget) + 1):
-            expected = (1.0 - a ** (k + 1)) / (1.0 - a)
-            seconds = network + s0 + s1 * (k + 1) + k * self.draft_s
-            rate = expected / max(seconds, 1e-6)
+            seconds = network + self.server.seconds_of(k + 1) + k * self.draft_s
+            rate = self.rates.expected_tokens(k) / max(seconds, 1e-6)
             if rate > best_rate:
                 best, best_rate = k, rate
         if best == 0 and budget > 0:
             self._zeros += 1
-            if self._zeros >= self._interval:  # probe: keep the acceptance estimate alive
+            if self._zeros >= self.probe_interval:  # probe: keep the acceptance estimate alive
                 self._zeros, self._probing = 0, True
                 return 1
         else:

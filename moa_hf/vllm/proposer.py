@@ -7,7 +7,7 @@ keys/values into the paged cache. One step, for all rows at once:
    state of the row whose fed tokens they extend (rows move, join and leave between steps; a row preempted,
    recomputed or served from the prefix cache matches the same way); a row with no match starts a fresh state.
 2. **Draft length** k for the step, and whether the network drafts where lookup has nothing, from measured step
-   costs at this batch size (`DraftLengthPolicy`); k = 0 skips the drafter entirely, and so does a lookup-only step
+   costs at this batch size (`VllmDraftPolicy`); k = 0 skips the drafter entirely, and so does a lookup-only step
    for the network (rows catch up lazily when the network drafts again). The tokens the network would first have to
    catch up, and how many tokens those rows have left (`RowLives`), weigh against running it.
 3. **Lookup**: the drafter's prompt lookup proposes per row; when every row has a proposal no network runs.
@@ -36,7 +36,8 @@ from ..drafter_types import drafter_type, drafter_types
 from ..loading import load_drafter
 from . import TESTED_VLLM_VERSIONS, MoAVllmOptions
 from .kv_cache import PagedKVReader, UnsupportedCacheError, layout_for, slots_of
-from .policy import DraftLengthPolicy, RowLives, pair_rows
+from .policy import VllmDraftPolicy
+from .rows import RowLives, pair_rows
 from .target import StepTap, TargetView
 
 __all__ = ["MoAProposer", "MoAVllmOptions", "match_rows", "unsupported_drafter_reason"]
@@ -113,7 +114,7 @@ class MoAProposer:
             raise ValueError(f"MoA cannot run in this vLLM engine: {reason}")
         self.max_tokens = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.policy = DraftLengthPolicy(self.max_tokens, fixed=self.options.draft_length)
+        self.policy = VllmDraftPolicy(self.max_tokens, fixed=self.options.draft_length)
         self.lives = RowLives(self.policy.lengths)  # each row's generated tokens; finished rows' lengths
         self.drafter = None
         self.reader: PagedKVReader | None = None
@@ -305,7 +306,7 @@ class MoAProposer:
             start = 0 if window is None else max(0, len(histories[j]) - window)
             t0 = time.perf_counter()
             root_logits.append(self._catch_up(state, [j], [start], histories, table, reader))
-            self.policy.record_catch_up(len(histories[j]) - start, time.perf_counter() - t0)
+            self.policy.catch_up.record(len(histories[j]) - start, time.perf_counter() - t0)
             parts.append(state)
             order.append(p)
         self._steady = not fresh and lag <= self.max_tokens + 1  # this step's time is a per-step drafting cost

@@ -37,22 +37,24 @@ E[tokens] = B + sum_i p_i for the batch of B rows, and costs T(n) = fixed + D + 
 
 Drafting (tree.py: `build_tree`, `add_chain`, `cut_to_budget`) is kept apart from adapting (`ShapePolicy.update`), as
 transformers keeps `get_candidates` apart from `update_candidate_strategy`. Fixed settings (`TreeSettings`) bypass
-what they fix. This file ships inside every published drafter repo (custom_generate/): it imports only torch.
+what they fix. What every route's policy shares (lookup's rates by position, the verification fit, the probes'
+back-off; vLLM's proposer and the serving client price with them too) lives in policy_core.py. This file ships
+inside every published drafter repo (custom_generate/): it imports only torch and its siblings.
 """
 
 import functools
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from .policy_core import LOOKUP_CLASSES, Backoff, PositionRates, VerifyFit, interpolate
+
 __all__ = [
     "Costs",
     "ShapePolicy",
     "TreeSettings",
-    "VerifyFit",
     "measure_costs",
     "measure_step_costs",
     "synchronize",
@@ -102,33 +104,15 @@ class Costs:
 
     verify: dict[int, float]
     step: dict[int, float]
-    _table: dict = field(default_factory=dict, repr=False, compare=False)
     # what the shape policy learned in the latest call with these costs (`ShapePolicy.learned`: its arms' rates,
     # lookup's right rates, the calibration): the next call starts from it instead of from priors
     learned: dict = field(default_factory=dict, repr=False, compare=False)
 
-    @staticmethod
-    def _interp(table: dict[int, float], n: float) -> float:
-        xs = sorted(table)
-        if n <= xs[0]:
-            return table[xs[0]]
-        for a, b in zip(xs, xs[1:]):
-            if n <= b:
-                return table[a] + (table[b] - table[a]) * (n - a) / (b - a)
-        a, b = xs[-2], xs[-1]
-        return table[b] + (table[b] - table[a]) * (n - b) / (b - a)
-
     def verify_cost(self, n: int) -> float:
-        return self._interp(self.verify, n)
-
-    def verify_costs(self, limit: int) -> torch.Tensor:
-        """[limit] float: verify_cost(n) for n = 1..limit, computed once per limit."""
-        if limit not in self._table:
-            self._table[limit] = torch.tensor([self.verify_cost(n) for n in range(1, limit + 1)])
-        return self._table[limit]
+        return interpolate(sorted(self.verify.items()), n)
 
     def step_cost(self, w: int) -> float:
-        return self._interp(self.step, w)
+        return interpolate(sorted(self.step.items()), w)
 
     def as_dict(self) -> dict:
         return {"verify": dict(self.verify), "step": dict(self.step)}
@@ -185,45 +169,6 @@ def measure_step_costs(drafter, run, step_widths=STEP_WIDTHS) -> dict[int, float
     return {w: wall_times(functools.partial(step, w), root.device)[0] for w in step_widths}
 
 
-class VerifyFit:
-    """What verifying n tokens per row takes now: `base` x verify[1] + `extra` x (verify[n] - verify[1]), the two
-    factors fitted to the cycles' verification times (least squares, the older cycles decayed, a prior of
-    `PRIOR` cycles at 1 and 1). One factor for the whole table cannot follow a longer context: attending over it
-    raises each more token's cost faster than the first's (at 1000 tokens of context verifying 12 cost 1.7 one-token
-    steps here, against 1.25 at 100)."""
-
-    DECAY = 0.95
-    PRIOR = 2.0
-
-    def __init__(self, costs: Costs):
-        self.costs = costs
-        one, more = costs.verify_cost(1), max(costs.verify_cost(8) - costs.verify_cost(1), 1e-9)
-        w = self.PRIOR
-        # decayed normal equations of time ~ base x one + extra x (table[n] - one), with the prior's rows in them
-        self.xx = [w * one * one, 0.0, w * more * more]  # sum x1^2, x1 x2, x2^2
-        self.xy = [w * one * one, w * more * more]  # sum x1 y, x2 y
-        self.base, self.extra = 1.0, 1.0
-
-    def seconds(self, limit: int) -> torch.Tensor:
-        """[limit]: the fitted seconds of verifying n = 1..limit tokens per row."""
-        table = self.costs.verify_costs(limit)
-        return self.base * table[0] + self.extra * (table - table[0])
-
-    def update(self, n: int, seconds: float) -> None:
-        x1 = self.costs.verify_cost(1)
-        x2 = self.costs.verify_cost(n) - x1
-        d = self.DECAY
-        self.xx = [d * self.xx[0] + x1 * x1, d * self.xx[1] + x1 * x2, d * self.xx[2] + x2 * x2]
-        self.xy = [d * self.xy[0] + x1 * seconds, d * self.xy[1] + x2 * seconds]
-        (a, b, c), (u, v) = self.xx, self.xy
-        det = a * c - b * b
-        if det <= 1e-12 * a * c:  # only one size verified lately: scale both alike
-            self.base = self.extra = min(8.0, max(0.25, u / max(a, 1e-12)))
-            return
-        self.base = min(8.0, max(0.25, (c * u - b * v) / det))
-        self.extra = min(16.0, max(0.1, (a * v - b * u) / det))
-
-
 @dataclass
 class Shape:
     """One cycle's plan: drafter steps (`depth`, 0: plain decoding), children per node (`top_k`), `widths`: the
@@ -274,20 +219,20 @@ class ShapePolicy:
     START_MARGIN = 1.1  # the network arms play in a call if one's carried rate is within this factor of the best
     REFRESH_CALLS = 8  # ... or after this many calls without them (their rates are measured again)
     CARRIED_TRIES = 16  # the most weight an earlier call's lookup right rate keeps per position
-    LOOKUP_CLASSES = 5  # lookup proposals of 1, 2-3, 4-7, 8-15, 16+ tokens keep right rates apart
+    LOOKUP_CLASSES = LOOKUP_CLASSES  # lookup proposals of 1, 2-3, 4-7, 8-15, 16+ tokens keep right rates apart
 
     def __init__(self, settings: TreeSettings, costs: Costs, batch: int, lookup: bool, carried: dict | None = None):
         self.settings, self.costs, self.batch, self.lookup = settings, costs, batch, lookup
         self.step_s = costs.verify_cost(1)  # a plain decoding cycle of the batch: tracked from the plain cycles
         self.fixed_s = 0.0  # the speculative cycle's time beyond drafting and verifying (catch-up, loop): tracked
         self.gamma, self.predicted, self.realised = 1.0, 1.0, 1.0  # calibration of the drafter's probabilities
-        # lookup's token j (0-based) given tokens < j right: right / tried, per class of proposal length (see
-        # `lookup_class`) and position (priors 0.6, then 0.8): lookup is right in runs (a copied passage), so deep
-        # positions that are reached are right more often
-        self.look_right = [[1.2] + [1.6] * (settings.max_budget - 1) for _ in range(self.LOOKUP_CLASSES)]
-        self.look_tried = [[2.0] * settings.max_budget for _ in range(self.LOOKUP_CLASSES)]
+        # lookup's token j (0-based) given tokens < j right, per class of proposal length and position (priors 0.6,
+        # then 0.8): lookup is right in runs (a copied passage), so deep positions that are reached are right more
+        # often
+        lookup_prior = ((1.2, 2.0), (1.6, 2.0))
+        self.lookup_rates = PositionRates(settings.max_budget, self.LOOKUP_CLASSES, lookup_prior, bounds=(0.05, 0.98))
         self.node_cost = max(costs.verify_cost(2) - costs.verify_cost(1), 1e-9)  # one more verified node (batch)
-        self.fit = VerifyFit(costs)  # the table scaled to what verifications take: follows the context as it grows
+        self.fit = VerifyFit(costs.verify_cost)  # the table scaled to what verifications take: follows the context
         self.chosen: dict[tuple, int] = {}  # (arm key, depth, verified nodes) -> cycles, for the call's debug summary
         contexts = self.CONTEXTS if lookup else ("none",)
         self.arms = {c: self._arms(settings, lookup, c, batch) for c in contexts}  # context -> its arms
@@ -299,13 +244,10 @@ class ShapePolicy:
             if k.split("@")[0] in keys and tok > 0:  # an earlier call's rate, weighted as one cycle
                 self.sums[k] = [sec / tok, 1.0, self.PROBE]
         # (context, arm) -> probes lost in a row (its interval doubles per loss); an earlier call's, one fewer
-        self.losses = {tuple(k.split("/")): max(0, n - 1) for k, n in carried.get("losses", {}).items()}
+        losses = {tuple(k.split("/")): max(0, n - 1) for k, n in carried.get("losses", {}).items()}
+        self.backoff = Backoff(most=2**self.MAX_BACKOFF, losses=losses)
         self.probing = False  # the current cycle plays an arm that is not the best (`update` scores the probe)
-        for c, (rights, trieds) in enumerate(carried.get("lookup", ())):  # an earlier call's right rates, weighted
-            for j, (right, tried) in enumerate(zip(rights, trieds)):  # as at most `CARRIED_TRIES` tries each
-                if c < self.LOOKUP_CLASSES and j < len(self.look_tried[c]) and tried > 0:
-                    w = min(1.0, self.CARRIED_TRIES / tried)
-                    self.look_right[c][j], self.look_tried[c][j] = w * right, w * tried
+        self.lookup_rates.load(carried.get("lookup", ()), self.CARRIED_TRIES)  # an earlier call's, weighted
         self.gamma = carried.get("gamma", self.gamma)
         self.idle_calls = carried.get("idle_calls", 0)  # earlier calls in a row without the network
         self.network = self._network_may_pay()
@@ -407,8 +349,7 @@ class ShapePolicy:
 
         def interval(arm: str) -> float:
             ratio = self.rate(arm) / top
-            gap = min(self.MAX_EXPLORE_GAP * ratio, self.EXPLORE_EVERY * ratio**2)
-            return gap * 2 ** min(self.losses.get((c, arm), 0), self.MAX_BACKOFF)
+            return self.backoff.interval((c, arm), min(self.MAX_EXPLORE_GAP * ratio, self.EXPLORE_EVERY * ratio**2))
 
         played = self.last_played
         due = [a for a in arms if a != best and self.cycles[c] - played[c, a] >= interval(a)]
@@ -422,8 +363,8 @@ class ShapePolicy:
         tried) per position, the calibration gamma, the probes each arm lost in a row, the cycles since each arm
         last played and the calls in a row without the network."""
         arms = {k: (sec, tok) for k, (sec, tok, _) in self.sums.items() if tok > 0}
-        lookup = [(list(r), list(t)) for r, t in zip(self.look_right, self.look_tried)]
-        losses = {f"{c}/{a}": n for (c, a), n in self.losses.items() if n}
+        lookup = self.lookup_rates.state()
+        losses = {f"{c}/{a}": n for (c, a), n in self.backoff.losses.items() if n}
         idle = 0 if self.network_played else self.idle_calls + 1
         since = {f"{c}/{a}": self.cycles[c] - last for (c, a), last in self.last_played.items()}
         return {
@@ -489,24 +430,12 @@ class ShapePolicy:
         """[limit+1]: the cycle's predicted seconds with n = 0..limit nodes verified."""
         return self.fixed_s + draft_s + self.fit.seconds(limit + 1)
 
-    @classmethod
-    def lookup_class(cls, length: int) -> int:
-        """The class of a lookup proposal of `length` tokens: floor(log2(length)), at most LOOKUP_CLASSES - 1. A
-        drafter proposes more tokens after a longer matched n-gram (halving per shorter n-gram), which is right more
-        often: one set of right rates for all would cut a long match short and keep a 1-token match too long."""
-        return min(cls.LOOKUP_CLASSES - 1, max(0, length.bit_length() - 1))
-
     def lookup_log_probs(self, n: int, length: int | None = None) -> list[float]:
         """Estimated log probability that the first j tokens of a lookup proposal of `length` tokens (default n) are
-        all right, j = 1..n."""
-        c = self.lookup_class(length or n)
-        right, tried = self.look_right[c], self.look_tried[c]
-        out, total = [], 0.0
-        for j in range(n):
-            i = min(j, len(right) - 1)
-            total += math.log(min(0.98, max(0.05, right[i] / tried[i])))
-            out.append(total)
-        return out
+        all right, j = 1..n: right rates kept per class of proposal length (`PositionRates.length_class`; a drafter
+        proposes more tokens after a longer matched n-gram, which is right more often: one set of rates for all would
+        cut a long match short and keep a 1-token match too long)."""
+        return self.lookup_rates.log_probs(n, length)
 
     # ----- adapting side: what the cycle measured ------------------------------------------------------------------
     def update(self, tree, lengths: list, lookup_right: list, seconds: float, draft_s: float, verify_s: float):
@@ -526,18 +455,15 @@ class ShapePolicy:
             c, arm = self.context, self.arm
             mine = self.rate(arm)
             lost = any((r := self.rate(a)) is not None and r < mine for a in self.arms[c] if a != arm)
-            self.losses[c, arm] = self.losses.get((c, arm), 0) + 1 if lost else 0
+            self.backoff.lost((c, arm)) if lost else self.backoff.won((c, arm))
         if tree.size == 0:  # a plain cycle
             self.step_s = 0.8 * self.step_s + 0.2 * verify_s
             return
         self.fixed_s = 0.8 * self.fixed_s + 0.2 * max(0.0, seconds - draft_s - verify_s)
         shape = (key, int(tree.depth.max()), tree.size)
         self.chosen[shape] = self.chosen.get(shape, 0) + 1
-        for checked, right, length in lookup_right:
-            c = self.lookup_class(length)
-            for j in range(min(checked, len(self.look_tried[c]))):  # token j was checked: the ones before were right
-                self.look_tried[c][j] += 1
-                self.look_right[c][j] += j < right
+        for checked, right, length in lookup_right:  # token j was checked where the ones before were right
+            self.lookup_rates.record(checked, right, length)
         # calibration: the expected accepted drafts (sum of the verified nodes' path probabilities) track the accepted
         expected = float(torch.where(tree.real, tree.score.exp(), 0.0).sum())
         self.predicted = 0.8 * self.predicted + 0.2 * expected
@@ -555,8 +481,7 @@ class ShapePolicy:
             "arm_cycles": {k: n for k, (_, _, n) in self.sums.items()},
             "gamma": self.gamma,
             "lookup_right_by_position": {
-                f"proposals of {2**c}+ tokens": [round(r / t, 3) for r, t in zip(rights[:8], trieds[:8])]
-                for c, (rights, trieds) in enumerate(zip(self.look_right, self.look_tried))
+                f"proposals of {2**c}+ tokens": rates for c, rates in enumerate(self.lookup_rates.table(8))
             },
             "fixed_ms": 1000 * self.fixed_s,
             "plain_step_ms": 1000 * self.step_s,
