@@ -155,6 +155,22 @@ def load_target(
     return model.to(device).eval(), tok
 
 
+def target_folder(spec: str | os.PathLike) -> str:
+    """What a serving engine (vLLM) loads for the target `spec` of `load_target`: the default target's cached folder
+    (for "default:NAME", its fine-tune's merged folder), else the folder or Hub id itself."""
+    from .default_target import (
+        default_target_path,
+        default_target_variant_path,
+        is_default_target_spec,
+        parse_default_target_spec,
+    )
+
+    if is_default_target_spec(spec):
+        variant = parse_default_target_spec(str(spec))
+        return str(default_target_path() if variant is None else default_target_variant_path(variant))
+    return str(spec)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Drafters
 # ---------------------------------------------------------------------------------------------------------------------

@@ -319,3 +319,25 @@ def test_cpu_layouts_read_what_vllms_own_op_writes(isa):
         _check_layout(layout_for("CPU_ATTN", isa), layer, "CPU_ATTN")
         with pytest.raises(UnsupportedCacheError, match="did not read back"):
             _check_layout(LAYOUTS[other], layer, "CPU_ATTN")
+
+
+def test_moa_data_answers_through_vllm_as_transformers_does(target, tmp_path):
+    """`moa data --engine vllm`: the same prompts (token ids) get the answers transformers' greedy `generate` writes
+    in float32, EOS included where the answer ends."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moa_hf.training.data import _answer_all, _answer_engine, _generation, format_prompts
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(target)
+    prompts = format_prompts(tok, QUESTIONS[:8])
+    eos, gen = _generation(model, tok, 40, False, 1.0, 1.0, None)
+    want = _answer_all(model, prompts, range(8), gen, eos, 8, 0)
+    with _answer_engine("vllm", model, gen, eos, 8, tmp_path / "vllm.log", model=target) as answerer:
+        got = _answer_all(model, prompts, range(8), gen, eos, 8, 0, answerer=answerer)
+    assert got == want
+    assert any(row[-1] in eos and len(row) < 40 for row in got.values())  # an answer that ended before the limit
+    with pytest.raises(ValueError, match="engine must be one of"):
+        with _answer_engine("sglang", model, gen, eos, 8, tmp_path / "x.log"):
+            pass

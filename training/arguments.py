@@ -307,6 +307,14 @@ class DataArguments:
             "next-token distribution (no generation: a prefill's cost). The loss covers assistant turns only.",
         },
     )
+    engine: str = field(
+        default="transformers",
+        metadata={
+            "choices": ["transformers", "vllm"],
+            "help": "What writes the answers: transformers' generate, or a vLLM engine in a process of its own (the "
+            "repository's .venv-vllm, `make vllm-setup`, or this Python's vLLM), at --batch-size sequences at once.",
+        },
+    )
     shard_size: int = field(default=512, metadata={"help": "Prompts per saved shard (resume granularity)."})
     part: str | None = field(
         default=None,

@@ -19,7 +19,7 @@ from transformers import HfArgumentParser
 
 from moa_hf import MoADrafterModel, target_fingerprint
 from moa_hf.hardware import hardware_summary, keep_freed_memory
-from moa_hf.loading import folder_kind, load_drafter, load_target, parse_dtype
+from moa_hf.loading import folder_kind, load_drafter, load_target, parse_dtype, target_folder
 from moa_hf.modeling import PRIMARY_TARGET
 
 from .arguments import (
@@ -110,6 +110,8 @@ def run_data(args: argparse.Namespace) -> int:
             shard_size=data_args.shard_size,
             seed=data_args.seed,
             progress=not data_args.quiet,
+            engine=data_args.engine,
+            engine_model=target_folder(target_args.target),
         )
         tokens = sum(sum(m) for m in dataset["response_mask"])
         print(f"saved {len(dataset)} conversations ({tokens} assistant tokens) to {data_args.output}")
@@ -134,6 +136,8 @@ def run_data(args: argparse.Namespace) -> int:
         part=part,
         seed=data_args.seed,
         progress=not data_args.quiet,
+        engine=data_args.engine,
+        engine_model=target_folder(target_args.target),
     )
     tokens = sum(len(x) for x in dataset["input_ids"])
     print(f"saved {len(dataset)} examples ({tokens} tokens) to {data_args.output}")

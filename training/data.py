@@ -95,6 +95,45 @@ def _generation(target, tokenizer, max_new_tokens, do_sample, temperature, top_p
     )
 
 
+ENGINES = ("transformers", "vllm")  # what writes the target's answers (`moa data --engine`)
+
+
+@contextlib.contextmanager
+def _answer_engine(
+    engine: str, target, gen_config: GenerationConfig, eos: list[int], batch_size: int, log: Path, model=None
+):
+    """None for transformers' `generate` (in this process), else a `moa_hf.vllm.answer.VLLMAnswerer` with the
+    same settings (its engine stops when the block ends), loading `model` (default: the target's name_or_path)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}.")
+    if engine == "transformers":
+        yield None
+        return
+    from moa_hf.vllm.answer import VLLMAnswerer
+
+    model = model or getattr(target.config, "name_or_path", "")
+    if not model:
+        raise ValueError(
+            "engine='vllm' loads the target by its folder or Hub id, and this target has no name_or_path."
+        )
+    answerer = VLLMAnswerer(
+        model,
+        str(target.dtype).removeprefix("torch."),
+        gen_config.max_new_tokens,
+        eos,
+        do_sample=bool(gen_config.do_sample),
+        temperature=gen_config.temperature or 1.0,
+        top_p=gen_config.top_p or 1.0,
+        top_k=gen_config.top_k,
+        max_num_seqs=batch_size,
+        log=log,
+    )
+    try:
+        yield answerer
+    finally:
+        answerer.close()
+
+
 def _answer_all(
     target: PreTrainedModel,
     prompt_ids: Sequence[list[int]],
@@ -104,10 +143,17 @@ def _answer_all(
     batch_size: int,
     seed: int,
     on_batch=None,
+    answerer=None,
 ) -> dict[int, list[int]]:
     """The target's responses to `prompt_ids[i]` for i in `indices`, in batches of similar lengths (little padding);
-    sampling is seeded by `seed` without touching the global RNG. `on_batch(n)` is called after each batch."""
+    sampling is seeded by `seed` without touching the global RNG. `on_batch(n)` is called after each batch.
+    answerer: a vLLM engine (`_answer_engine`) that takes all of them at once (it batches them itself)."""
     order = sorted(indices, key=lambda i: -len(prompt_ids[i]))
+    if answerer is not None:
+        rows = dict(zip(order, answerer([prompt_ids[i] for i in order], seed)))
+        if on_batch is not None:
+            on_batch(len(order))
+        return rows
     rows: dict[int, list[int]] = {}
     with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
         torch.manual_seed(seed)
@@ -267,6 +313,8 @@ def build_dataset(
     part: tuple[int, int] | None = None,
     seed: int = 0,
     progress: bool = True,
+    engine: str = "transformers",
+    engine_model: str | None = None,
 ):
     """Let `target` answer `prompts` and save (prompt + response) token ids with `datasets`' ``save_to_disk``.
 
@@ -283,6 +331,11 @@ def build_dataset(
         max_prompt_tokens: skip longer prompts (default: what fits the target's context with the response).
         part: (k, n) answers only prompts k, k+n, k+2n, ... (to split generation over n GPUs/processes; train on
             all the parts with `moa train --data PART0 PART1 ...`). `prompt_index` keeps the index in the full list.
+        engine: what writes the answers: ``transformers`` (`target.generate`) or ``vllm`` (a vLLM engine in a
+            process of its own, `moa_hf.vllm.answer`, loading the target from its `name_or_path`; the fastest
+            where vLLM is installed, e.g. the repository's `.venv-vllm`); both greedy or both sampling.
+        engine_model: the folder or Hub id vLLM loads (default: the target's `name_or_path`;
+            `moa_hf.loading.target_folder` gives it for a `load_target` spec).
     Returns the saved `datasets.Dataset` with columns ``input_ids``, ``prompt_length``, ``prompt_index``.
     """
     import datasets
@@ -351,23 +404,24 @@ def build_dataset(
         unit="prompt",
         disable=not progress,
     )
-    for k in range(num_shards):
-        final = shard_dir / f"shard-{k:06d}"
-        if final.is_dir():
-            continue
-        lo, hi = k * shard_size, min(len(prompts), (k + 1) * shard_size)
-        ids = format_prompts(tokenizer, prompts[lo:hi], chat_template=chat_template, system_prompt=system_prompt)
-        keep = [i for i in range(hi - lo) if max_prompt_tokens is None or len(ids[i]) <= max_prompt_tokens]
-        skipped_long += hi - lo - len(keep)
-        rows = _answer_all(target, ids, keep, gen_config, eos, batch_size, _shard_seed(seed, k), on_batch=bar.update)
-        bar.update(hi - lo - len(keep))
-        kept = sorted(rows)
-        columns = {
-            "input_ids": [ids[i] + rows[i] for i in kept],
-            "prompt_length": [len(ids[i]) for i in kept],
-            "prompt_index": [first + stride * (lo + i) for i in kept],
-        }
-        _save_shard(shard_dir, k, columns, progress)
+    todo = [k for k in range(num_shards) if k not in done]
+    engine_context = _answer_engine(engine, target, gen_config, eos, batch_size, output_dir / "vllm.log", engine_model)
+    with engine_context if todo else contextlib.nullcontext() as answerer:
+        for k in todo:
+            lo, hi = k * shard_size, min(len(prompts), (k + 1) * shard_size)
+            ids = format_prompts(tokenizer, prompts[lo:hi], chat_template=chat_template, system_prompt=system_prompt)
+            keep = [i for i in range(hi - lo) if max_prompt_tokens is None or len(ids[i]) <= max_prompt_tokens]
+            skipped_long += hi - lo - len(keep)
+            seed_k = _shard_seed(seed, k)
+            rows = _answer_all(target, ids, keep, gen_config, eos, batch_size, seed_k, bar.update, answerer)
+            bar.update(hi - lo - len(keep))
+            kept = sorted(rows)
+            columns = {
+                "input_ids": [ids[i] + rows[i] for i in kept],
+                "prompt_length": [len(ids[i]) for i in kept],
+                "prompt_index": [first + stride * (lo + i) for i in kept],
+            }
+            _save_shard(shard_dir, k, columns, progress)
     bar.close()
     if skipped_long:
         logger.warning("Skipped %d prompts longer than %d tokens.", skipped_long, max_prompt_tokens)
@@ -389,6 +443,7 @@ def build_dataset(
         "top_k": top_k if do_sample else None,
         "chat_template": chat_template,
         "seed": seed,
+        "engine": engine,
         "note": "on-policy data: responses generated by the target itself; Spec-Bench excluded by construction",
     }
     (output_dir / _METADATA).write_text(json.dumps(metadata, indent=1))
@@ -420,6 +475,8 @@ def build_chat_dataset(
     shard_size: int = 512,
     seed: int = 0,
     progress: bool = True,
+    engine: str = "transformers",
+    engine_model: str | None = None,
 ):
     """Training data from conversations (ShareGPT, OpenAI `messages` or prompt/response records: see
     `moa_hf.conversations`), saved like `build_dataset`'s (resumable shards) with a `response_mask` column: 1 on the
@@ -433,12 +490,13 @@ def build_chat_dataset(
             of its next-token distribution on that text), which costs no generation at all.
         max_tokens: conversations longer than this many tokens are cut after the last assistant turn that fits
             (default: the target's context).
+        engine, engine_model: what writes regenerated turns: ``transformers`` or ``vllm`` (see `build_dataset`).
     Returns the saved dataset: ``input_ids``, ``response_mask``, ``prompt_length`` (where the first assistant turn
     starts) and ``conversation_index``.
     """
     from tqdm.auto import tqdm
 
-    from moa_hf.conversations import format_conversation, load_conversations
+    from moa_hf.conversations import load_conversations
 
     if responses not in RESPONSES:
         raise ValueError(f"responses must be one of {RESPONSES}, got {responses!r}.")
@@ -469,29 +527,21 @@ def build_chat_dataset(
     num_shards = (len(conversations) + shard_size - 1) // shard_size
     turns_total = sum(t["role"] == "assistant" for c in conversations for t in c)
     bar = tqdm(total=turns_total, desc="assistant turns", unit="turn", disable=not progress)
-    for k in range(num_shards):
-        lo, hi = k * shard_size, min(len(conversations), (k + 1) * shard_size)
-        if (shard_dir / f"shard-{k:06d}").is_dir():
-            bar.update(sum(t["role"] == "assistant" for c in conversations[lo:hi] for t in c))
-            continue
-        shard = [[dict(t) for t in c] for c in conversations[lo:hi]]
-        if regenerate:
-            _regenerate_turns(target, tokenizer, shard, gen_config, eos, batch_size, _shard_seed(seed, k), bar)
-        else:
-            bar.update(sum(t["role"] == "assistant" for c in shard for t in c))
-        columns = {"input_ids": [], "response_mask": [], "prompt_length": [], "conversation_index": []}
-        for i, conversation in enumerate(shard):
-            ids, mask = format_conversation(tokenizer, conversation, eos)
-            if max_tokens is not None and len(ids) > max_tokens:  # cut after the last assistant token that fits
-                ends = [j + 1 for j in range(max_tokens) if mask[j]]
-                if not ends:
-                    continue
-                ids, mask = ids[: ends[-1]], mask[: ends[-1]]
-            columns["input_ids"].append(ids)
-            columns["response_mask"].append(mask)
-            columns["prompt_length"].append(mask.index(1))
-            columns["conversation_index"].append(lo + i)
-        _save_shard(shard_dir, k, columns, progress)
+    todo = [k for k in range(num_shards) if not (shard_dir / f"shard-{k:06d}").is_dir()]
+    engine_context = _answer_engine(engine, target, gen_config, eos, batch_size, output_dir / "vllm.log", engine_model)
+    with engine_context if regenerate and todo else contextlib.nullcontext() as answerer:
+        for k in range(num_shards):
+            lo, hi = k * shard_size, min(len(conversations), (k + 1) * shard_size)
+            if k not in todo:
+                bar.update(sum(t["role"] == "assistant" for c in conversations[lo:hi] for t in c))
+                continue
+            shard = [[dict(t) for t in c] for c in conversations[lo:hi]]
+            if regenerate:
+                seed_k = _shard_seed(seed, k)
+                _regenerate_turns(target, tokenizer, shard, gen_config, eos, batch_size, seed_k, bar, answerer)
+            else:
+                bar.update(sum(t["role"] == "assistant" for c in shard for t in c))
+            _save_conversations(tokenizer, shard, lo, eos, max_tokens, shard_dir, k, progress)
     bar.close()
     dataset = _join_shards(output_dir, num_shards, progress)
     if len(dataset) == 0:
@@ -515,7 +565,27 @@ def build_chat_dataset(
     return datasets.load_from_disk(str(output_dir))
 
 
-def _regenerate_turns(target, tokenizer, conversations, gen_config, eos, batch_size, seed, bar) -> None:
+def _save_conversations(tokenizer, shard, lo, eos, max_tokens, shard_dir, k, progress) -> None:
+    """Shard k of conversations `shard` (the first being conversation `lo`) as training rows: token ids and the
+    assistant-turn mask, each cut after the last assistant token within `max_tokens`."""
+    from moa_hf.conversations import format_conversation
+
+    columns = {"input_ids": [], "response_mask": [], "prompt_length": [], "conversation_index": []}
+    for i, conversation in enumerate(shard):
+        ids, mask = format_conversation(tokenizer, conversation, eos)
+        if max_tokens is not None and len(ids) > max_tokens:  # cut after the last assistant token that fits
+            ends = [j + 1 for j in range(max_tokens) if mask[j]]
+            if not ends:
+                continue
+            ids, mask = ids[: ends[-1]], mask[: ends[-1]]
+        columns["input_ids"].append(ids)
+        columns["response_mask"].append(mask)
+        columns["prompt_length"].append(mask.index(1))
+        columns["conversation_index"].append(lo + i)
+    _save_shard(shard_dir, k, columns, progress)
+
+
+def _regenerate_turns(target, tokenizer, conversations, gen_config, eos, batch_size, seed, bar, answerer=None) -> None:
     """Replace every assistant turn's content by the target's answer to the conversation before it (with its own
     earlier answers), in place: turn k of every conversation is answered in one batched pass."""
     depth = max(sum(t["role"] == "assistant" for t in c) for c in conversations)
@@ -527,8 +597,9 @@ def _regenerate_turns(target, tokenizer, conversations, gen_config, eos, batch_s
                 at[c] = positions[k]
         prompts = {c: conversation_ids(tokenizer, conversations[c][:j]) for c, j in at.items()}
         order = list(prompts)
+        prompt_ids = [prompts[c] for c in order]
         rows = _answer_all(
-            target, [prompts[c] for c in order], range(len(order)), gen_config, eos, batch_size, seed + k, bar.update
+            target, prompt_ids, range(len(order)), gen_config, eos, batch_size, seed + k, bar.update, answerer
         )
         for i, c in enumerate(order):
             answer = rows[i][:-1] if rows[i] and rows[i][-1] in eos else rows[i]

@@ -113,13 +113,15 @@ class EngineProcess:
     groups of prompts it is asked to run: the bench keeps one per method alive and alternates them group by group,
     so that every method meets the machine's load of the same minutes."""
 
-    def __init__(self, spec: dict, log: Path):
-        self.method, self.log = spec["method"], log
+    def __init__(self, spec: dict, log: Path, module: str = "moa_hf.vllm.bench", name: str | None = None):
+        """`module`'s `--serve SPEC` runs the engine (`serve` here; `moa_hf.vllm.answer.serve` writes training data);
+        `name` says whose engine it is in errors (default: the method's)."""
+        self.method, self.log = name or spec["method"], log
         self._tmp = tempfile.TemporaryDirectory()
         spec_path = Path(self._tmp.name) / "spec.json"
         spec_path.write_text(json.dumps(spec))
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-        cmd = [vllm_python(), "-m", "moa_hf.vllm.bench", "--serve", str(spec_path)]
+        cmd = [vllm_python(), "-m", module, "--serve", str(spec_path)]
         self._log = log.open("a")
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env
@@ -134,9 +136,10 @@ class EngineProcess:
         self._log.flush()
         raise RuntimeError(f"The {self.method} engine exited (code {self.proc.wait()}); see {self.log}.")
 
-    def run(self, indices: list[int]) -> dict:
-        """Generate for these prompts together: seconds, outputs and spec-decode counters."""
-        self.proc.stdin.write(json.dumps(indices) + "\n")
+    def run(self, request) -> dict:
+        """Send one request line (the bench: prompt indices, generated together) and return the engine's reply (the
+        bench: seconds, outputs and spec-decode counters)."""
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         return self._reply()
 
@@ -241,11 +244,9 @@ def load_prompts(questions: str | None, per_category: int, chat: int, seed: int)
 
 def run_bench(args: argparse.Namespace) -> dict:
     questions = load_prompts(args.questions, args.questions_per_category, args.chat_prompts, args.seed)
-    target = args.target
-    if target == "default":
-        from ..default_target import default_target_path
+    from ..loading import target_folder
 
-        target = str(default_target_path())
+    target = target_folder(args.target)  # `default` (or `default:NAME`): the cached folder
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     base = {
