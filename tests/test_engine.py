@@ -164,15 +164,9 @@ def test_greedy_families_batch1_and_batch3(family):
     torch.manual_seed(1)
     prompts = [torch.randint(3, 128, (n,)) for n in (5, 17, 11)]
     refs = [target.generate(p[None], max_new_tokens=20, do_sample=False)[0, p.shape[0] :] for p in prompts]
+    shape = dict(costs=FLAT_COSTS, tree_depth=3, tree_top_k=2, tree_budget=6)  # fixed: it drafts (no plain arm)
     out = speculative_generate(
-        target,
-        drafter,
-        prompts[1][None],
-        max_new_tokens=20,
-        do_sample=False,
-        costs=FLAT_COSTS,
-        tree_top_k=2,
-        return_dict_in_generate=True,
+        target, drafter, prompts[1][None], max_new_tokens=20, do_sample=False, return_dict_in_generate=True, **shape
     )
     assert torch.equal(out.sequences[0, prompts[1].shape[0] :], refs[1])
     assert sum(out.speculation_stats[0].tree_sizes) > 0  # drafted trees were verified (not plain decoding)
