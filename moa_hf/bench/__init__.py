@@ -25,7 +25,8 @@ category per source.
 
 The package by job: data.py (Spec-Bench questions, natural prompts), methods.py (the decoding methods and
 `--methods`), counting.py (target calls and the metrics), runner.py (running, the lossless check, batches),
-report.py (Markdown and chart), cli.py (`moa bench`).
+report.py (Markdown and chart), arguments.py (its flags: dataclasses, a `--KIND` folder per registered kind of
+drafter), cli.py (`moa bench`).
 """
 
 from ..hardware import hardware_info
