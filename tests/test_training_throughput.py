@@ -12,7 +12,7 @@ from transformers import HfArgumentParser
 
 import moa_hf
 from moa_hf.hardware import cpu_flags, hardware_summary, keep_freed_memory
-from moa_hf.modeling.modeling_moa import _explicit_attention
+from moa_hf.modeling.moa_layers import _explicit_attention
 from moa_hf.training import MoATrainer
 from moa_hf.training.trainer import TargetBatchSampler, _example_lengths, _Indexed
 
@@ -221,3 +221,15 @@ def test_gradient_checkpointing_same_gradients_less_kept(target):
     drafter.activation_checkpointing_disable()
     with torch.no_grad(), drafter.attached(target):  # inference is untouched
         assert drafter(ids, target_kv=kv, return_logits=False).hidden_states.shape == (2, 12, 64)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_step_check_trains_a_random_target_online(checkpointing):
+    """`moa_hf.training.step_check` (the GPU measurement script; a small target on a CPU): online steps timed by the
+    profiler, with the drafter's layers checkpointed only when asked."""
+    from moa_hf.training.step_check import run_setting
+
+    result = run_setting("small", 2, 64, 1, checkpointing, "cpu")
+    assert result["train_tokens_per_second"] > 0 and result["peak_memory_gib"] > 0
+    assert result["ms_per_step"]["target states"] > 0  # the target ran inside the step (online)
+    assert (result["checkpointed_layers"] > 0) == checkpointing

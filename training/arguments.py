@@ -435,6 +435,13 @@ class DrafterArguments:
             "LSA runs over every target layer of every token, so it dominates training cost."
         },
     )
+    intermediate_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "MoA: MLP width of the SA and CA layers (default: the target's; the paper's Llama-3-8B drafter "
+            "used 6144 against the target's 14336)."
+        },
+    )
     lsa_keys: str | None = field(
         default=None,
         metadata={

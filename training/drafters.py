@@ -240,6 +240,7 @@ class MoAAdapter(_AttachingAdapter):
         "target_layer_inference": "target_layer_inference",
         "draft_vocab_size": "draft_vocab_size",
         "lsa_hidden_size": "lsa_hidden_size",
+        "intermediate_size": "intermediate_size",
         "lsa_keys": "lsa_keys",
         "lsa_layers": "lsa_layers",
         "lsa_pooling": "lsa_pooling",
