@@ -130,8 +130,13 @@ class MoATreeDrafting:
         prev_slots: torch.Tensor,
         target_cache,
     ) -> torch.Tensor:
-        """`MoADrafterModel.tree_catch_up`: feed newly verified `tokens` [B, n]; float32 logits [B, V] of the token
-        after each row's last one, from the exit each row's root leaves at."""
+        """Feed newly verified `tokens` [B, n] (right-aligned; `valid` [B, n] False on left padding; `positions`
+        [B, n] real positions). CA memory: the context (LSA) of the target's keys/values at `prev_slots` [B, n]
+        (the token at position-1; -1: none) of `target_cache` (a transformers cache, or a function reading another
+        engine's cache: slots [B, m] -> [B, m, L, 2*Hkv*hd], as `moa_hf.vllm` reads vLLM's), with RoPE at
+        position-1. Returns float32 logits [B, V] of the token after each row's last one (the tree root's children),
+        from the exit each row's root leaves at; the deeper blocks run on these tokens when a later token first
+        needs them."""
         state.end_tree()
         # a transformers cache, or a reader of another engine's cache (vLLM's paged one): slots -> [B, m, L, W]
         read = target_cache if callable(target_cache) else functools.partial(gather_target_kv_at, target_cache)
@@ -160,8 +165,10 @@ class MoATreeDrafting:
 
     @torch.no_grad()
     def step(self, state: MoATreeState, tokens: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor):
-        """`MoADrafterModel.tree_step`: feed one depth of tree nodes [B, k]; float32 logits [B, k, V] of each node's
-        next token."""
+        """Feed one depth of tree nodes: `tokens`, `positions`, `parents` [B, k] (`TreeState.add_nodes`). Each node
+        sees in SA the row's verified tokens, its ancestors and itself; in CA the verified context. Returns float32
+        logits [B, k, V] of each node's next token. A sorted drafter's nodes each leave at their own exit; a deeper
+        block runs on the whole frontier when any node needs it (see `MoASortedExits.adaptive_exits`)."""
         h = self.embed(tokens)  # [B, k, d]
         cos, sin = self.rotary(positions, h.dtype)  # [B, k, hd]
         sa_mask = state.add_nodes(parents)  # [B, 1, k, S]

@@ -19,7 +19,10 @@ objects with public methods (no modules of their own: the layers stay this model
   `drafter.sorted_exits`);
 - target_parts.py: several targets per drafter (`MoATargetParts`, LoRA deltas; `MoATargets`, `drafter.targets`:
   selecting, adding, recognising a target by its fingerprint) and what attaching borrows (`Attachment`);
+- moa_layers.py: the building blocks (RMSNorm, RoPE, attention, the SA / LSA and CA layers, `MoABlock`);
 - target_cache.py: reading the target's cache (`gather_target_kv`, `gather_target_kv_at`, `held_*`);
+- moa_chain.py: chain drafting (`MoADrafterCache`; `MoAChainDrafting`, `drafter.chain`, behind `extend_context`,
+  `draft_step` and assisted generation's drafting calls);
 - moa_tree.py: the tree drafting protocol (`MoATreeDrafting`, `drafter.tree`, behind `tree_start`, `tree_catch_up`,
   `tree_step`);
 - drafting.py: the runtime shared with the EAGLE drafter (target hooks, `generate`, statistics); lookup.py: prompt
@@ -33,22 +36,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.activations import ACT2FN
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import rotate_half
 
-from .configuration_moa import PRIMARY_TARGET, MoADrafterConfig, tli_unsupported_reason, unsupported_target_reason
-from .drafting import CACHE_NAME, DrafterMixin, DraftingSession, RollbackCache, TargetTap
-from .drafting import target_fingerprint as fingerprint_of
+from .configuration_moa import PRIMARY_TARGET, MoADrafterConfig
+from .drafting import DrafterMixin, DraftingSession, TargetTap
+from .moa_chain import MoAChainDrafting, MoADrafterCache
+from .moa_layers import (
+    MoAAttention,
+    MoABlock,
+    MoACrossAttentionLayer,
+    MoADecoderLayer,
+    MoAMLP,
+    MoARMSNorm,
+    MoARotaryEmbedding,
+)
 from .moa_tree import MoATreeDrafting, MoATreeState
-from .sorted_exits import DeepBlock, MoASortedExits, crop_deep
+from .sorted_exits import MoASortedExits
 from .target_cache import gather_target_kv, gather_target_kv_at, oldest_held_position
-from .target_parts import Attachment, MoALinear, MoALoRA, MoATargetParts, MoATargets, tli_decoder_reason
+from .target_parts import Attachment, MoALinear, MoALoRA, MoATargetParts, MoATargets
 
 __all__ = [
     "CONTEXT_CHUNK",
@@ -58,6 +67,12 @@ __all__ = [
     "MoADrafterCache",
     "MoADrafterOutput",
     # defined in sibling files, importable from here as before the split
+    "MoAAttention",
+    "MoACrossAttentionLayer",
+    "MoADecoderLayer",
+    "MoAMLP",
+    "MoARMSNorm",
+    "MoARotaryEmbedding",
     "MoALinear",
     "MoALoRA",
     "MoATargetParts",
@@ -67,274 +82,9 @@ __all__ = [
 
 
 # -------------------------------------------------------------------------------------------------------------------
-# Building blocks
-# ---------------------------------------------------------------------------------------------------------------------
-class MoARMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()  # norms in fp32, the weight too; one rounding back to the input's dtype
-        x = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + self.eps)  # x * x: the same values, a cheaper backward
-        return (self.weight.float() * x).to(dtype)
-
-
-class MoARotaryEmbedding(nn.Module):
-    """Plain RoPE: cos/sin for integer positions."""
-
-    def __init__(self, dim: int, theta: float):
-        super().__init__()
-        self.dim, self.theta = dim, theta
-        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
-
-    def compute_inv_freq(self) -> torch.Tensor:
-        return 1.0 / (self.theta ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
-
-    @torch.no_grad()
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq  # [..., T, dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [..., T, dim]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [B, H, T, hd]; cos/sin [B, T, hd] or [T, hd]
-    if cos.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
-    return x * cos + rotate_half(x) * sin
-
-
-class MoAMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str):
-        super().__init__()
-        self.gate_proj = MoALinear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = MoALinear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = MoALinear(intermediate_size, hidden_size, bias=False)
-        self.act_fn = ACT2FN[act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-class MoAAttention(nn.Module):
-    """Grouped-query attention whose queries and keys/values may come from different streams (self or cross)."""
-
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, short: bool = False):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        # short: many independent sequences of a few keys, no mask (the LSA: one sequence per token over the target's
-        # layers), where explicit matmuls beat SDPA's fused CPU kernel (its backward by ~6x at 2k x 30 positions)
-        self.short = short
-        self.q_proj = MoALinear(hidden_size, num_heads * head_dim, bias=False)
-        self.k_proj = MoALinear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.v_proj = MoALinear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.o_proj = MoALinear(num_heads * head_dim, hidden_size, bias=False)
-
-    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
-        return _rope(q, cos, sin)
-
-    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        B, T, _ = x.shape
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
-        return _rope(k, cos, sin), v
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        # q [B, H, Tq, hd], k/v [B, Hkv, Tk, hd], mask bool [B or 1, 1, Tq, Tk] (True = visible) or None (all visible)
-        gqa = self.num_heads != self.num_kv_heads
-        if self.short and mask is None:
-            y = _explicit_attention(q, k, v)
-        elif q.shape[2] == 1 and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
-            # one drafted token on a CPU: half-precision SDPA is several times slower there than float32 (one query,
-            # 300 keys: 168 vs 50 us with the casts), and float32 is the more exact of the two
-            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=gqa)
-            y = y.to(q.dtype)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        B, H, T, hd = y.shape
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))  # [B, T, H*hd] -> [B, T, d]
-
-
-def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Unmasked attention as matmuls, softmax in float32: q [N, H, Tq, hd], k/v [N, Hkv, Tk, hd] -> [N, H, Tq, hd]."""
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves H/Hkv query heads
-        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5  # [N, H, Tq, Tk]
-    return scores.softmax(-1).to(v.dtype) @ v
-
-
-class MoADecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm decoder layer (attention + gated MLP). Used for SA (causal) and LSA (across target layers).
-    Recomputed in the backward after `drafter.activation_checkpointing_enable()` (training only)."""
-
-    def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, eps, act, short=False):
-        super().__init__()
-        self.input_layernorm = MoARMSNorm(hidden_size, eps)
-        self.self_attn = MoAAttention(hidden_size, num_heads, num_kv_heads, head_dim, short=short)
-        self.post_attention_layernorm = MoARMSNorm(hidden_size, eps)
-        self.mlp = MoAMLP(hidden_size, intermediate_size, act)
-
-    @classmethod
-    def from_config(cls, c) -> "MoADecoderLayer":
-        """The drafter's SA layer (or an EAGLE-style decoder layer) of a drafter config's sizes."""
-        return cls(
-            c.hidden_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-            c.intermediate_size,
-            c.rms_norm_eps,
-            c.hidden_act,
-        )
-
-    def forward(self, h, cos, sin, mask=None, cache: "MoADrafterCache | None" = None):
-        x = self.input_layernorm(h)
-        q = self.self_attn.queries(x, cos, sin)
-        k, v = self.self_attn.keys_values(x, cos, sin)
-        if cache is not None:
-            k, v = cache.append_self(k, v)
-        h = h + self.self_attn.attend(q, k, v, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class MoACrossAttentionLayer(GradientCheckpointingLayer):
-    """CA: queries from the SA stream, keys/values from the context vectors of verified tokens.
-
-    One RMSNorm (same weights) normalises both streams, as in the authors' code. A learned null key/value is always
-    visible, so a query with no verified context yet (the very first draft) still has a well-defined attention.
-    """
-
-    def __init__(self, config: MoADrafterConfig):
-        super().__init__()
-        d, hkv, hd = config.hidden_size, config.num_key_value_heads, config.head_dim
-        self.input_layernorm = MoARMSNorm(d, config.rms_norm_eps)
-        self.attn = MoAAttention(d, config.num_attention_heads, hkv, hd)
-        self.null_key = nn.Parameter(torch.zeros(hkv, 1, hd))
-        self.null_value = nn.Parameter(torch.zeros(hkv, 1, hd))
-        self.post_attention_layernorm = MoARMSNorm(d, config.rms_norm_eps)
-        self.mlp = MoAMLP(d, config.intermediate_size, config.hidden_act)
-
-    def context_keys_values(self, context, cos, sin):
-        return self.attn.keys_values(self.input_layernorm(context), cos, sin)
-
-    def forward(self, h, cos, sin, ctx_k, ctx_v, mask=None):
-        # h [B, T, d]; ctx_k/ctx_v [B, Hkv, M, hd]; mask bool [B, 1, T, M] or None (all M visible)
-        B, T, _ = h.shape
-        q = self.attn.queries(self.input_layernorm(h), cos, sin)
-        k = torch.cat([self.null_key.to(ctx_k.dtype).expand(B, -1, -1, -1), ctx_k], dim=2)  # [B, Hkv, 1+M, hd]
-        v = torch.cat([self.null_value.to(ctx_v.dtype).expand(B, -1, -1, -1), ctx_v], dim=2)
-        if mask is not None:
-            mask = torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], dim=-1)  # [B, 1, T, 1+M]
-        h = h + self.attn.attend(q, k, v, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class MoABlock(nn.Module):
-    """Blocks 2..K of a sorted drafter (block 1 is the drafter's `self_attention` + `cross_attention`): SA over the
-    previous block's output, then CA over the same verified context vectors (its own keys/values of them).
-
-    Its output projections (`o_proj`, `down_proj`) start at zero where no checkpoint sets them (`_init_weights`), so a
-    block added to a trained drafter is the identity on the residual stream: every exit first equals the one before.
-    """
-
-    def __init__(self, config: MoADrafterConfig):
-        super().__init__()
-        c = config
-        self.self_attention = MoADecoderLayer.from_config(c)
-        self.cross_attention = MoACrossAttentionLayer(c)
-        for linear in (
-            self.self_attention.self_attn.o_proj,
-            self.self_attention.mlp.down_proj,
-            self.cross_attention.attn.o_proj,
-            self.cross_attention.mlp.down_proj,
-        ):
-            linear.zero_init = True
-
-
-# -------------------------------------------------------------------------------------------------------------------
 # Target states, cache, output
 # ---------------------------------------------------------------------------------------------------------------------
 CONTEXT_CHUNK = 64  # most target positions per LSA call at inference (see `MoADrafterModel.read_context`)
-
-
-class MoADrafterCache(RollbackCache):
-    """Everything the drafter keeps between drafting calls; all of it rolls back to any length with `crop`.
-
-    - SA keys/values of every token fed so far (positions 0..seq_length-1).
-    - CA memory: CA keys/values of the context vectors of verified tokens (positions 0..context_length-1), and which
-      of them hold a context at all (`ca_valid`: a position that a sliding-window layer of the target no longer held
-      when it was read has none, and is kept out of the CA's attention).
-    - TLI (N > 0): a cache for the target's last N layers: the target's own keys/values for verified positions,
-      followed by the ones computed from drafted positions.
-    - Sorted drafters (K > 1 blocks): `deep[k-2]` holds block k's SA keys/values, its CA keys/values of the same
-      context, and the positions block k has not run on yet (tokens that left at an earlier exit).
-    """
-
-    def __init__(self):
-        self.tokens = None  # [B, T] the tokens whose SA keys/values are cached
-        self.sa_keys = self.sa_values = None  # [B, Hkv, T, hd]
-        self.ca_keys = self.ca_values = None  # [B, Hkv, M, hd]
-        self.ca_valid: torch.Tensor | None = None  # [M] bool, False: no context for that position; None: all valid
-        self.tli: DynamicCache | None = None
-        self.tli_verified = 0  # the TLI cache holds the target's own keys/values for positions < tli_verified
-        self.cycle_starts: list[int] = []  # per SA position p: its CA read the context of positions < this
-        self.deep: list[DeepBlock] = []  # blocks 2..K of a sorted drafter
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.sa_keys is None else self.sa_keys.shape[2]
-
-    @property
-    def context_length(self) -> int:
-        return 0 if self.ca_keys is None else self.ca_keys.shape[2]
-
-    @property
-    def tli_length(self) -> int:
-        # the TLI cache only fills the target's last N layer slots, so ask the last one
-        return self.tli.layers[-1].get_seq_length() if self.tli is not None and self.tli.layers else 0
-
-    def append_self(self, k, v):
-        if self.sa_keys is not None:
-            k, v = torch.cat([self.sa_keys, k], dim=2), torch.cat([self.sa_values, v], dim=2)
-        self.sa_keys, self.sa_values = k, v
-        return k, v
-
-    def append_context(self, k, v, valid: torch.Tensor | None = None):
-        """Append CA keys/values [B, Hkv, T, hd] of the next positions; `valid`: bool [T] (None: all valid)."""
-        if valid is not None and self.ca_valid is None and not bool(valid.all()):
-            self.ca_valid = torch.ones(self.context_length, dtype=torch.bool, device=k.device)  # [M]
-        if self.ca_valid is not None:
-            valid = torch.ones(k.shape[2], dtype=torch.bool, device=k.device) if valid is None else valid
-            self.ca_valid = torch.cat([self.ca_valid, valid.to(k.device)])  # [M+T]
-        if self.ca_keys is not None:
-            k, v = torch.cat([self.ca_keys, k], dim=2), torch.cat([self.ca_values, v], dim=2)
-        self.ca_keys, self.ca_values = k, v
-
-    def crop_self(self, length: int) -> None:
-        """Keep the SA keys/values of positions < `length` only; the CA memory (verified context) stays."""
-        if self.sa_keys is not None:
-            self.sa_keys, self.sa_values = self.sa_keys[:, :, :length], self.sa_values[:, :, :length]
-            self.tokens = self.tokens[:, :length]
-            del self.cycle_starts[length:]
-        crop_deep(self.deep, self.get_seq_length(), length)
-
-    def truncate(self, length: int) -> None:
-        """Keep positions < `length` (0 empties the cache)."""
-        self.crop_self(length)
-        if self.ca_keys is not None:
-            self.ca_keys, self.ca_values = self.ca_keys[:, :, :length], self.ca_values[:, :, :length]
-        for block in self.deep:
-            if block.ca_keys is not None:
-                block.ca_keys, block.ca_values = block.ca_keys[:, :, :length], block.ca_values[:, :, :length]
-        if self.ca_valid is not None:
-            self.ca_valid = self.ca_valid[:length]
-        if self.tli_length > length:
-            self.tli.crop(length - self.tli_length)
-        self.tli_verified = min(self.tli_verified, length)
 
 
 @dataclass
@@ -350,6 +100,22 @@ class MoADrafterOutput(ModelOutput):
     past_key_values: MoADrafterCache | None = None
     exit_logits: tuple[torch.Tensor, ...] | None = None  # sorted drafters: [B, T, V] per exit, exit 1 first
     exit_hidden_states: tuple[torch.Tensor, ...] | None = None  # [B, T, d] per block
+
+
+def draft_vocab_ids(token_ids, config: MoADrafterConfig) -> torch.Tensor:
+    """`token_ids` as a draft vocabulary of `config`'s drafter: LongTensor [V'] of V' = `draft_vocab_size` distinct
+    full-vocabulary ids; a ValueError says what is wrong."""
+    if config.draft_vocab_size is None:
+        raise ValueError("This drafter has no draft vocabulary; build it with `draft_vocab_size=...`.")
+    token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+    if token_ids.numel() != config.draft_vocab_size or token_ids.unique().numel() != token_ids.numel():
+        raise ValueError(
+            f"Expected {config.draft_vocab_size} distinct token ids for the draft vocabulary, got "
+            f"{token_ids.numel()} ({token_ids.unique().numel()} distinct)."
+        )
+    if int(token_ids.min()) < 0 or int(token_ids.max()) >= config.vocab_size:
+        raise ValueError(f"Draft vocabulary ids must lie in [0, {config.vocab_size}).")
+    return token_ids
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -446,6 +212,8 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         self.sorted_exits = MoASortedExits(c, self.block_layers, self._exit_logits, self.targets)
         parts = (self.embed, self.rotary_emb, self.block_layers, self._context_chunks, self.head, self.sorted_exits)
         self.tree = MoATreeDrafting(c, *parts)
+        parts = (self.embed, self.rotary_emb, self.block_layers, self.head, self.sorted_exits, self._tli)
+        self.chain = MoAChainDrafting(c, *parts)
         self._attachment: Attachment | None = None
         self._session: DraftingSession | None = None
         self.post_init()
@@ -485,16 +253,7 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
     def init_draft_vocab(self, token_ids: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         """Set the draft vocabulary to `token_ids` [V'] (full-vocabulary ids, e.g. the most frequent tokens of the
         target's outputs) and start the draft head from those rows of the target's LM head weight [V, d]."""
-        if self.config.draft_vocab_size is None:
-            raise ValueError("This drafter has no draft vocabulary; build it with `draft_vocab_size=...`.")
-        token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
-        if token_ids.numel() != self.config.draft_vocab_size or token_ids.unique().numel() != token_ids.numel():
-            raise ValueError(
-                f"Expected {self.config.draft_vocab_size} distinct token ids for the draft vocabulary, got "
-                f"{token_ids.numel()} ({token_ids.unique().numel()} distinct)."
-            )
-        if int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size:
-            raise ValueError(f"Draft vocabulary ids must lie in [0, {self.config.vocab_size}).")
+        token_ids = draft_vocab_ids(token_ids, self.config)
         self.draft_ids.copy_(token_ids.to(self.draft_ids.device))
         self.draft_head.weight.copy_(lm_head_weight[token_ids.to(lm_head_weight.device)].to(self.draft_head.weight))
 
@@ -604,24 +363,9 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
 
     def _tli(self, h, positions, tli_cache, mask=None):
         """Run the target's last N layers (with `tli_cache` holding their keys/values) and final norm on h."""
-        att = self._attachment
-        if att is None:
+        if self._attachment is None:
             raise RuntimeError("target_layer_inference > 0 runs the target's last layers: attach the drafter first.")
-        dtype = att.tli_layers[0].parameters().__next__().dtype
-        x = h.to(dtype)
-        position_ids = positions.expand(h.shape[0], -1)
-        cos_sin = att.rotary(x, position_ids)
-        for layer in att.tli_layers:
-            x = layer(
-                x,
-                attention_mask=mask,
-                position_ids=position_ids,
-                use_cache=True,
-                position_embeddings=cos_sin,
-                **{CACHE_NAME: tli_cache},
-            )
-            x = x[0] if isinstance(x, tuple) else x
-        return att.final_norm(x).to(h.dtype)
+        return self._attachment.run_tli(h, positions, tli_cache, mask)
 
     def forward(
         self,
@@ -745,21 +489,8 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
             if self._session is not None:
                 self._session.context_reads.append((start, end))
         if self.config.target_layer_inference > 0:
-            self._sync_tli(cache, target_cache, end)
-
-    def _sync_tli(self, cache: MoADrafterCache, target_cache, end: int) -> None:
-        """TLI cache = the target's own keys/values of its last N layers for verified positions < end (keys/values
-        computed from drafted positions are dropped)."""
-        if cache.tli is None:
-            cache.tli = DynamicCache()
-        if cache.tli_length > cache.tli_verified:
-            cache.tli.crop(cache.tli_verified - cache.tli_length)
-        start = cache.tli_verified
-        first = self.config.target_num_hidden_layers - self.config.target_layer_inference
-        for idx in range(first, self.config.target_num_hidden_layers):
-            layer = target_cache.layers[idx]
-            cache.tli.update(layer.keys[:, :, start:end], layer.values[:, :, start:end], idx)
-        cache.tli_verified = end
+            last = self.config.target_num_hidden_layers
+            cache.sync_tli(target_cache, range(last - self.config.target_layer_inference, last), end)
 
     def extend_context(self, cache: MoADrafterCache, context: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Append context vectors [B, T, d] of the next verified positions to the CA memory of `cache`.
@@ -768,12 +499,7 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         were read; `read_context` gives them zero vectors), which the CA then never attends to. None: all valid.
         (A client that receives context vectors from a server, see `moa_hf.serving`, calls this directly.)
         """
-        start = cache.context_length
-        context = context.to(self.dtype)
-        cos, sin = self.rotary_emb(torch.arange(start, start + context.shape[1], device=context.device), context.dtype)
-        cache.append_context(*self.cross_attention.context_keys_values(context, cos, sin), valid=valid)
-        for block, (_, ca) in zip(self.sorted_exits.deep_blocks(cache), self.block_layers()[1:]):
-            block.append_context(*ca.context_keys_values(context, cos, sin))
+        self.chain.extend(cache, context.to(self.dtype), valid=valid)
 
     def draft_step(self, new_ids: torch.Tensor, cache: MoADrafterCache) -> torch.Tensor:
         """Public form of one drafting step: feed `new_ids` [B, T] (tokens not yet in the SA cache), get the
@@ -782,43 +508,18 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         return self._decode(new_ids, cache)
 
     def _decode(self, new_ids: torch.Tensor, cache: MoADrafterCache) -> torch.Tensor:
-        """Feed the tokens not yet in the SA cache; logits [B, V] for the token after the last one."""
-        past = cache.get_seq_length()
-        T = new_ids.shape[1]
-        pos = torch.arange(past, past + T, device=new_ids.device)
-        h = self.embed(new_ids)  # [B, T, d]
-        cos, sin = self.rotary_emb(pos, h.dtype)
-        mask = None
-        if T > 1:  # causal among the new tokens, all cached ones visible
-            mask = torch.arange(past + T, device=h.device)[None, :] <= pos[:, None]  # [T, past+T]
-        h = self.self_attention(h, cos, sin, mask=mask, cache=cache)
-        cache.tokens = new_ids if cache.tokens is None else torch.cat([cache.tokens, new_ids], dim=1)
-        M = cache.context_length
-        cache.cycle_starts += [min(p, M) for p in range(past, past + T)]  # position p reads the context of j < p, < M
-        if cache.ca_keys is None:
-            B, hkv, hd = h.shape[0], self.config.num_key_value_heads, self.config.head_dim
-            cache.ca_keys = cache.ca_values = h.new_zeros(B, hkv, 0, hd)
-        if self.config.num_blocks > 1:
-            cycle = len(self._session.calls) if self._session is not None else None
-            logits, exit_of = self.sorted_exits.draft(h, past, cos, sin, cache, cycle=cycle)  # [B, V], [B, 1]
-            if self._session is not None:
-                self.record_exits(torch.bincount(exit_of.flatten() - 1, minlength=self.config.num_blocks).tolist())
-            return logits
-        self.record_exits([h.shape[0]])
-        h = h[:, -1:]  # only the last position drafts
-        ca_mask = None if cache.ca_valid is None else cache.ca_valid[None, None, None, :]  # [1, 1, 1, M]
-        h = self.cross_attention(h, cos[-1:], sin[-1:], cache.ca_keys, cache.ca_values, mask=ca_mask)
-        if self.config.target_layer_inference > 0:
-            if cache.tli is None:
-                cache.tli = DynamicCache()
-            h = self._tli(h, pos[-1:][None], cache.tli)
-        return self.head(h)[:, -1]  # [B, V] float32
+        """Feed the tokens not yet in the SA cache; logits [B, V] for the token after the last one (`MoAChainDrafting.
+        decode`), with the exit it left at recorded."""
+        cycle = len(self._session.calls) if self._session is not None else None
+        logits, exit_of = self.chain.decode(new_ids, cache, cycle=cycle)  # [B, V], [B, 1] or None (one block)
+        if exit_of is None:
+            self.record_exits([new_ids.shape[0]])
+        elif self._session is not None:
+            self.record_exits(torch.bincount(exit_of.flatten() - 1, minlength=self.config.num_blocks).tolist())
+        return logits
 
     def new_cache(self) -> MoADrafterCache:
-        cache = MoADrafterCache()
-        if self.config.num_blocks > 1:
-            self.sorted_exits.deep_blocks(cache)
-        return cache
+        return self.chain.new_cache()
 
     def _prepare_draft(
         self, input_ids: torch.Tensor, cache: MoADrafterCache, max_new_tokens: int, min_new_tokens: int
@@ -838,12 +539,18 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         return next_logits, max_new_tokens
 
     # ----------------------------------------------------------------------------------------------------------------
-    # Targets (`self.targets`) and attaching to one
+    # Its parts: the targets (`self.targets`), the sorted exits (`self.sorted_exits`), tree drafting (`self.tree`).
+    # The public methods below hand over to them (see their docstrings)
     # -----------------------------------------------------------------------------------------------------------------
     def shared_linears(self) -> dict[str, MoALinear]:
         """The linear layers of the SA/CA blocks, which an extra target's low-rank deltas adapt."""
         blocks = ("self_attention", "cross_attention", "blocks")
         return {n: m for n, m in self.named_modules() if isinstance(m, MoALinear) and n.split(".")[0] in blocks}
+
+    def block_layers(self) -> list[tuple[MoADecoderLayer, MoACrossAttentionLayer]]:
+        """(SA, CA) of blocks 1..K: block 1 is `self_attention` + `cross_attention`, then `blocks`."""
+        deeper = [(b.self_attention, b.cross_attention) for b in getattr(self, "blocks", None) or ()]
+        return [(self.self_attention, self.cross_attention), *deeper]
 
     @property
     def target_names(self) -> list[str]:
@@ -855,53 +562,36 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         return self.targets.active
 
     def select_target(self, name: str) -> None:
-        """Draft (and train, see `forward`'s `target_name`) with the parts of target `name` (`MoATargets.select`);
-        `attach` selects by fingerprint."""
+        """Draft (and train, see `forward`'s `target_name`) with target `name`'s parts (`MoATargets.select`)."""
         self.targets.select(name)
 
     @contextlib.contextmanager
     def using_target(self, name: str | None):
-        """`with drafter.using_target(name):` the parts of `name` inside (None: the active ones), the previous
-        selection restored after."""
+        """`with drafter.using_target(name):` target `name`'s parts inside (`MoATargets.using`)."""
         with self.targets.using(name):
             yield self
 
     def target_part_parameters(self, name: str) -> list[nn.Parameter]:
-        """The parameters only target `name` uses (to train a new target's parts alone): its LSA input projection and
-        low-rank deltas; for "main", the primary LSA input projection (none when the LSA reads the keys/values
-        directly)."""
+        """The parameters only target `name` uses, to train its parts alone (`MoATargets.part_parameters`)."""
         return self.targets.part_parameters(name, primary=self.lsa_in_proj)
 
-    def add_target(
-        self,
-        name: str,
-        target: PreTrainedModel | None = None,
-        *,
-        target_name_or_path: str | None = None,
-        target_fingerprint: str | None = None,
-        lora_rank: int = 0,
-    ) -> None:
-        """Serve another target of the primary one's signature (e.g. a fine-tune of it) with parts of its own
-        (`MoATargets.add`): an LSA input projection copied from the primary's and, with `lora_rank` > 0, low-rank
-        deltas on every linear layer of the SA/CA blocks, zero at first. Train them alone with
-        `target_part_parameters(name)` (see docs/training.md). `target` (the model) gives the name and fingerprint by
-        which `attach` recognises it; without it pass them, or select it with `select_target`."""
-        if target is not None:
-            diffs = self._signature_differences(target)
-            if diffs:
-                raise ValueError(
-                    f"Target {name!r} cannot share this drafter: its signature differs from the primary target's ("
-                    + "; ".join(diffs)
-                    + "). A drafter serves targets of one architecture and vocabulary; train another for this one."
-                )
-            target_name_or_path = target_name_or_path or getattr(target.config, "name_or_path", None) or None
-            target_fingerprint = target_fingerprint or fingerprint_of(target)
-        spec = {"target_name_or_path": target_name_or_path, "target_fingerprint": target_fingerprint}
-        self.targets.add(name, spec, lora_rank, self.lsa_in_proj, device=self.device, dtype=self.dtype)
+    def add_target(self, name: str, target: PreTrainedModel | None = None, **kwargs) -> None:
+        """Serve another target of the primary one's signature with parts of its own (`MoATargets.add`; keywords:
+        `target_name_or_path`, `target_fingerprint`, `lora_rank`)."""
+        diffs = () if target is None else self._signature_differences(target)
+        device, dtype = self.device, self.dtype
+        self.targets.add(
+            name, target, signature_differences=diffs, primary=self.lsa_in_proj, device=device, dtype=dtype, **kwargs
+        )
 
     def target_for(self, target: PreTrainedModel) -> str | None:
-        """The name of the served target whose recorded fingerprint `target`'s weights have, or None."""
+        """The name of the served target whose recorded fingerprint `target`'s weights have (`MoATargets.identify`)."""
         return self.targets.identify(target)
+
+    def check_target(self, target: PreTrainedModel, allow_other_target: bool = False) -> str | None:
+        """Raise a `ValueError` saying what is wrong if this drafter cannot serve `target`; else return the name of
+        the recorded target it is (None: another model, accepted with `allow_other_target`; `MoATargets.check`)."""
+        return self.targets.check(target, allow_other_target, self._check_signature, self._other_target_reason)
 
     def attach(self, target: PreTrainedModel, allow_other_target: bool = False) -> "MoADrafterModel":
         """Borrow the target's embedding, LM head (and last N layers) and install hooks that expose its cache.
@@ -919,45 +609,16 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         self._start_session()
         return self
 
-    def check_target(self, target: PreTrainedModel, allow_other_target: bool = False) -> str | None:
-        """Raise a `ValueError` saying what is wrong if this drafter cannot serve `target`; else return the name of
-        the recorded target it is (None: another model, accepted with `allow_other_target`)."""
-        n = self.config.target_layer_inference
-        reason = unsupported_target_reason(target.config) or tli_unsupported_reason(target.config, n)
-        if reason is not None:
-            raise ValueError(f"This target cannot be served by a MoA drafter: {reason}.")
-        name = self.target_for(target) if self.config.extra_targets else None
-        try:
-            self._check_signature(target, allow_other_target or name is not None)
-        except ValueError as err:
-            if not self.config.extra_targets:
-                raise
-            raise ValueError(f"{err} This drafter serves: {self.targets.describe()}.") from None
-        reason = tli_decoder_reason(target, n)
-        if reason is not None:
-            raise ValueError(reason)
-        return name if name is not None else (None if self._other_target_reason(target) else PRIMARY_TARGET)
-
-    # ----------------------------------------------------------------------------------------------------------------
-    # Sorted blocks and their exits (`self.sorted_exits`)
-    # -----------------------------------------------------------------------------------------------------------------
-    def block_layers(self) -> list[tuple[MoADecoderLayer, MoACrossAttentionLayer]]:
-        """(SA, CA) of blocks 1..K: block 1 is `self_attention` + `cross_attention`, then `blocks`."""
-        deeper = [(b.self_attention, b.cross_attention) for b in getattr(self, "blocks", None) or ()]
-        return [(self.self_attention, self.cross_attention), *deeper]
-
     def keep_first_block(self) -> "MoADrafterModel":
-        """Drop blocks 2..K of a sorted drafter: it then drafts every token at exit 1, exactly as the full drafter
-        does with thresholds that leave every token there (block 1 keeps the one-block drafter's modules). For
-        engines that draft at one exit only (vLLM's proposer)."""
+        """Drop blocks 2..K of a sorted drafter: it then drafts every token at exit 1, as the full drafter does with
+        thresholds that leave every token there. For engines that draft at one exit only (vLLM's proposer)."""
         if self.config.num_blocks > 1:
             del self.blocks
             self.sorted_exits.keep_first_block()
         return self
 
     def exit_thresholds_for(self, name: str | None = None) -> list[float] | None:
-        """The exit thresholds drafting for target `name` (None: the active one) uses (`MoASortedExits.thresholds_for`:
-        an override, else the target's own, else `config.exit_thresholds`)."""
+        """The exit thresholds drafting for target `name` (None: the active one) uses (`MoASortedExits`)."""
         return self.sorted_exits.thresholds_for(name)
 
     def set_exit_thresholds(self, thresholds: list[float] | None, target: str = PRIMARY_TARGET) -> None:
@@ -965,53 +626,32 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         self.sorted_exits.set_thresholds(thresholds, target)
 
     def override_exit_thresholds(self, thresholds: list[float] | None) -> contextlib.AbstractContextManager:
-        """Draft every target with `thresholds` (e.g. `fixed_exit_thresholds(k, K)`: always exit k) instead of the
-        stored ones; None lifts the override. Lasts until the next call, or used as `with drafter.override_exit_
-        thresholds(t):` until the block ends (the previous override restored)."""
+        """Draft every target with `thresholds` (e.g. `fixed_exit_thresholds(k, K)`: always exit k) until the next
+        call, or inside `with drafter.override_exit_thresholds(t):` (`MoASortedExits.override`)."""
         return self.sorted_exits.override(thresholds, owner=self)
 
     def recording_exit_tops(self) -> contextlib.AbstractContextManager:
-        """`with drafter.recording_exit_tops() as records:` every chain drafting step (`draft_step`, assisted
-        generation) of a sorted drafter runs all K exits and appends its record (`MoASortedExits.recording_tops`)."""
+        """`with drafter.recording_exit_tops() as records:` every exit's top of every chain drafting step
+        (`MoASortedExits.recording_tops`)."""
         return self.sorted_exits.recording_tops()
 
-    # ----------------------------------------------------------------------------------------------------------------
-    # Tree drafting (`self.tree`; the engine in custom_generate/engine.py, see `DrafterMixin` and `TreeState`)
-    # -----------------------------------------------------------------------------------------------------------------
     def tree_unsupported_reason(self) -> str | None:
         return self.tree.unsupported_reason()
 
     def tree_start(self, batch_size: int) -> MoATreeState:
-        """A fresh tree drafting state for `batch_size` rows (no verified token yet)."""
+        """A fresh tree drafting state for `batch_size` rows (`MoATreeDrafting.start`)."""
         self._check_tree()
         return self.tree.start(batch_size, dtype=self.dtype, device=self.device)
 
     def tree_catch_up(
-        self,
-        state: MoATreeState,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        valid: torch.Tensor,
-        prev_slots: torch.Tensor,
-        target_cache,
-        prev_hidden: torch.Tensor | None = None,
+        self, state, tokens, positions, valid, prev_slots, target_cache, prev_hidden=None
     ) -> torch.Tensor:
-        """Feed newly verified `tokens` [B, n] (right-aligned; `valid` [B, n] False on left padding; `positions`
-        [B, n] real positions). CA memory: the context (LSA) of the target's keys/values at `prev_slots` [B, n]
-        (the token at position-1; -1: none) of `target_cache` (a transformers cache, or a function reading another
-        engine's cache: slots [B, m] -> [B, m, L, 2*Hkv*hd], as `moa_hf.vllm` reads vLLM's), with RoPE at
-        position-1. Returns float32 logits [B, V] of the token after each row's last one (the tree root's children),
-        from the exit each row's root leaves at; the deeper blocks run on these tokens when a later token first
-        needs them."""
+        """Feed newly verified tokens; float32 logits [B, V] of the tree roots' children (`MoATreeDrafting.catch_up`;
+        `prev_hidden`, the target's final hidden states, is not read)."""
         return self.tree.catch_up(state, tokens, positions, valid, prev_slots, target_cache)
 
-    def tree_step(
-        self, state: MoATreeState, tokens: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor
-    ) -> torch.Tensor:
-        """Feed one depth of tree nodes: `tokens`, `positions`, `parents` [B, k] (`TreeState.add_nodes`). Each node
-        sees in SA the row's verified tokens, its ancestors and itself; in CA the verified context. Returns float32
-        logits [B, k, V] of each node's next token. A sorted drafter's nodes each leave at their own exit; a deeper
-        block runs on the whole frontier when any node needs it (see `MoASortedExits.adaptive_exits`)."""
+    def tree_step(self, state, tokens, positions, parents) -> torch.Tensor:
+        """Feed one depth of tree nodes; float32 logits [B, k, V] of their next tokens (`MoATreeDrafting.step`)."""
         return self.tree.step(state, tokens, positions, parents)
 
 

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from .configuration_moa import PRIMARY_TARGET
-from .drafting import TargetTap, decoder_of, register_hooks, weights_difference
+from .configuration_moa import PRIMARY_TARGET, tli_unsupported_reason, unsupported_target_reason
+from .drafting import CACHE_NAME, TargetTap, decoder_of, register_hooks, weights_difference
 from .drafting import target_fingerprint as fingerprint_of
 
 __all__ = [
@@ -119,6 +119,24 @@ class Attachment:
             handles=register_hooks(target, tap),
         )
 
+    def run_tli(self, h: torch.Tensor, positions: torch.Tensor, tli_cache, mask=None) -> torch.Tensor:
+        """Target Layer Inference: the borrowed last N layers (their keys/values of earlier positions in `tli_cache`)
+        and final norm on h [B, T, d] at `positions` [1, T]; `mask`: additive [B, 1, T, S] or None."""
+        x = h.to(self.tli_layers[0].parameters().__next__().dtype)
+        position_ids = positions.expand(h.shape[0], -1)  # [B, T]
+        cos_sin = self.rotary(x, position_ids)
+        for layer in self.tli_layers:
+            x = layer(
+                x,
+                attention_mask=mask,
+                position_ids=position_ids,
+                use_cache=True,
+                position_embeddings=cos_sin,
+                **{CACHE_NAME: tli_cache},
+            )
+            x = x[0] if isinstance(x, tuple) else x
+        return self.final_norm(x).to(h.dtype)
+
 
 def tli_decoder_reason(target: nn.Module, num_tli_layers: int) -> str | None:
     """Why the target's decoder cannot run Target Layer Inference over its last `num_tli_layers` layers (a
@@ -210,10 +228,35 @@ class MoATargets:
         return MoATargetParts(c.lsa_input_width, c.lsa_hidden_size, self.shared_linears(), lora_rank)
 
     @torch.no_grad()
-    def add(self, name: str, spec: dict, lora_rank: int, primary: nn.Module | None, device, dtype) -> None:
-        """Serve target `name` (`spec`: its `target_name_or_path` and `target_fingerprint`) with new parts: an LSA
-        input projection copied from `primary` (the identity where the primary reads the keys/values directly) and,
-        with `lora_rank` > 0, zero low-rank deltas (so it first drafts as the primary does)."""
+    def add(
+        self,
+        name: str,
+        target: PreTrainedModel | None = None,
+        *,
+        target_name_or_path: str | None = None,
+        target_fingerprint: str | None = None,
+        lora_rank: int = 0,
+        signature_differences: tuple[str, ...] | list[str] = (),
+        primary: nn.Module | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        """Serve another target of the primary one's signature (e.g. a fine-tune of it) with parts of its own: an LSA
+        input projection copied from `primary` (the primary's; the identity where the primary reads the keys/values
+        directly) and, with `lora_rank` > 0, low-rank deltas on every linear layer of the SA/CA blocks, zero at first
+        (so it first drafts as for the primary). Train them alone with `part_parameters(name)` (see
+        docs/training.md). `target` (the model, whose `signature_differences` from the primary's must be none) gives
+        the name and fingerprint by which `identify` recognises it; without it pass them, or `select` it."""
+        if target is not None:
+            if signature_differences:
+                raise ValueError(
+                    f"Target {name!r} cannot share this drafter: its signature differs from the primary target's ("
+                    + "; ".join(signature_differences)
+                    + "). A drafter serves targets of one architecture and vocabulary; train another for this one."
+                )
+            target_name_or_path = target_name_or_path or getattr(target.config, "name_or_path", None) or None
+            target_fingerprint = target_fingerprint or fingerprint_of(target)
+        spec = {"target_name_or_path": target_name_or_path, "target_fingerprint": target_fingerprint}
         if name in self.names:
             raise ValueError(f"This drafter already serves a target named {name!r}: choose another name.")
         extra = {**(self.config.extra_targets or {}), name: {**spec, "lora_rank": int(lora_rank)}}
@@ -236,3 +279,29 @@ class MoATargets:
             return None
         actual = fingerprint_of(target)
         return next((n for n, fp in recorded.items() if fp and weights_difference(fp, actual) == ""), None)
+
+    def check(
+        self,
+        target: PreTrainedModel,
+        allow_other_target: bool,
+        check_signature: Callable[[PreTrainedModel, bool], None],
+        other_target_reason: Callable[[PreTrainedModel], str | None],
+    ) -> str | None:
+        """Raise a `ValueError` saying what is wrong if the drafter cannot serve `target`; else the name of the served
+        target it is (None: another model, accepted with `allow_other_target`). `check_signature(target, allow)` and
+        `other_target_reason(target)`: the drafter's checks of the primary target (`DrafterMixin`)."""
+        n = self.config.target_layer_inference
+        reason = unsupported_target_reason(target.config) or tli_unsupported_reason(target.config, n)
+        if reason is not None:
+            raise ValueError(f"This target cannot be served by a MoA drafter: {reason}.")
+        name = self.identify(target) if self.config.extra_targets else None
+        try:
+            check_signature(target, allow_other_target or name is not None)
+        except ValueError as err:
+            if not self.config.extra_targets:
+                raise
+            raise ValueError(f"{err} This drafter serves: {self.describe()}.") from None
+        reason = tli_decoder_reason(target, n)
+        if reason is not None:
+            raise ValueError(reason)
+        return name if name is not None else (None if other_target_reason(target) else PRIMARY_TARGET)

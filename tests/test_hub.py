@@ -189,6 +189,8 @@ def test_build_repo_folder_contents(drafter, drafter_dir, target, tmp_path):
         "modeling_moa.py",
         "drafting.py",
         "lookup.py",
+        "moa_chain.py",
+        "moa_layers.py",
         "moa_tree.py",
         "sorted_exits.py",
         "target_cache.py",

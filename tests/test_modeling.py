@@ -77,7 +77,8 @@ def test_incremental_equals_parallel(tli):
                 cache.crop(s)
                 drafter.extend_context(cache, context[:, cache.context_length : s])
                 if tli:
-                    drafter._sync_tli(cache, tcache, s)
+                    last = drafter.config.target_num_hidden_layers  # the target's last tli layers' own
+                    cache.sync_tli(tcache, range(last - tli, last), s)
             logits = drafter.draft_step(ids[:, cache.get_seq_length() : i + 1], cache)
             assert_close(logits, ref[:, i])
 
