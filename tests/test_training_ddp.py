@@ -1,5 +1,6 @@
-"""Scale-out: `accelerate launch` with 2 CPU processes (DDP, gloo) trains the drafter exactly like one process with
-the combined batch (same logged losses, same final weights), on target states the main process caches once."""
+"""Scale-out: `accelerate launch` with 2 CPU processes (gloo), DDP and FSDP2, trains the drafter exactly like one
+process with the combined batch (same logged losses, same final weights), on target states the main process caches
+once."""
 
 from __future__ import annotations
 
@@ -75,8 +76,10 @@ def _losses(out: Path) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
 
 
-@pytest.mark.skipif(ACCELERATE is None, reason="needs the `accelerate` command")
-def test_two_process_ddp_matches_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The tiny target's folder, its data, and one process's 4 steps at batch 8 (what both launches must match)."""
+    tmp_path = tmp_path_factory.mktemp("one_process")
     target, tokenizer = tiny_target(initializer_range=0.02, logit_scale=30.0), tiny_tokenizer()
     folder = tmp_path / "target"
     target.save_pretrained(folder)
@@ -91,42 +94,59 @@ def test_two_process_ddp_matches_one_process(tmp_path):
         batch_size=16,
         progress=False,
     )
+    out = tmp_path / "single"
+    _run([sys.executable, *_train_cmd(folder, data, out, batch_size=8, states=tmp_path / "states1")], tmp_path)
+    return folder, data, out, tmp_path / "states1"
 
-    single, ddp = tmp_path / "single", tmp_path / "ddp"
-    _run([sys.executable, *_train_cmd(folder, data, single, batch_size=8, states=tmp_path / "states1")], tmp_path)
-    # accelerate 1.x: `--cpu` with several processes expects MPI; `--multi_gpu` on a machine without GPUs launches
-    # torchrun processes that use the gloo backend on the CPU (and `--cpu` of `moa train` keeps them there).
-    log = _run(
-        [
-            ACCELERATE,
-            "launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            str(_free_port()),
-            *_train_cmd(folder, data, ddp, batch_size=4, states=tmp_path / "states2"),
-        ],
-        tmp_path,
-    )
-    # the target's states: computed by the main process alone (the other waits, then reads them), as one process would
-    assert log.count("Caching the target's states") == 1
-    for name in ("target_kv.npy", "final_hidden.npy"):
-        assert (tmp_path / "states2" / name).read_bytes() == (tmp_path / "states1" / name).read_bytes()
 
-    state = json.loads((ddp / "checkpoint-4" / "trainer_state.json").read_text())
+def _launch(launcher: list[str], single, out: Path, states: Path, tmp_path: Path) -> str:
+    """2 CPU processes (gloo) through `accelerate launch` with `launcher`'s options, batch 4 each."""
+    folder, data, _, _ = single
+    # accelerate 1.x: `--cpu` with several processes expects MPI; without GPUs, its torchrun processes use gloo on the
+    # CPU (and `--cpu` of `moa train` keeps them there).
+    common = ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    common += ["--main_process_port", str(_free_port())]
+    cmd = [ACCELERATE, "launch", *launcher, *common, *_train_cmd(folder, data, out, batch_size=4, states=states)]
+    return _run(cmd, tmp_path)
+
+
+def _same_training(one: Path, two: Path) -> None:
+    """Same logged losses at every step and the same final weights (float32, to rounding)."""
+    state = json.loads((two / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["epoch"] == pytest.approx(1.0)  # 2 processes x 4 examples per step over 32 examples
-    one, two = _losses(single), _losses(ddp)
-    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
-    for step in one:
-        assert two[step] == pytest.approx(one[step], rel=1e-4)
-    w1, w2 = load_file(str(single / "model.safetensors")), load_file(str(ddp / "model.safetensors"))
+    first, second = _losses(one), _losses(two)
+    assert sorted(first) == sorted(second) == [1, 2, 3, 4]
+    for step in first:
+        assert second[step] == pytest.approx(first[step], rel=1e-4)
+    w1, w2 = load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
     assert w1.keys() == w2.keys()
     for key in w1:
         torch.testing.assert_close(w2[key], w1[key], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(ACCELERATE is None, reason="needs the `accelerate` command")
+def test_two_process_ddp_matches_one_process(single, tmp_path):
+    log = _launch(["--multi_gpu"], single, tmp_path / "ddp", tmp_path / "states2", tmp_path)
+    # the target's states: computed by the main process alone (the other waits, then reads them), as one process would
+    assert log.count("Caching the target's states") == 1
+    for name in ("target_kv.npy", "final_hidden.npy"):
+        assert (tmp_path / "states2" / name).read_bytes() == (single[3] / name).read_bytes()
+    _same_training(single[2], tmp_path / "ddp")
+
+
+@pytest.mark.skipif(ACCELERATE is None, reason="needs the `accelerate` command")
+def test_two_process_fsdp_matches_one_process_and_saves_a_loadable_drafter(single, tmp_path):
+    """FSDP2 sharding the drafter's SA/CA/LSA layers (docs/training.md's command): the losses and weights of one
+    process, and a saved drafter that loads and drafts."""
+    fsdp = ["--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"]
+    fsdp += ["--fsdp_transformer_layer_cls_to_wrap", "MoADecoderLayer,MoACrossAttentionLayer"]
+    fsdp += ["--fsdp_state_dict_type", "FULL_STATE_DICT"]
+    _launch(fsdp, single, tmp_path / "fsdp", tmp_path / "states3", tmp_path)
+    _same_training(single[2], tmp_path / "fsdp")
+    import moa_hf
+
+    target, tokenizer = moa_hf.load_target(single[0], dtype="float32")
+    drafter = moa_hf.load_drafter(tmp_path / "fsdp").attach(target)
+    ids = tokenizer("Hello", return_tensors="pt").input_ids
+    plain = target.generate(ids, do_sample=False, max_new_tokens=8)
+    assert torch.equal(target.generate(ids, do_sample=False, max_new_tokens=8, assistant_model=drafter), plain)
