@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from .bench import _REPLY, EngineProcess
+from .bench import REPLY_PREFIX, EngineProcess
 
 __all__ = ["VLLMAnswerer", "serve"]
 
@@ -31,7 +31,7 @@ def serve(spec: dict) -> None:
 
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0, max_num_seqs=spec["max_num_seqs"])
-    print(_REPLY + json.dumps({"engine_start_s": time.perf_counter() - t0}), flush=True)
+    print(REPLY_PREFIX + json.dumps({"engine_start_s": time.perf_counter() - t0}), flush=True)
     sample = spec["do_sample"]
     for line in sys.stdin:
         request = json.loads(line)
@@ -48,7 +48,7 @@ def serve(spec: dict) -> None:
         ]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        print(_REPLY + json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outputs]}), flush=True)
+        print(REPLY_PREFIX + json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outputs]}), flush=True)
 
 
 class VLLMAnswerer:

@@ -76,12 +76,12 @@ def _delta(after: dict, before: dict) -> dict:
     return out
 
 
-_REPLY = "@@moa-bench@@ "  # marks the engine process's replies among vLLM's own output
+REPLY_PREFIX = "@@moa-bench@@ "  # marks the engine process's replies among vLLM's own output
 
 
 def serve(spec: dict) -> None:
     """The engine process: start one method's engine, then run the groups of prompts that arrive on stdin (a JSON
-    list of prompt indices per line), replying on stdout (`_REPLY` + JSON) with each group's seconds, outputs and
+    list of prompt indices per line), replying on stdout (`REPLY_PREFIX` + JSON) with each group's seconds, outputs and
     spec-decode counters."""
     from vllm import LLM, SamplingParams
 
@@ -97,7 +97,7 @@ def serve(spec: dict) -> None:
     ]  # the chat template's text: vLLM tokenizes it as transformers' `apply_chat_template` does
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=spec.get("ignore_eos", False))
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)  # warm-up
-    print(_REPLY + json.dumps({"engine_start_s": start_s}), flush=True)
+    print(REPLY_PREFIX + json.dumps({"engine_start_s": start_s}), flush=True)
     for line in sys.stdin:
         indices = json.loads(line)
         before = _spec_counters(llm)
@@ -105,7 +105,7 @@ def serve(spec: dict) -> None:
         results = llm.generate([prompts[i] for i in indices], params, use_tqdm=False)
         seconds = time.perf_counter() - t
         reply = {"seconds": seconds, "outputs": [list(r.outputs[0].token_ids) for r in results]}
-        print(_REPLY + json.dumps({**reply, **_delta(_spec_counters(llm), before)}), flush=True)
+        print(REPLY_PREFIX + json.dumps({**reply, **_delta(_spec_counters(llm), before)}), flush=True)
 
 
 class EngineProcess:
@@ -130,8 +130,8 @@ class EngineProcess:
 
     def _reply(self) -> dict:
         for line in self.proc.stdout:
-            if line.startswith(_REPLY):
-                return json.loads(line[len(_REPLY) :])
+            if line.startswith(REPLY_PREFIX):
+                return json.loads(line[len(REPLY_PREFIX) :])
             self._log.write(line)
         self._log.flush()
         raise RuntimeError(f"The {self.method} engine exited (code {self.proc.wait()}); see {self.log}.")
