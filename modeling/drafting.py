@@ -2,8 +2,8 @@
 
 A drafter is attached to its target with forward hooks (`TargetTap`: the target's cache, calls and time), and
 transformers' assisted generation calls the drafter's `generate` once per drafting cycle (`DrafterMixin.generate`):
-prompt lookup first where the drafter has it (`lookup.py`), else the drafting loop over the drafter's own
-`next_logits`. Per-call statistics (`SpeculationStats`) and the rollback convention of the drafter caches
+prompt lookup first where the drafter has it (`lookup.py`), else the chain-drafting loop (`chain.py`) over the
+drafter's own `next_logits`. Per-call statistics (`SpeculationStats`) and the rollback convention of the drafter caches
 (`RollbackCache`) live here as well, and what the drafters share for the tree drafting of the engine in
 custom_generate/ (`TreeState`: per-row valid slots, the tree's ancestor mask, row selection; `DrafterMixin.tree_*`).
 
@@ -23,6 +23,7 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .chain import Chain, draft_chain, sample_multinomial
 from .configuration_moa import target_signature
 from .lookup import LookupSettings, pop_legacy_lookup_keys
 
@@ -695,31 +696,14 @@ class DrafterMixin:
     def _draft_with_network(
         self, input_ids, cache, gc, processors, eos, threshold, max_new_tokens: int, min_new_tokens: int
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The drafting loop (gpt-fast style): the sequence with up to `max_new_tokens` drafted tokens, and the
-        processed [1, V] scores of each."""
+        """The sequence with up to `max_new_tokens` drafted tokens (`draft_chain` on the drafter's `next_logits`),
+        and the processed [1, V] scores of each."""
         next_logits, max_new_tokens = self._prepare_draft(input_ids, cache, max_new_tokens, min_new_tokens)
-        ids, scores, token = input_ids, [], None
-        for step in range(max_new_tokens):
-            logits = next_logits(token)  # [1, V]
-            if processors:
-                logits = processors(ids, logits)
-            if step < min_new_tokens and eos.numel():
-                logits[:, eos] = -float("inf")
-            probs = None
-            if gc.do_sample:
-                probs = logits.softmax(-1)
-                token = torch.multinomial(probs, 1)  # [1, 1]
-            else:
-                token = logits.argmax(-1, keepdim=True)  # [1, 1]
-            scores.append(logits)
-            ids = torch.cat([ids, token], dim=-1)
-            if eos.numel() and bool(torch.isin(token, eos)):
-                break
-            if threshold > 0 and step + 1 >= min_new_tokens:
-                probs = logits.softmax(-1) if probs is None else probs
-                if probs[0, token[0, 0]] < threshold:
-                    break
-        return ids, scores
+        chain = draft_chain(
+            next_logits, max_new_tokens, eos=eos, threshold=threshold, min_tokens=min_new_tokens, ids=input_ids,
+            process=processors if processors else None, sample=sample_multinomial if gc.do_sample else None,
+        )  # fmt: skip
+        return chain.ids, chain.scores
 
     # ----------------------------------------------------------------------------------------------------------------
     # Tree drafting: what the engine (custom_generate/engine.py) calls; each drafter implements `tree_start`,
@@ -744,6 +728,30 @@ class DrafterMixin:
     def tree_select_rows(self, state: TreeState, rows: torch.Tensor) -> None:
         """Keep batch rows `rows` (LongTensor [B']) of `state`, in this order."""
         state.select_rows(rows)
+
+    def tree_chain(
+        self, state: TreeState, root_logits: torch.Tensor, positions: torch.Tensor, max_tokens: int, **stops
+    ) -> Chain:
+        """Greedy chains of up to `max_tokens` tokens per row on a tree drafting state caught up on every row's
+        verified tokens (`root_logits` [B, V] from `tree_catch_up`; `positions` [B] the first drafted token's): one
+        `tree_step` per position for all rows, each token the child of the one before (`draft_chain`; `stops`: its
+        `eos` and `threshold`). What the vLLM proposer drafts; `build_tree` at top-k 1 drafts the same tokens. The
+        nodes stay in `state` until `tree_end`."""
+        device = root_logits.device
+        pos = positions.to(device)[:, None]  # [B, 1] the next token's position
+        parents = torch.full_like(pos, -1)  # [B, 1] its parent: the root, then the token before
+
+        def next_logits(token: torch.Tensor | None) -> torch.Tensor:
+            nonlocal pos, parents
+            if token is None:
+                return root_logits
+            logits = self.tree_step(state, token, pos, parents)[:, -1]  # [B, V]
+            pos, parents = pos + 1, parents + 1
+            return logits
+
+        if stops.get("eos") is not None:
+            stops["eos"] = stops["eos"].to(device)
+        return draft_chain(next_logits, max_tokens, **stops)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Prompt lookup: drafts that cost no forward pass

@@ -188,6 +188,7 @@ def test_build_repo_folder_contents(drafter, drafter_dir, target, tmp_path):
         "configuration_moa.py",
         "modeling_moa.py",
         "drafting.py",
+        "chain.py",
         "lookup.py",
         "moa_chain.py",
         "moa_layers.py",

@@ -1,7 +1,8 @@
 """The drafters' tree API (what the engine of custom_generate/engine.py calls): `tree_catch_up` and `tree_step` give,
 for every tree node, the logits of the chain path (`_prepare_draft` + `next_logits`) along that node's path, for each
 row of a left-padded batch as for itself alone, across cycles (`tree_end` + a catch-up with the accepted tokens) and
-after `tree_select_rows`."""
+after `tree_select_rows`; and the one chain-drafting loop (`draft_chain`): on a tree state (`tree_chain`, the vLLM
+proposer's) it drafts the tokens of `build_tree` at top-k 1 and of assisted generation's drafting, row by row."""
 
 import random
 
@@ -10,7 +11,9 @@ import torch
 from transformers import DynamicCache
 
 import moa_hf
+from moa_hf.modeling.chain import draft_chain
 from moa_hf.modeling.configuration_eagle import EagleDrafterConfig
+from moa_hf.modeling.custom_generate.tree import build_tree
 from moa_hf.modeling.modeling_eagle import EagleDrafterModel
 
 from factory import make_target
@@ -205,6 +208,56 @@ def test_select_rows_keeps_rows(setup):
     seq = seqs[1] + tree.paths(1)[2] + [5]  # the kept row accepted node c (path a, c), then the target's token 5
     logits = _catch_up(target, drafter, state, [seq], [len(seqs[1])], g)
     assert_close(logits[0], _chain(target, drafter, seq))
+
+
+def test_tree_chain_drafts_the_tokens_of_a_top_k_1_tree_and_of_assisted_generation(setup):
+    """(6) greedy chains on a caught-up tree state (`tree_chain`) are the tokens of `build_tree` at top-k 1 on the
+    same state, and per row those of the assisted-generation drafting loop over that row's verified tokens alone."""
+    target, drafter = setup
+    seqs, depth = _prompts((6, 11, 3), seed=3), 5
+    states = [drafter.tree_start(len(seqs)) for _ in range(2)]
+    roots = [_catch_up(target, drafter, s, seqs, [0] * len(seqs), torch.Generator().manual_seed(3)) for s in states]
+    root_pos = torch.tensor([len(s) - 1 for s in seqs])  # [B]
+    tree = build_tree(drafter, states[0], roots[0], root_pos, depth, top_k=1)
+    chain = drafter.tree_chain(states[1], roots[1], root_pos + 1, depth)
+    assert tree.tokens.shape == chain.tokens.shape == (len(seqs), depth)
+    assert torch.equal(chain.tokens, tree.tokens) and chain.lengths == [depth] * len(seqs)
+    for b, seq in enumerate(seqs):
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            target(ids[:, :-1], past_key_values=DynamicCache(), use_cache=True)  # the hooks see it, as in generate
+            next_logits, _ = drafter._prepare_draft(ids, drafter.new_cache(), depth, 0)
+            alone = draft_chain(next_logits, depth, ids=ids)
+        assert alone.tokens[0].tolist() == chain.lists()[b] and alone.ids.shape == (1, len(seq) + depth)
+
+
+def test_draft_chain_stops_each_row_at_its_first_stop():
+    """`draft_chain` over a scripted drafter: a row stops after an EOS (masked while fewer than `min_tokens` were
+    drafted) or after a token below the threshold, keeps that token, and the loop ends when every row has stopped."""
+    V, eos = 6, 5
+    script = [  # per call, per row: the drafter's logits that are not 0
+        [{eos: 9.0, 4: 5.0}, {1: 9.0}, {2: 9.0}],
+        [{3: 9.0}, {1: 0.5}, {2: 9.0}],  # row 1: its token's probability 0.25 < 0.5
+        [{eos: 9.0}, {4: 9.0}, {3: 9.0}],
+        [{1: 9.0}, {1: 9.0}, {4: 0.5}],
+        *[[{1: 9.0}] * 3] * 2,
+    ]
+    calls = []
+
+    def next_logits(token):
+        calls.append(None if token is None else token[:, 0].tolist())
+        logits = torch.zeros(3, V)
+        for b, row in enumerate(script[len(calls) - 1]):
+            for t, value in row.items():
+                logits[b, t] = value
+        return logits
+
+    chain = draft_chain(next_logits, 6, eos=torch.tensor([eos]), threshold=0.5, min_tokens=1)
+    assert chain.lists() == [[4, 3, eos], [1, 1], [2, 2, 3, 4]]  # row 0's first EOS was masked (min_tokens)
+    assert chain.lengths == [3, 2, 4] and len(chain.scores) == len(calls) == 4  # every row stopped
+    assert calls[1:] == [[4, 1, 2], [3, 1, 2], [eos, 4, 3]] and chain.scores[0][0, eos] == -float("inf")
+    one = draft_chain(lambda token: torch.tensor([[0.0, 1.0, 0, 0, 0, 9.0]]), 6, eos=torch.tensor([eos]))
+    assert one.lists() == [[eos]] and one.lengths == [1]
 
 
 def test_flags_and_unsupported_drafters():

@@ -31,6 +31,7 @@ import torch
 
 from ..chat import chat_ids, eos_token_ids
 from ..modeling import MoADrafterCache
+from ..modeling.chain import draft_chain
 from ..speculative import sampling_warpers
 from .cache import DrafterCache
 from .client_drafter import ClientDrafterMixin
@@ -109,6 +110,20 @@ class _Run:
     @property
     def generated(self) -> int:
         return len(self.verified) - len(self.prompt)
+
+
+def _top_k_sampler(warpers, top_k: int, run: _Run):
+    """`draft_chain`'s `sample` for a sampling client: q, the drafter's warped distribution on its top-k tokens
+    (recorded in `run.dists`), sampled with the run's generator."""
+
+    def sample(ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, None]:
+        scores = warpers(ids, logits)[0]  # [V]
+        values, support = scores.topk(min(top_k, logits.shape[-1]))
+        probs = values.softmax(-1)  # [top_k]
+        run.dists.append({"ids": support.tolist(), "probs": probs.tolist()})
+        return support[torch.multinomial(probs, 1, generator=run.generator)][None], None  # [1, 1]
+
+    return sample
 
 
 class MoAClient(ClientDrafterMixin):
@@ -564,27 +579,20 @@ class MoAClient(ClientDrafterMixin):
         if s["do_sample"]:
             top_k = min(self.draft_top_k, s["top_k"]) if s["top_k"] > 0 else self.draft_top_k
             warpers = sampling_warpers(s["temperature"], top_k=top_k)
-        n = 0
-        for _ in range(k):
-            tokens = run.verified + run.pending
-            ids = torch.tensor([tokens], device=drafter.device)  # [1, T]
-            keep = min(cache.common_prefix(ids), len(tokens) - 1)
-            if keep < cache.get_seq_length():
-                cache.truncate(keep)
-            logits = drafter.draft_step(ids[:, cache.get_seq_length() :], cache)[0]  # [V]
-            if warpers is not None:  # q: the drafter's warped distribution on its top-k tokens
-                scores = warpers(ids, logits[None])[0]  # [V]
-                values, support = scores.topk(min(top_k, logits.shape[-1]))
-                probs = values.softmax(-1)  # [top_k]
-                token = int(support[torch.multinomial(probs, 1, generator=run.generator)])
-                run.dists.append({"ids": support.tolist(), "probs": probs.tolist()})
-            else:  # greedy (also sampling at a temperature below MIN_TEMPERATURE): q one-hot
-                token = int(logits.argmax())
-                run.dists.append({"ids": [token], "probs": [1.0]} if s["do_sample"] else None)
-            run.pending.append(token)
-            n += 1
-            if token in self._eos:
-                break
+        keep = min(cache.common_prefix(ids), ids.shape[1] - 1)
+        if keep < cache.get_seq_length():
+            cache.truncate(keep)
+
+        def next_logits(token: torch.Tensor | None) -> torch.Tensor:  # [1, V]
+            return drafter.draft_step(ids[:, cache.get_seq_length() :] if token is None else token, cache)
+
+        sample = None if warpers is None else _top_k_sampler(warpers, top_k, run)
+        chain = draft_chain(next_logits, k, eos=eos, ids=ids if sample else None, sample=sample)
+        tokens = chain.lists()[0]
+        if warpers is None:  # greedy (also sampling at a temperature below MIN_TEMPERATURE): q one-hot
+            run.dists.extend({"ids": [t], "probs": [1.0]} if s["do_sample"] else None for t in tokens)
+        run.pending.extend(tokens)
+        n = len(tokens)
         seconds = time.perf_counter() - t0
         run.drafted += n
         run.draft_s += seconds

@@ -14,8 +14,8 @@ keys/values into the paged cache. One step, for all rows at once:
 4. **Catch-up**: the newly verified tokens of every row, context read from vLLM's paged cache at each token's
    previous position (`PagedKVReader`), in one `tree_catch_up` for the continuing rows and one per new row (read
    from its last `catch_up_window` tokens), joined into one batched state (`MoATreeState.concat_rows`).
-5. **Draft**: a chain of k tokens per row, one drafter forward per position for all rows (`tree_step`, parents =
-   the previous position), greedy, stopping a row at EOS or below the drafter's confidence threshold.
+5. **Draft**: a chain of k tokens per row, one drafter forward per position for all rows (`tree_chain`: the library's
+   one chain-drafting loop on `tree_step`), greedy, stopping a row at EOS or below the drafter's confidence threshold.
 
 Drafts are token ids: vLLM's rejection sampler verifies them as one-hot proposals, so greedy and sampled outputs
 are exactly the target's.
@@ -318,7 +318,9 @@ class MoAProposer:
         if self.state.num_verified > 2 * int(self.state.valid.sum(1).max()) + 64:
             self.state.compact()  # padding and short catch-ups of some rows left many unused slots
         positions = torch.tensor([len(histories[j]) for j in active])  # [B] position of the first drafted token
-        return self._chain(logits, positions, k)
+        # a greedy chain of up to k tokens per row, one `tree_step` per position for all rows
+        chains = self.drafter.tree_chain(self.state, logits, positions, k, eos=self.eos, threshold=self.threshold)
+        return chains.lists()
 
     def _catch_up(self, state, rows: list, starts: list, histories: dict, table, reader) -> torch.Tensor:
         """Feed each row's verified tokens from position `starts[b]` on (right-aligned, left-padded); root logits
@@ -338,29 +340,6 @@ class MoAProposer:
         return self.drafter.tree_catch_up(
             state, tokens.to(device), positions.to(device), valid.to(device), prev_slots.to(device), reader
         )
-
-    def _chain(self, logits: torch.Tensor, positions: torch.Tensor, k: int) -> list[list[int]]:
-        """Greedy chains of up to k tokens from root logits [B, V]: one `tree_step` per position for all rows."""
-        B = logits.shape[0]
-        out = torch.zeros(B, k, dtype=torch.long)
-        live = torch.ones(B, dtype=torch.bool)
-        lengths = torch.zeros(B, dtype=torch.long)
-        for d in range(k):
-            probs = logits.float().softmax(-1)  # [B, V]
-            top, token = probs.max(-1)  # [B]
-            out[:, d] = token.cpu()
-            lengths += live.long()
-            live &= ~torch.isin(token.cpu(), self.eos)
-            if self.threshold > 0:
-                live &= top.cpu() >= self.threshold
-            if d + 1 == k or not bool(live.any()):
-                break
-            parents = torch.full((B, 1), d - 1, dtype=torch.long)  # the previous drafted token (-1: the root)
-            step_pos = (positions + d)[:, None]  # [B, 1]
-            logits = self.drafter.tree_step(
-                self.state, token[:, None], step_pos.to(token.device), parents.to(token.device)
-            )[:, -1]
-        return [out[b, : int(lengths[b])].tolist() for b in range(B)]
 
     def _lookup(self, history: np.ndarray, limit: int) -> list[int] | None:
         if self.lookup is None or limit <= 0:
