@@ -24,7 +24,7 @@ from moa_hf.modeling.custom_generate.engine import (
     speculative_generate,
     tree_attention_mask,
 )
-from moa_hf.modeling.custom_generate.tree import ancestors
+from moa_hf.modeling.custom_generate.tree import SlotCache, ancestors
 
 from factory import make_target
 from policy_sim import World, drive_engine
@@ -469,6 +469,33 @@ def test_compact_cache_moves_the_accepted_path():
     cache.update(states, states.clone(), 0)
     compact_cache(cache, 2, torch.tensor([[0, 2, 3], [0, 1, 0]]))
     assert cache.layers[0].keys[:, 0, :, 0].tolist() == [[0, 1, 2, 4, 5], [6, 7, 8, 9, 8]]
+
+
+def test_slot_cache_records_the_prompt_and_the_accepted_paths():
+    """`SlotCache`: the prompt's slots as they are, then per row the root and its accepted path moved next to them
+    (keys/values, validity, positions, hidden states), the masks over them, a rollback, a row selection."""
+    slots = SlotCache(2, "cpu", {"full_attention": None}, keep_hidden=True)
+    prompt = torch.arange(6, dtype=torch.float).view(2, 1, 3, 1)  # [B, H, P, D]: slot ids
+    slots.cache.update(prompt, prompt.clone(), 0)
+    slots.prefill(torch.tensor([[False, True, True], [True, True, True]]), torch.tensor([[0, 0, 1], [0, 1, 2]]),
+                  prompt[:, 0])  # fmt: skip
+    tree = 100 + torch.arange(8, dtype=torch.float).view(2, 1, 4, 1)  # [B, H, 1+N, D]: a verification's [root, tree]
+    slots.cache.update(tree, tree.clone(), 0)
+    slots.commit(torch.tensor([[0, 2, 3], [0, 1, 0]]), torch.tensor([2, 1]), torch.tensor([2, 3]), tree[:, 0])
+    assert slots.width == 6 and slots.cache.layers[0].keys[:, 0, :, 0].tolist() == [
+        [0, 1, 2, 100, 102, 103],
+        [3, 4, 5, 104, 105, 104],
+    ]
+    assert slots.valid.tolist() == [[False, True, True, True, True, True], [True, True, True, True, True, False]]
+    assert slots.pos.tolist() == [[0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5]]
+    assert slots.hidden[:, :, 0].tolist() == [[0, 1, 2, 100, 102, 103], [3, 4, 5, 104, 105, 104]]
+    mask = slots.masks(torch.tensor([[5], [6]]), torch.ones(2, 1, 1, dtype=torch.bool))  # [B, 1, 1, S+1]
+    assert mask[:, 0, 0].tolist() == [[False, True, True, True, True, True, True], [True] * 5 + [False, True]]
+    slots.cache.update(prompt[:, :, :2], prompt[:, :, :2], 0)  # two dummy tokens, then dropped
+    slots.rollback()
+    slots.select_rows(torch.tensor([1]))
+    assert slots.cache.layers[0].keys[:, 0, :, 0].tolist() == [[3, 4, 5, 104, 105, 104]]
+    assert slots.valid.tolist() == [[True] * 5 + [False]] and slots.hidden.shape == (1, 6, 1)
 
 
 def test_bad_settings_say_what_to_do():

@@ -10,7 +10,7 @@ loop does the rest, gpt-fast's `speculative_decode` for a batch of trees:
                 tree = build_tree + add_chain(lookup) + cut_to_budget    (tree.py: one drafter call per depth)
                 logits = target([root, tree], tree mask)                 (one target forward)
                 accepted path, next token = greedy_accept_tree / accept_path   (accept.py)
-                the accepted path's keys/values move into place          (`compact_cache`)
+                the root's and the accepted path's slots are kept         (`SlotCache.commit`, tree.py)
                 policy.update(what the cycle measured)
 
 With a shape that is 0 drafter steps deep (the policy's plain arm) a cycle is plain decoding.
@@ -27,7 +27,6 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import (
-    DynamicCache,
     EosTokenCriteria,
     MaxLengthCriteria,
     StoppingCriteriaList,
@@ -38,6 +37,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .accept import accept_path, greedy_accept_tree
 from .policy import Costs, ShapePolicy, TreeSettings, measure_costs, measure_step_costs
 from .tree import (
+    SlotCache,
     Tree,
     TreeDrafter,
     add_chain,
@@ -166,39 +166,33 @@ def _simple_stops(stopping, eos: torch.Tensor):
 class _Run:
     """The state of one engine call over a (left-padded) batch. Rows that finish leave the batch.
 
-    Target cache: a `DynamicCache` of full layers (sliding windows are applied by the masks), slot s of row b holds
-    a verified token at position `slot_pos[b, s]` where `slot_valid[b, s]` (left padding and rows that accepted fewer
-    tokens than others leave invalid slots). The row's newest token (`roots`) has no target state yet. `pending`:
-    per row the verified tokens the drafter has not seen, as (token, position, slot of the previous token's state).
+    `slots`: the target's cache and what each of its slots holds (`SlotCache`). The row's newest token (`roots`) has
+    no target state yet. `pending`: per row the verified tokens the drafter has not seen, as (token, position, slot
+    of the previous token's state).
     """
 
-    def __init__(self, target, drafter, input_ids, attention_mask, gc, processors, stopping, settings, streamer):
+    def __init__(self, target, drafter, input_ids, mask, gc, processors, stopping, settings, streamer):
         self.target, self.drafter, self.gc, self.settings, self.streamer = target, drafter, gc, settings, streamer
         self.processors, self.stopping = processors, stopping
-        self.windows = _layer_windows(target.config)
+        windows = _layer_windows(target.config)
         impl = getattr(target.config, "_attn_implementation", "sdpa")
         if impl not in ("sdpa", "eager"):
             raise ValueError(
                 f"The speculative engine passes a 4-D tree mask, which the '{impl}' attention cannot take. Load the "
                 "target with attn_implementation='sdpa' (or 'eager')."
             )
-        self.additive = impl == "eager"
         self.needs_hidden = bool(drafter.needs_target_hidden)
         self.num_exits = int(drafter.num_exits)
         B, P = input_ids.shape
         device = input_ids.device
-        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        additive = target.dtype if impl == "eager" else None  # eager attention takes additive masks
+        self.slots = SlotCache(B, device, windows, self.needs_hidden, additive)
         self.rows = list(range(B))  # original row index of each active row
         self.seqs = [input_ids[b] for b in range(B)]  # padded prompt + new tokens, per active row
         self.lists = [[] for _ in range(B)]  # new tokens per active row, as Python ints
         self.prompt_len = P
         self.done: dict[int, torch.Tensor] = {}
         self.stats = [EngineStats() for _ in range(B)]
-        self.cache = DynamicCache()
-        self.slot_valid = mask  # [B, P]
-        self.slot_pos = (mask.long().cumsum(-1) - 1).clamp_min(0)  # [B, P]
-        self.slot_hidden = None  # [B, S, d] the target's final hidden state per slot, for drafters that read it
-        self.pad = gc.pad_token_id if gc.pad_token_id is not None else _first(gc.eos_token_id, 0)
         eos = gc.eos_token_id
         self.eos = torch.tensor([eos] if isinstance(eos, int) else (eos or []), dtype=torch.long, device=device)
         self.simple_stops = _simple_stops(stopping, self.eos)
@@ -225,39 +219,27 @@ class _Run:
     def target_forward(self, ids, q_pos, q_visible, logits_to_keep: int = 0):
         """One target forward of new tokens ids [B, Q] at positions q_pos [B, Q] seeing q_visible [B, Q, Q] among
         themselves and every valid cached slot; returns the model output (its cache grows by Q slots)."""
-        masks = {}
-        for kind, window in self.windows.items():
-            m = tree_attention_mask(self.slot_valid, self.slot_pos, q_pos, q_visible, window)  # [B, 1, Q, S+Q]
-            if self.additive:
-                dtype = self.target.dtype
-                m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
-            masks[kind] = m
-        attention_mask = masks if len(masks) > 1 else next(iter(masks.values()))
         return self.target(
             input_ids=ids,
-            attention_mask=attention_mask,
+            attention_mask=self.slots.masks(q_pos, q_visible),
             position_ids=q_pos,
             use_cache=True,
             logits_to_keep=logits_to_keep,
             output_hidden_states=self.needs_hidden,
-            **{_CACHE_NAME: self.cache},
+            **{_CACHE_NAME: self.slots.cache},
         )
 
-    def prefill(self) -> None:
-        """The prompt's forward and the first new token of every row."""
+    def prefill(self, valid: torch.Tensor) -> None:
+        """The prompt's forward and the first new token of every row (`valid` [B, P]: False on left padding)."""
         ids = torch.stack(self.seqs)  # [B, P]
         B, P = ids.shape
-        valid, pos = self.slot_valid, self.slot_pos
-        self.slot_valid = valid[:, :0]
-        self.slot_pos = pos[:, :0]
+        pos = (valid.long().cumsum(-1) - 1).clamp_min(0)  # [B, P]
         causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
         eye = torch.eye(P, dtype=torch.bool, device=ids.device)
         visible = (causal & valid[:, None, :]) | eye  # [B, P, P]; padding sees itself (no empty softmax row)
         t0 = time.perf_counter()
         out = self.target_forward(ids, pos, visible, logits_to_keep=1)
-        self.slot_valid, self.slot_pos = valid, pos
-        if self.needs_hidden:
-            self.slot_hidden = out.hidden_states[-1]  # [B, P, d]
+        self.slots.prefill(valid, pos, out.hidden_states[-1] if self.needs_hidden else None)
         scores = self.processors(ids, out.logits[:, -1].float())  # [B, V]
         if self.gc.do_sample:
             first = torch.multinomial(scores.softmax(-1), 1)[:, 0]
@@ -274,78 +256,60 @@ class _Run:
     # ----- one cycle ------------------------------------------------------------------------------------------------
     def cycle(self) -> None:
         """Draft, verify, accept: the whole loop in one page."""
+        if self.policy is None:  # the first cycle: the target's costs of this batch (measured once per process)
+            self.start_policy()
         t0 = time.perf_counter()
         self.forward_s = 0.0  # seconds in the target's and the drafter's forwards this cycle
         remaining = self.gc.max_length - self.prompt_len - max(len(t) for t in self.lists)  # tokens still to come
-        root_logits, chains, draft_s0 = None, None, 0.0
-        if self.policy is None:  # the first cycle: the target's costs of this batch (measured once per process)
-            self.start_policy()
-            t0 = time.perf_counter()
-        if self.lookup and remaining > 1 and self.settings.budget != 0:  # lookup per row (None: none): the context
+        chains = None  # prompt lookup's continuation per row (None where it has none); None: no lookup this cycle
+        if self.lookup and remaining > 1 and self.settings.budget != 0:
             chains = [self.lookup_chain(i, remaining - 1) for i in range(len(self.rows))]
         shape = self.policy.plan(remaining, self.policy.context_of(chains), len(self.rows))
-        # lookup alone where every row has a continuation (or no network): the drafter waits
-        lookup_only = shape.lookup_first and chains is not None and (not shape.network or None not in chains)
-        if shape.depth and not lookup_only:
-            t_catch = time.perf_counter()
-            root_logits = self.catch_up()
-            draft_s0 = time.perf_counter() - t_catch
-            # the prompt's catch-up (and the drafter's step costs): one-off, not the arm's
-            if not self.drafter_started:
-                self.drafter_started = True
-                if not self.costs.step:
-                    self.costs.step.update(measure_step_costs(self.drafter, self))
-                t0, draft_s0, self.forward_s = time.perf_counter(), 0.0, 0.0
         if self.debug:
             logger.debug("cycle: %d rows, depth %d, top-k %d: %s", len(self.rows), shape.depth, shape.top_k, shape.why)
-        if shape.depth:
-            tree, chains = self.draft(None if lookup_only else root_logits, shape, draft_s0, chains)
-        else:
-            tree, chains = empty_tree(len(self.rows), self.roots.device), None
+        tree, chains, t0 = self.draft(shape, chains, t0)  # catch-up, tree and lookup chains, cut to the budget
         t1 = time.perf_counter()  # (on a CUDA device the drafter's queued kernels end in the verification's time: one
         # host synchronisation per cycle, the acceptance's)
         draft_s = t1 - t0 if shape.depth else 0.0
-        start = self.slot_valid.shape[1]
+        start = self.slots.width  # the root's slot
         anc = ancestors(tree.parents, tree.depth)  # [B, N, N]
-        out = self.verify(tree, anc)  # the target's forward over [root, tree]
-        lengths, new_tokens, keep = self.accept(tree, anc, out.logits)
+        out = self.verify(tree, anc)  # the target's forward over [root, tree]: logits [B, 1+N, V]
+        lengths, new_tokens, keep = self.accept(tree, anc, out.logits)  # keep [B, 1+A]: the root, the accepted path
         verify_s = time.perf_counter() - t1
-        compact_cache(self.cache, start, keep)  # the accepted path's keys/values next to the root's
-        j = torch.arange(keep.shape[1], device=keep.device)
-        self.slot_valid = torch.cat([self.slot_valid, j[None, :] <= lengths[:, None]], dim=1)
-        self.slot_pos = torch.cat([self.slot_pos, self.root_pos[:, None] + j[None, :]], dim=1)
-        if self.needs_hidden:
-            hidden = out.hidden_states[-1]  # [B, 1+N, d]
-            moved = hidden.gather(1, keep[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, 1+A, d]
-            self.slot_hidden = torch.cat([self.slot_hidden, moved], 1)
+        self.slots.commit(keep, lengths, self.root_pos, out.hidden_states[-1] if self.needs_hidden else None)
         if tree.size:
             self.exit_totals += tree.exit_counts(self.num_exits)
         look = self.lookup_outcomes(chains, new_tokens) if chains is not None else []
-        sizes = tree.real.sum(1).tolist() if tree.size else [0] * len(self.rows)
-        lookups = tree.lookup.sum(1).tolist() if tree.size else [0] * len(self.rows)
-        rows = list(self.rows)
+        counts = self.tree_counts(tree)  # before rows leave in `emit`
         self.emit(new_tokens, self.root_pos + 1, slots_from=start)
         seconds = time.perf_counter() - t0
         self.policy.update(tree, [len(t) - 1 for t in new_tokens], look, seconds, draft_s, verify_s)
-        loop_s = max(0.0, seconds - self.forward_s)  # everything that was no target or drafter forward
-        for i, b in enumerate(rows):
-            s = self.stats[b]
-            s.tree_sizes.append(sizes[i])
-            s.drafted_tokens += sizes[i]
-            s.lookup_tokens += lookups[i]
-            s.draft_time_s += draft_s
-            s.verify_time_s += verify_s
-            s.loop_time_s += loop_s
+        self.add_stats(counts, draft_s, verify_s, max(0.0, seconds - self.forward_s))  # the rest: the loop's own
 
     def start_policy(self) -> None:
         if self.costs is None:
             self.costs = _costs_for(self)
         self.policy = ShapePolicy(self.settings, self.costs, len(self.rows), self.lookup, self.costs.learned)
 
-    def draft(self, root_logits, shape, draft_s0: float, chains: list | None):
-        """This cycle's tree, cut to the budget, and the lookup chain per row (`chains`: None where none, or None
-        with lookup off). `root_logits` None: lookup's continuations alone, no drafter call."""
-        t0 = time.perf_counter()
+    def draft(self, shape, chains: list | None, t0: float):
+        """This cycle's tree (empty for a plain cycle), cut to the budget, the lookup chains in it (None: none) and
+        when its drafting started (`t0`, or later after the drafter's one-off start). The drafter catches up on the
+        tokens verified since its last call, unless prompt lookup drafts alone (where every row has a continuation,
+        or the shape drafts no network): then the drafter waits."""
+        if not shape.depth:
+            return empty_tree(len(self.rows), self.roots.device), None, t0
+        lookup_only = shape.lookup_first and chains is not None and (not shape.network or None not in chains)
+        root_logits, draft_s0 = None, 0.0
+        if not lookup_only:
+            t_catch = time.perf_counter()
+            root_logits = self.catch_up()  # [B, V]
+            draft_s0 = time.perf_counter() - t_catch
+            if not self.drafter_started:  # the prompt's catch-up (and the drafter's step costs): one-off, not an arm's
+                self.drafter_started = True
+                if not self.costs.step:
+                    self.costs.step.update(measure_step_costs(self.drafter, self))
+                t0, draft_s0, self.forward_s = time.perf_counter(), 0.0, 0.0
+        t_tree = time.perf_counter()
         policy = self.policy
         if root_logits is None:
             tree = empty_tree(len(self.rows), self.roots.device)
@@ -358,10 +322,26 @@ class _Run:
             tree = add_chain(tree, chains, [c and policy.lookup_log_probs(len(c)) for c in chains])
         if root_logits is not None:
             self.drafter.tree_end(self.draft_state)
-        draft_s = draft_s0 + time.perf_counter() - t0
+        draft_s = draft_s0 + time.perf_counter() - t_tree
         limit = min(tree.size, self.settings.max_budget)
         seconds = None if shape.budget is not None else policy.cycle_seconds(limit, draft_s)
-        return cut_to_budget(tree, shape.budget, self.settings.max_budget, seconds), chains
+        return cut_to_budget(tree, shape.budget, self.settings.max_budget, seconds), chains, t0
+
+    def tree_counts(self, tree: Tree) -> list:
+        """(original row, drafted nodes, nodes by prompt lookup alone) per active row."""
+        sizes = tree.real.sum(1).tolist() if tree.size else [0] * len(self.rows)
+        lookups = tree.lookup.sum(1).tolist() if tree.size else [0] * len(self.rows)
+        return list(zip(self.rows, sizes, lookups))
+
+    def add_stats(self, counts: list, draft_s: float, verify_s: float, loop_s: float) -> None:
+        for b, size, lookups in counts:
+            s = self.stats[b]
+            s.tree_sizes.append(size)
+            s.drafted_tokens += size
+            s.lookup_tokens += lookups
+            s.draft_time_s += draft_s
+            s.verify_time_s += verify_s
+            s.loop_time_s += loop_s
 
     def lookup_chain(self, i: int, room: int):
         """Prompt lookup's continuation [n] for active row i (at most `room` tokens), or None."""
@@ -496,11 +476,7 @@ class _Run:
             self.rows = []
             return
         index = torch.tensor(keep, device=self.roots.device)
-        for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys[index], layer.values[index]
-        self.slot_valid, self.slot_pos = self.slot_valid[index], self.slot_pos[index]
-        if self.slot_hidden is not None:
-            self.slot_hidden = self.slot_hidden[index]
+        self.slots.select_rows(index)
         self.roots, self.root_pos = self.roots[index], self.root_pos[index]
         self.exit_totals = self.exit_totals[index]
         self.drafter.tree_select_rows(self.draft_state, index)
@@ -524,15 +500,10 @@ class _Run:
                 table[3, b, n - len(items) :] = 1
         tokens, positions, prev, valid = table.to(device).unbind(0)
         valid = valid.bool()
-        hidden = None
-        if self.needs_hidden:
-            hidden = self.slot_hidden.gather(
-                1, prev.clamp_min(0)[..., None].expand(-1, -1, self.slot_hidden.shape[-1])
-            )
-            hidden = hidden * (prev >= 0)[..., None].to(hidden.dtype)  # [B, n, d]
+        hidden = self.slots.hidden_at(prev) if self.needs_hidden else None  # [B, n, d]
         self.pending = [[] for _ in range(B)]
         t0 = time.perf_counter()
-        logits = self.drafter.tree_catch_up(self.draft_state, tokens, positions, valid, prev, self.cache, hidden)
+        logits = self.drafter.tree_catch_up(self.draft_state, tokens, positions, valid, prev, self.slots.cache, hidden)
         self.forward_s += time.perf_counter() - t0
         return logits
 
@@ -542,7 +513,9 @@ class _Run:
             self.add_exits(i)
         seqs = [self.done[b] for b in range(len(self.stats))]
         length = max(s.shape[0] for s in seqs)
-        out = torch.full((len(seqs), length), self.pad, dtype=seqs[0].dtype, device=seqs[0].device)
+        gc = self.gc
+        pad = gc.pad_token_id if gc.pad_token_id is not None else _first(gc.eos_token_id, 0)
+        out = torch.full((len(seqs), length), pad, dtype=seqs[0].dtype, device=seqs[0].device)
         for b, s in enumerate(seqs):
             out[b, : s.shape[0]] = s
         if self.streamer is not None:
@@ -625,11 +598,13 @@ def _decode(
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("The speculative engine builds its own cache: do not pass a filled cache.")
+    mask = model_kwargs.get("attention_mask")
+    mask = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()  # [B, P]
     run = _Run(
         model,
         engine_drafter,
         input_ids,
-        model_kwargs.get("attention_mask"),
+        mask,
         gc,
         logits_processor,
         stopping_criteria,
@@ -637,7 +612,7 @@ def _decode(
         engine_streamer,
     )
     run.costs = engine_costs
-    run.prefill()
+    run.prefill(mask)
     while run.rows:
         run.cycle()
     return run.output()

@@ -149,7 +149,7 @@ def measure_costs(target, drafter, run, verify_sizes=VERIFY_SIZES, step_widths=S
         q_pos = run.root_pos[:, None] + torch.arange(n, device=ids.device)  # [B, n]
         causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril().expand(B, n, n)
         run.target_forward(ids, q_pos, causal)
-        run.cache.crop(-n)
+        run.slots.rollback()  # the dummy tokens dropped
 
     verify_t = {n: wall_times(functools.partial(verify, n), root.device)[0] for n in verify_sizes}
     return Costs(verify=verify_t, step=measure_step_costs(drafter, run, step_widths) if steps else {})

@@ -12,17 +12,21 @@ which the target verifies with the tree in one forward over [root, node 1, ..., 
                     the greedy acceptance rule: node i is accepted iff every j with A[i, j] matches)
     tree_attention_mask / compact_cache   the target side: a 4-D mask over the cache and the tree, and moving the
                     accepted path's keys/values into place
+    SlotCache       the target's cache with what each slot holds: prefill, the masks of a forward, commit of the
+                    verified slots, row selection
 
 `TreeDrafter` declares what the engine needs of a drafter. This file ships inside every published drafter repo
-(custom_generate/), so it imports only torch.
+(custom_generate/), so it imports only torch and transformers.
 """
 
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+from transformers import DynamicCache
 
 __all__ = [
+    "SlotCache",
     "Tree",
     "TreeDrafter",
     "add_chain",
@@ -311,3 +315,82 @@ def compact_cache(cache, start: int, keep: torch.Tensor) -> None:
                     idx = (start + keep)[:, None, :, None].expand(B, H, K, D)  # [B, H, K, D]
                 states[:, :, start : start + K] = states.gather(2, idx)
             setattr(layer, name, states[:, :, : start + K])
+
+
+class SlotCache:
+    """The target's cache as the engine keeps it (gpt-fast's `KVCache`, for a batch of trees): a `DynamicCache` of
+    full layers whose slot s of row b holds a verified token at position `pos[b, s]` where `valid[b, s]` (left padding
+    and rows that accepted fewer tokens than others leave invalid slots; sliding windows are applied by the masks,
+    `windows` {layer type: its window, None: full}), and with `keep_hidden` the target's final hidden state of each
+    slot (`hidden` [B, S, d], for drafters that read it). `additive`: a dtype for eager attention's additive masks.
+
+    A forward appends its Q tokens' keys/values after the S slots, seeing them through `masks`; then `prefill` (the
+    prompt's forward: every token kept) or `commit` (a verification: the root and its accepted path kept) records the
+    new slots, or `rollback` drops them.
+    """
+
+    def __init__(self, batch_size: int, device, windows: dict, keep_hidden: bool, additive=None):
+        self.cache = DynamicCache()
+        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [B, S]
+        self.pos = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, S]
+        self.hidden: torch.Tensor | None = None  # [B, S, d]
+        self.windows, self.keep_hidden, self.additive = windows, keep_hidden, additive
+
+    @property
+    def width(self) -> int:
+        """S: the slots recorded (the cache holds as many, plus those of a forward not recorded yet)."""
+        return self.valid.shape[1]
+
+    def masks(self, q_pos: torch.Tensor, q_visible: torch.Tensor):
+        """The attention mask of Q new tokens at positions q_pos [B, Q] that see q_visible [B, Q, Q] among themselves
+        and every valid slot: [B, 1, Q, S+Q] (bool, or additive), or {layer type: its mask} for several types."""
+        masks = {}
+        for kind, window in self.windows.items():
+            m = tree_attention_mask(self.valid, self.pos, q_pos, q_visible, window)  # [B, 1, Q, S+Q]
+            if self.additive is not None:
+                dtype = self.additive
+                m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
+            masks[kind] = m
+        return masks if len(masks) > 1 else next(iter(masks.values()))
+
+    def prefill(self, valid: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+        """Record the prompt's slots after its forward: every token [B, P] kept, valid where `valid`, at `pos`;
+        hidden [B, P, d] their final hidden states."""
+        self._append(valid, pos, hidden)
+
+    def commit(self, keep: torch.Tensor, lengths: torch.Tensor, root_pos: torch.Tensor, hidden=None) -> None:
+        """Record a verification's slots after its forward over [root, tree]: row b keeps the tokens keep[b] [1+A]
+        (indices among the forward's tokens: the root, then its accepted path; padding repeats 0), moved next to
+        the slots, valid for the root and its lengths[b] accepted drafts, at positions root_pos[b] + j; hidden
+        [B, 1+N, d] the forward's final hidden states."""
+        compact_cache(self.cache, self.width, keep)
+        j = torch.arange(keep.shape[1], device=keep.device)  # [1+A]
+        if hidden is not None:
+            hidden = hidden.gather(1, keep[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, 1+A, d]
+        self._append(j[None, :] <= lengths[:, None], root_pos[:, None] + j[None, :], hidden)
+
+    def _append(self, valid: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        self.valid = torch.cat([self.valid, valid], dim=1)  # [B, S+K]
+        self.pos = torch.cat([self.pos, pos], dim=1)  # [B, S+K]
+        if self.keep_hidden:
+            self.hidden = hidden if self.hidden is None else torch.cat([self.hidden, hidden], dim=1)  # [B, S+K, d]
+
+    def rollback(self) -> None:
+        """Drop the keys/values of a forward that was not recorded (e.g. dummy tokens timed)."""
+        extra = self.cache.get_seq_length() - self.width
+        if extra > 0:
+            self.cache.crop(-extra)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows `index` (LongTensor [B']), in this order."""
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[index], layer.values[index]
+        self.valid, self.pos = self.valid[index], self.pos[index]
+        if self.hidden is not None:
+            self.hidden = self.hidden[index]
+
+    def hidden_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """The final hidden states [B, n, d] of the slots `slots` [B, n] (zeros where -1: none)."""
+        d = self.hidden.shape[-1]
+        hidden = self.hidden.gather(1, slots.clamp_min(0)[..., None].expand(-1, -1, d))  # [B, n, d]
+        return hidden * (slots >= 0)[..., None].to(hidden.dtype)
