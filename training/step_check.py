@@ -13,18 +13,18 @@ activation checkpointing of the drafter's layers. Written to `DIR/step_check.jso
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-__all__ = ["RECIPES", "TARGET_CONFIGS", "main", "run_setting"]
+__all__ = ["RECIPES", "TARGET_CONFIGS", "StepCheckArguments", "main", "run_setting"]
 
 # Llama-3.1-8B-Instruct's architecture (its config.json), and a small Llama that a CPU trains in seconds.
 TARGET_CONFIGS = {
@@ -154,17 +154,32 @@ def run_setting(name: str, batch_size: int, seq_len: int, steps: int, checkpoint
     }
 
 
+@dataclass
+class StepCheckArguments:
+    """`python -m moa_hf.training.step_check`: one target architecture, batch and sequence length."""
+
+    target_config: str = field(
+        default="llama-3.1-8b", metadata={"choices": sorted(TARGET_CONFIGS), "help": "The target's architecture."}
+    )
+    batch_size: int = field(default=4, metadata={"help": "Sequences per step."})
+    seq_len: int = field(default=2048, metadata={"help": "Tokens per sequence."})
+    steps: int = field(default=3, metadata={"help": "Timed steps (after the profiler's warm-up steps)."})
+    device: str = field(
+        default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu", metadata={"help": "cuda or cpu."}
+    )
+    checkpointing: str = field(
+        default="both",
+        metadata={"choices": ["off", "on", "both"], "help": "Activation checkpointing of the drafter's layers."},
+    )
+    output: str = field(default="runs/step_check", metadata={"help": "Folder of step_check.json."})
+    one: bool = field(default=False, metadata={"help": "Internal: run one setting here and print it as JSON."})
+
+
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m moa_hf.training.step_check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target-config", default="llama-3.1-8b", choices=sorted(TARGET_CONFIGS))
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=3, help="timed steps (after the profiler's warm-up steps)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--checkpointing", default="both", choices=["off", "on", "both"])
-    p.add_argument("--output", default="runs/step_check")
-    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a single setting, printed as JSON
-    args = p.parse_args(argv)
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(StepCheckArguments, prog="python -m moa_hf.training.step_check")
+    (args,) = parser.parse_args_into_dataclasses(args=argv)
     if args.one:
         setting = (args.target_config, args.batch_size, args.seq_len, args.steps, args.checkpointing == "on")
         print("@@step_check@@ " + json.dumps(run_setting(*setting, args.device)), flush=True)
