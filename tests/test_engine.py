@@ -171,9 +171,7 @@ def test_greedy_families_batch1_and_batch3(family):
     assert torch.equal(out.sequences[0, prompts[1].shape[0] :], refs[1])
     assert sum(out.speculation_stats[0].tree_sizes) > 0  # drafted trees were verified (not plain decoding)
     ids, mask = _left_pad(prompts)
-    out = speculative_generate(
-        target, drafter, ids, attention_mask=mask, max_new_tokens=20, do_sample=False, costs=FLAT_COSTS, tree_top_k=2
-    )
+    out = speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=20, do_sample=False, **shape)
     for b, ref in enumerate(refs):
         assert out[b, ids.shape[1] :].tolist() == ref.tolist(), f"row {b}"
 
