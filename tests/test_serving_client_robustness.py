@@ -165,7 +165,7 @@ def test_retry_delay_honours_retry_after_with_jitter(tiny, server):
     from moa_hf.serving.client import _Busy
 
     client = client_for(server, tiny, None)
-    delays = [client._retry_delay(_Busy("busy", retry_after_s=2.0)) for _ in range(200)]
+    delays = [client.connection.retry_delay(_Busy("busy", retry_after_s=2.0)) for _ in range(200)]
     assert min(delays) >= 2.0 and max(delays) <= 2.55 and len(set(delays)) > 100
 
 

@@ -13,15 +13,15 @@ call, so fewer calls, when the network is slow).
 The server's drafter and tokenizer are kept in a local cache (`cache.DrafterCache`, one folder per revision): a
 client downloads them only when the server announces a revision it does not hold, and a client whose server is
 down at start generates with the newest cached copy from the first token (unverified until the server is back).
+
+The HTTP side (requests, what a status means, admission waits, /v1/info, the verify calls, the checks of their answers
+and the session's deletion) is the client's `connection`, a `ServerConnection` (client_transport.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import random
-import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,24 +35,12 @@ from ..modeling.chain import draft_chain
 from ..speculative import sampling_warpers
 from .cache import DrafterCache
 from .client_drafter import ClientDrafterMixin
+from .client_transport import ServerConnection
 from .client_types import ClientSettings, GenerationEvent, GenerationResult, ServingError
-from .client_types import CorruptedAnswer as _Corrupted
 from .client_types import ServerBusy as _Busy
-from .client_types import SessionLost as _SessionLost
 from .client_types import Unreachable as _Unreachable
 from .draft_policy import ClientDraftPolicy
-from .protocol import (
-    CONTENT_DIGEST_HEADER,
-    PROTOCOL_VERSION,
-    CreateSessionRequest,
-    VerifyRequest,
-    VerifyResult,
-    check_content_digest,
-    check_max_new_tokens,
-    check_sampling,
-    decode_result,
-    lsa_fingerprint,
-)
+from .protocol import VerifyResult, check_max_new_tokens, check_sampling, lsa_fingerprint
 
 __all__ = ["ClientSettings", "GenerationEvent", "GenerationResult", "MoAClient", "ServingError"]
 
@@ -103,6 +91,7 @@ class _Run:
     busy_answers: int = 0  # 429/503 (or timeouts of a live server) waited for
     admission_wait_s: float = 0.0  # time spent waiting for them
     corrupted_answers: int = 0
+    vocab: int = 0  # the drafter's vocabulary size (the token ids an answer may hold)
     shown: int = 0  # leading pending tokens already shown as unverified
     generator: torch.Generator | None = None  # the drafter's sampling RNG (seeded with `seed`)
     done: bool = False
@@ -145,6 +134,9 @@ class MoAClient(ClientDrafterMixin):
         transport: an httpx transport (default: TCP without Nagle delay).
         settings: a `ClientSettings` (draft length, timeouts, retries, cache, offline, ...); its fields may also be
             given as keywords, which override it.
+
+    Its parts: `connection` (a `ServerConnection`, client_transport.py: the HTTP calls, /v1/info, the verify calls
+    and their retries), `policy` (a `ClientDraftPolicy`: the draft length) and `cache` (a `DrafterCache`).
     """
 
     settings_class = ClientSettings  # the keywords beside drafter, tokenizer, transport and settings
@@ -167,22 +159,14 @@ class MoAClient(ClientDrafterMixin):
                 f"transport, settings and the ClientSettings fields: {known}."
             )
         self.settings = s = dataclasses.replace(settings or ClientSettings(), **overrides)
-        token, draft_length = s.token, s.draft_length
+        draft_length = s.draft_length
         min_draft_length, max_draft_length = s.min_draft_length, s.max_draft_length
-        timeout_s, connect_timeout_s = s.timeout_s, s.connect_timeout_s
         cache_dir, use_cache = s.cache_dir, s.use_cache
         if drafter is not None:
             self._check_standalone(drafter)
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.server = server.rstrip("/")
-        if transport is None:  # no Nagle delay between the request's header and body writes (40 ms per call)
-            transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        self._http = httpx.Client(
-            base_url=self.server,
-            headers=headers,
-            transport=transport,
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-        )
+        self.policy = ClientDraftPolicy(min_draft_length, max_draft_length, fixed=draft_length)
+        self.connection = ServerConnection(server, s, self.policy, transport)  # HTTP, /v1/info, the verify calls
+        self.server = self.connection.server
         self.drafter = drafter.eval() if drafter is not None else None
         self.tokenizer = tokenizer
         self.draft_length = draft_length
@@ -191,8 +175,7 @@ class MoAClient(ClientDrafterMixin):
         self.draft_top_k = s.draft_top_k
         self.backoff_initial_s, self.backoff_max_s = s.backoff_initial_s, s.backoff_max_s
         self.reconnect_timeout_s = s.reconnect_timeout_s
-        self.admission_timeout_s, self.corrupt_retries = s.admission_timeout_s, s.corrupt_retries
-        self._rng = random.Random()  # jitter of the retry delays (clients retrying together spread out)
+        self.admission_timeout_s = s.admission_timeout_s
         self.check_drafter = s.check_drafter
         self.offline = s.offline
         self.cache = DrafterCache(self.server, cache_dir) if use_cache else None
@@ -200,17 +183,11 @@ class MoAClient(ClientDrafterMixin):
         self._given_drafter, self._given_tokenizer = drafter is not None, tokenizer is not None
         self._fingerprint = lsa_fingerprint(self.drafter) if drafter is not None else None
         self._dtype = torch.float32
-        self._info: dict | None = None  # the server's /v1/info; None while it has not answered (offline)
-        self._info_at = 0.0
-        self.info_max_age_s = s.info_max_age_s
-        self._cached_info: dict | None = None  # its /v1/info when the cached drafter was downloaded
-        self._unreachable = ""  # why the server did not answer last
-        self._failed_at = -1e9  # when it did not (time.monotonic)
-        self.policy = ClientDraftPolicy(min_draft_length, max_draft_length, fixed=draft_length)
+        self._cached_info: dict | None = None  # the server's /v1/info when the cached drafter was downloaded
 
     # -- plumbing ---------------------------------------------------------------------------------------------------
     def close(self) -> None:
-        self._http.close()
+        self.connection.close()
 
     def __enter__(self) -> MoAClient:
         return self
@@ -231,108 +208,15 @@ class MoAClient(ClientDrafterMixin):
                 "The client cannot run the target's last layers: use a drafter with target_layer_inference=0."
             )
 
-    def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
-        if self.offline:
-            raise _Unreachable("offline mode: the client does not contact the server")
-        try:
-            response = self._http.request(method, path, **kwargs)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as err:  # nothing listens, or no route
-            raise _Unreachable(f"{type(err).__name__}: {err}") from err
-        except httpx.TransportError as err:  # a timeout or a reset: unreachable only if its health is silent too
-            why = f"{type(err).__name__} on {method} {path}"
-            if self._answers_health():
-                raise _Busy(f"{why}, but the server answers /v1/health", retry_after_s=0.5) from err
-            raise _Unreachable(f"{why}: {err}") from err
-        self._raise_for_status(response, path)
-        return response
-
-    def _answers_health(self) -> bool:
-        """Whether the server answers GET /v1/health (never held up by the model) within a few seconds."""
-        try:
-            self._http.get("/v1/health", timeout=httpx.Timeout(5.0, connect=2.0))
-        except httpx.TransportError:
-            return False
-        return True
-
-    @staticmethod
-    def _raise_for_status(response: httpx.Response, path: str) -> None:
-        status = response.status_code
-        retry_after = response.headers.get("Retry-After")
-        if status == 429 or (status == 503 and retry_after is not None):  # reachable, busy: wait for admission
-            try:
-                body = response.json()
-            except ValueError:
-                body = {}
-            body = body if isinstance(body, dict) else {}
-            try:
-                seconds = max(0.0, float(retry_after if retry_after is not None else body.get("retry_after_s", 1)))
-            except (TypeError, ValueError):  # an HTTP-date or garbage: one second
-                seconds = 1.0
-            detail = str(body.get("detail", response.text[:200]))
-            raise _Busy(f"HTTP {status}: {detail}", retry_after_s=seconds, queue_depth=body.get("queue_depth"))
-        if status >= 500:
-            raise _Unreachable(f"HTTP {status}: {response.text[:200]}")
-        if status in (404, 409, 410) and "/sessions/" in path:
-            raise _SessionLost(response.text[:200])
-        if status >= 400:
-            try:
-                detail = response.json().get("detail", response.text)
-            except ValueError:
-                detail = response.text
-            raise ServingError(response.status_code, str(detail))
-
-    def _fetch(self, path: str, **kwargs) -> httpx.Response:
-        """GET `path`, raising `ConnectionError` if the server is unreachable (not retried) or stays busy for
-        `admission_timeout_s` (waited for as it asks)."""
-        give_up_at = time.monotonic() + self.admission_timeout_s
-        while True:
-            try:
-                return self._request("GET", path, **kwargs)
-            except _Unreachable as err:
-                raise ConnectionError(f"cannot reach the server at {self.server} ({path}): {err}") from err
-            except _Busy as err:
-                left = give_up_at - time.monotonic()
-                if left <= 0:
-                    raise ConnectionError(
-                        f"the server at {self.server} stayed busy for {self.admission_timeout_s:g} s ({path}): {err}"
-                    ) from err
-                time.sleep(min(self._retry_delay(err), left))
-
-    def _retry_delay(self, busy: _Busy) -> float:
-        """Seconds to wait before retrying a busy server: its Retry-After, plus up to a quarter more (at most 1 s)
-        of jitter so that clients refused together do not come back together."""
-        return busy.retry_after_s + self._rng.uniform(0.0, min(1.0, 0.25 * busy.retry_after_s + 0.05))
-
     @property
     def connected(self) -> bool:
         """Whether the server answered last time the client asked (False while offline)."""
-        return self._info is not None
+        return self.connection.connected
 
     def info(self) -> dict:
         """The server's /v1/info (target, limits, drafter fingerprint and revision); raises if unreachable. Read
         again when older than `info_max_age_s` (a generation starting later notices a server upgrade)."""
-        if self._info is None or time.monotonic() - self._info_at > self.info_max_age_s:
-            self._info = None
-            info = self._fetch("/v1/info").json()
-            if info.get("protocol_version") != PROTOCOL_VERSION:
-                raise ServingError(
-                    400,
-                    f"the server speaks protocol {info.get('protocol_version')}, this client "
-                    f"{PROTOCOL_VERSION}: update moa-hf on one side",
-                )
-            self._info, self._info_at = info, time.monotonic()
-        return self._info
-
-    def _try_info(self) -> dict | None:
-        """/v1/info, or None when the server is unreachable (the reason goes to `_unreachable`); not asked again
-        within a second of such a failure (a dead link can take `connect_timeout_s` per attempt)."""
-        if self._info is None and time.monotonic() - self._failed_at < 1.0:
-            return None
-        try:
-            return self.info()
-        except ConnectionError as err:
-            self._unreachable, self._failed_at = str(err), time.monotonic()
-            return None
+        return self.connection.info()
 
     def _sync(self, run: _Run) -> None:
         """The server answers again (after an offline start or an outage): re-read its /v1/info. When it now runs
@@ -350,19 +234,23 @@ class MoAClient(ClientDrafterMixin):
             try:
                 self._load_server_drafter(info, fall_back=False)
             except ConnectionError as err:
-                self._info = None
+                self.connection.forget()
                 raise _Unreachable(str(err)) from err
             run.cache = MoADrafterCache()
-            self._end_session(run)  # a new session sends the context of every verified token (a verify may not)
+            self.connection.end_session(run)  # a new session sends the context of every verified token (not a verify)
         self._check_fingerprint(info)
-        self._eos, self._vocab = self._eos_ids(), int(self.drafter.config.vocab_size)
+        self._eos, run.vocab = self._eos_ids(), int(self.drafter.config.vocab_size)
+
+    def _known_info(self) -> dict:
+        """The server's /v1/info, else (offline) the one cached with the drafter, else {}."""
+        return self.connection.last_info or self._cached_info or {}
 
     def _limits(self) -> dict:
-        return (self._info or self._cached_info or {}).get("limits", {})
+        return self._known_info().get("limits", {})
 
     def _max_tokens(self) -> int | None:
         """The most tokens a session may hold on the server (None: not known, e.g. offline without a cache)."""
-        info = self._info or self._cached_info or {}
+        info = self._known_info()
         bounds = [info.get("limits", {}).get("max_tokens_per_session"), info.get("max_context")]
         bounds = [b for b in bounds if isinstance(b, int)]
         return min(bounds) if bounds else None
@@ -371,7 +259,7 @@ class MoAClient(ClientDrafterMixin):
         return min(self.max_draft_length, self._limits().get("max_draft_tokens", self.max_draft_length))
 
     def _eos_ids(self) -> set[int]:
-        eos = (self._info or self._cached_info or {}).get("eos_token_ids")
+        eos = self._known_info().get("eos_token_ids")
         if eos is None:
             eos = eos_token_ids(self.drafter.config)
         return set(eos)
@@ -451,7 +339,7 @@ class MoAClient(ClientDrafterMixin):
         if do_sample and seed is not None:
             run.generator = torch.Generator(device=self.drafter.device).manual_seed(seed)
         self._eos = self._eos_ids()
-        self._vocab = int(self.drafter.config.vocab_size)
+        run.vocab = int(self.drafter.config.vocab_size)
 
         def emit(event: GenerationEvent):
             if on_event is not None:
@@ -461,7 +349,7 @@ class MoAClient(ClientDrafterMixin):
         try:
             yield from self._cycles(run, t_start, emit)
         finally:  # also when the generation raised or its consumer stopped early: free the server's memory now
-            self._end_session(run)
+            self.connection.end_session(run)
         return self._finish(run, t_start)
 
     def _cycles(self, run: _Run, t_start: float, emit: Callable[[GenerationEvent], GenerationEvent]):
@@ -472,7 +360,7 @@ class MoAClient(ClientDrafterMixin):
         drafting_done_at: float | None = None  # offline, when every remaining token had been drafted
         busy_since: float | None = None  # when the server first answered "busy" in a row (None: it is not)
         backoff, next_retry = self.backoff_initial_s, 0.0
-        start_offline = self._info is None  # the server did not answer just now: draft from the first token
+        start_offline = not self.connection.connected  # the server did not answer just now: draft from the first token
         while not run.done and run.generated < max_new_tokens:
             remaining = max_new_tokens - run.generated
             if offline_since is None:
@@ -499,11 +387,11 @@ class MoAClient(ClientDrafterMixin):
             try:
                 if start_offline:
                     start_offline = False
-                    raise _Unreachable(self._unreachable)
-                if self._info is None:  # the first call since an offline start or an outage: the server may differ
+                    raise _Unreachable(self.connection.unreachable)
+                if not self.connection.connected:  # the first call since an offline start or an outage: re-read
                     self._sync(run)
                 sent = min(len(run.pending), self._max_draft())
-                result = self._call(run, sent)
+                result = self.connection.call(run, sent, resync=self._sync)
             except (_Busy, _Unreachable) as err:
                 if isinstance(err, _Busy):  # reachable but full: wait as it asks, draft nothing meanwhile
                     now = time.monotonic()
@@ -512,14 +400,14 @@ class MoAClient(ClientDrafterMixin):
                         yield emit(GenerationEvent("waiting", text=str(err), position=run.generated))
                     left = busy_since + self.admission_timeout_s - now
                     if left > 0:
-                        delay = min(self._retry_delay(err), left)
+                        delay = min(self.connection.retry_delay(err), left)
                         run.busy_answers += 1
                         run.admission_wait_s += delay
                         time.sleep(delay)
                         continue
                     err = _Unreachable(f"no admission within {self.admission_timeout_s:g} s ({err})")
                 run.failed_calls += 1
-                self._info = None
+                self.connection.forget()
                 if offline_since is None:
                     offline_since = time.monotonic()
                     logger.warning("server unreachable (%s): drafting alone until it is back", err)
@@ -598,116 +486,10 @@ class MoAClient(ClientDrafterMixin):
         run.draft_s += seconds
         self.policy.observe_draft(seconds / max(n, 1))
 
-    def _call(self, run: _Run, sent: int) -> VerifyResult:
-        """Create or verify: the first `sent` pending tokens are verified. Re-creates a lost session once (after
-        re-reading /v1/info: a server that lost the session may have restarted with another drafter); asks again
-        for a corrupted answer (a verify is idempotent: the server rolls back to the client's `num_verified`) up to
-        `corrupt_retries` times, then counts the server as unreachable."""
-        lost = corrupted = 0
-        while True:
-            path, request = self._payload(run, sent)
-            data = json.dumps(request.model_dump(exclude_unset=True)).encode()  # the fields set: as the client gave
-            t0 = time.perf_counter()
-            try:
-                response = self._request("POST", path, content=data, headers={"Content-Type": "application/json"})
-                result = self._check_answer(run, response, sent)
-            except _SessionLost as err:
-                if lost:
-                    raise _Unreachable("the session was lost twice in a row") from err
-                lost += 1
-                logger.info("session lost (%s): re-creating it from the %d verified tokens", err, len(run.verified))
-                run.session_id = None
-                run.recreations += 1
-                self._info = None
-                self._sync(run)
-                continue
-            except _Corrupted as err:
-                run.corrupted_answers += 1
-                corrupted += 1
-                if corrupted > self.corrupt_retries:
-                    raise _Unreachable(f"{corrupted} corrupted answers in a row ({err})") from err
-                logger.warning("corrupted answer from %s (%s): asking again", path, err)
-                time.sleep(min(self.backoff_max_s, self.backoff_initial_s * 2 ** (corrupted - 1)))
-                continue
-            rtt = time.perf_counter() - t0
-            forward = len(run.verified) - (0 if path == "/v1/sessions" else len(run.verified) - 1) + sent
-            run.calls += 1
-            run.bytes_up += len(data)
-            run.bytes_down += len(response.content)
-            run.network_s += max(0.0, rtt - result.server_s)
-            run.server_s += result.server_s
-            server_s = result.server_s if path != "/v1/sessions" else None  # a prefill: not a drafting cycle
-            self.policy.observe_call(rtt - result.server_s, server_s, forward, sent, result.accepted)
-            run.session_id = result.session_id
-            return result
-
-    def _payload(self, run: _Run, sent: int) -> tuple[str, CreateSessionRequest | VerifyRequest]:
-        """(path, request) of the call verifying the first `sent` pending tokens: a create when the run has no
-        session (with the sampling options, sent only when sampling: greedy decoding ignores them), else a verify.
-        The request is the protocol's model, so that a wrong field fails here (pydantic's `ValidationError`), not
-        as the server's 422."""
-        drafts = run.pending[:sent]
-        body = {
-            "draft_ids": drafts,
-            "context_from": run.cache.context_length,  # 0 after `_sync` switched drafters (in a new session)
-            "context_format": self.context_format,
-            "want_context": self.draft_length != 0,
-        }  # plain decoding (draft_length=0) needs no context
-        if run.sampling["do_sample"] and drafts:
-            body["draft_probs"] = run.dists[:sent]
-        if run.session_id is not None:
-            path = f"/v1/sessions/{run.session_id}/verify"
-            return path, VerifyRequest(**body, num_verified=len(run.verified), last_token=run.verified[-1])
-        sampling = {}
-        if run.sampling["do_sample"]:
-            sampling = {k: v for k, v in run.sampling.items() if v is not None}
-            if "seed" in sampling:  # a re-created session draws a fresh random stream
-                sampling["seed"] = (sampling["seed"] + 1_000_003 * run.recreations) % (1 << 63)
-        remaining = run.max_new_tokens - run.generated  # what the server reserves memory for
-        return "/v1/sessions", CreateSessionRequest(
-            **body, input_ids=run.verified, max_new_tokens=remaining, **sampling
-        )
-
-    def _check_answer(self, run: _Run, response: httpx.Response, sent: int) -> VerifyResult:
-        """The decoded answer to a call verifying `sent` pending tokens; `_Corrupted` unless it is a safetensors blob
-        matching its Content-Digest whose fields fit the client's state."""
-        content_type = response.headers.get("content-type", "")
-        if not content_type.startswith("application/octet-stream"):
-            raise _Corrupted(f"content type {content_type!r}, not application/octet-stream")
-        try:
-            check_content_digest(response.content, response.headers.get(CONTENT_DIGEST_HEADER))
-            result = decode_result(response.content)
-        except ValueError as err:
-            raise _Corrupted(str(err)) from err
-        a, n = result.accepted, len(run.verified)
-        if not result.session_id or not 0 <= a <= sent or not 0 <= result.next_token < self._vocab:
-            raise _Corrupted(f"inconsistent answer (accepted {a} of {sent}, next token {result.next_token})")
-        if result.num_verified != n + a + 1:
-            raise _Corrupted(f"the server holds {result.num_verified} tokens, the client expected {n + a + 1}")
-        if self.draft_length != 0 and result.context is None:
-            raise _Corrupted("the answer carries no context vectors")
-        if result.context is not None:
-            if result.context_start > run.cache.context_length:
-                raise _Corrupted(f"context gap: have {run.cache.context_length}, got from {result.context_start}")
-            rows = result.num_verified - 1 - result.context_start  # context of [context_start, n + a)
-            if result.context.shape[0] != rows:
-                raise _Corrupted(f"{result.context.shape[0]} context vectors for {rows} positions")
-        return result
-
-    def _end_session(self, run: _Run) -> None:
-        """Delete the run's server session (best effort: an unreachable server reaps it by its idle timeout)."""
-        if run.session_id is None or self.offline:
-            return
-        session_id, run.session_id = run.session_id, None
-        try:
-            self._http.delete(f"/v1/sessions/{session_id}", timeout=2.0)
-        except httpx.HTTPError:
-            pass
-
     def _apply(self, run: _Run, result: VerifyResult, sent: int) -> tuple[list[int], int]:
         """Take the server's verdict on the first `sent` pending tokens. Returns the newly verified tokens and how
         many of them were pending tokens (the accepted ones, plus the next one when the target's token equals it)."""
-        a = result.accepted  # checked against the client's state by `_check_answer`
+        a = result.accepted  # checked against the client's state by `connection.check_answer`
         new = run.pending[:a] + [result.next_token]
         confirmed = a
         if a == sent and len(run.pending) > sent and run.pending[sent] == result.next_token:
@@ -724,7 +506,7 @@ class MoAClient(ClientDrafterMixin):
         if keep < cache.get_seq_length():
             cache.truncate(keep)
         if result.context is not None:
-            skip = cache.context_length - result.context_start  # >= 0 (`_check_answer`)
+            skip = cache.context_length - result.context_start  # >= 0 (`connection.check_answer`)
             if result.context.shape[0] > skip:
                 context = result.context[skip:][None].to(self.drafter.device)  # [1, T, d]
                 start, held = cache.context_length, result.context_valid_from  # positions < held have no context

@@ -13,7 +13,6 @@ import httpx
 import torch
 
 from .cache import CachedDrafter, CacheError
-from .client_types import ServerBusy, Unreachable
 from .protocol import DRAFTER_FILE, TOKENIZER_DIR, decode_drafter, lsa_fingerprint, tokenizer_file_bytes
 
 __all__ = ["ClientDrafterMixin"]
@@ -22,16 +21,16 @@ logger = logging.getLogger("moa_hf.serving.client")
 
 
 class ClientDrafterMixin:
-    """The drafter and tokenizer of `MoAClient` (which provides the HTTP plumbing, `info` and the cache)."""
+    """The drafter and tokenizer of `MoAClient` (which provides `connection`, a `ServerConnection`, and the cache)."""
 
     def prepare(self, dtype: torch.dtype = torch.float32) -> dict | None:
         """Ask the server for its /v1/info and get the drafter ready (see `load_drafter`); returns the info, or
         None when the server is unreachable (then the client starts offline, with a cached or given drafter)."""
-        info = self._try_info()
+        info = self.connection.try_info()
         if self.drafter is None or self._stale(info):
             self._dtype = dtype
             self._load_server_drafter(info, fall_back=True)
-            info = self._info
+            info = self.connection.last_info
         self._check_fingerprint(info)
         return info
 
@@ -52,7 +51,7 @@ class ClientDrafterMixin:
         `fall_back`: when that fails for want of the server, take the newest valid cached copy."""
         revision = (info or {}).get("drafter", {}).get("revision")
         if info is not None and (self.cache is None or revision is None):  # no cache (or an older server)
-            blob = self._fetch("/v1/drafter", timeout=httpx.Timeout(600.0, connect=10.0)).content
+            blob = self.connection.fetch("/v1/drafter", timeout=httpx.Timeout(600.0, connect=10.0)).content
             self._set_drafter(decode_drafter(blob, self._dtype), revision)
             return
         entry = None
@@ -65,21 +64,22 @@ class ClientDrafterMixin:
                     if not fall_back:
                         raise ConnectionError(str(err)) from err
                     logger.warning("downloading the server's drafter failed (%s)", err)
-                    self._info, self._unreachable = None, str(err)
+                    self.connection.forget(str(err))
         if entry is None and self.cache is not None:
             entry = self.cache.load(None, self._dtype)
             if entry is not None:
                 logger.warning(
                     "server unreachable (%s): using the cached drafter %s, downloaded %s; every token stays "
                     "unverified until the server answers",
-                    self._unreachable,
+                    self.connection.unreachable,
                     entry.path,
                     time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.manifest["created_at"])),
                 )
         if entry is None:
             where = f"{self.cache.folder} holds no valid cached drafter for it" if self.cache else "the cache is off"
+            why = self.connection.unreachable or f"cannot reach the server at {self.server}"
             raise ConnectionError(
-                f"{self._unreachable or f'cannot reach the server at {self.server}'}; and {where}. Start the server "
+                f"{why}; and {where}. Start the server "
                 "(`moa serve`) and run the client again (it then caches the drafter for offline use), or pass a "
                 "drafter folder (`moa client --drafter DIR`, `MoAClient(drafter=...)`)."
             )
@@ -89,7 +89,7 @@ class ClientDrafterMixin:
         """Download the server's drafter (and tokenizer) into a new cache entry; a failure leaves nothing behind."""
         logger.info("downloading the server's drafter (revision %s) into %s", revision, self.cache.folder)
         with self.cache.writing(revision, info) as tmp:
-            self._download_file("/v1/drafter", tmp / DRAFTER_FILE)
+            self.connection.download("/v1/drafter", tmp / DRAFTER_FILE)
             if info.get("has_tokenizer"):
                 self._write_tokenizer(tmp / TOKENIZER_DIR)
         entry = self.cache.load(revision, self._dtype)
@@ -97,26 +97,9 @@ class ClientDrafterMixin:
             raise CacheError(f"the new cache entry {self.cache.folder / revision} does not load (see the warning)")
         return entry
 
-    def _download_file(self, path: str, dest: Path) -> None:
-        """Stream GET `path` into the file `dest`; `ConnectionError` if the server is unreachable or stops."""
-        try:
-            with self._http.stream("GET", path, timeout=httpx.Timeout(600.0, connect=10.0)) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    self._raise_for_status(response, path)
-                with open(dest, "wb") as f:
-                    for chunk in response.iter_bytes():
-                        f.write(chunk)
-        except httpx.TransportError as err:
-            raise ConnectionError(
-                f"cannot reach the server at {self.server} ({path}): the download broke off ({type(err).__name__})"
-            ) from err
-        except (Unreachable, ServerBusy) as err:
-            raise ConnectionError(f"cannot reach the server at {self.server} ({path}): {err}") from err
-
     def _write_tokenizer(self, folder: Path) -> None:
         """Write the server's tokenizer files (GET /v1/tokenizer) into `folder`."""
-        files = tokenizer_file_bytes(self._fetch("/v1/tokenizer").json())
+        files = tokenizer_file_bytes(self.connection.fetch("/v1/tokenizer").json())
         folder.mkdir(parents=True, exist_ok=True)
         for name, data in files.items():
             (folder / name).write_bytes(data)
