@@ -357,7 +357,9 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
             size = min(CONTEXT_CHUNK, 1 << (m - 1).bit_length())  # m rounded up to a power of two
             if m < size:
                 kv = torch.cat([kv, kv.new_zeros(kv.shape[0], size - m, *kv.shape[2:])], dim=1)  # [B, size, L, W]
-            pos = None if first is None else torch.arange(first + s, first + s + size, device=kv.device)  # [size]
+            pos = None  # positions matter only to un-rotated keys: no tensor built per cycle otherwise
+            if first is not None and self.config.lsa_keys == "unrotated":
+                pos = torch.arange(first + s, first + s + size, device=kv.device)  # [size]
             out.append(self.compute_context(kv, positions=pos)[:, :m])  # [B, m, d]
         return out
 

@@ -41,10 +41,10 @@ from tolerance import assert_close
 NB, H, BS, HD = 7, 3, 4, 5  # all different, so that a transposed or swapped axis shows
 
 
-def _write_cpu_vec(cache: torch.Tensor, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    """vLLM's CPU layout written element by element into the flat memory: per (block, head) a region of 2*bs*hd
-    numbers, the key's element d of offset o at d*bs + o (keys transposed, [hd, bs]), then the value's at
-    bs*hd + o*hd + d ([bs, hd])."""
+def _write_cpu(cache: torch.Tensor, slot: int, k: torch.Tensor, v: torch.Tensor, key_at, value_at) -> None:
+    """Write the key/value of `slot` element by element into the flat memory of a vLLM CPU cache: per (block, head) a
+    region of bs*hd key numbers then bs*hd value numbers, element (o, d) at `key_at(o, d, bs, hd)` /
+    `bs*hd + value_at(o, d, bs, hd)` within it."""
     nb, h, bs, hd2 = cache.shape
     hd = hd2 // 2
     flat = cache.view(-1)
@@ -52,8 +52,14 @@ def _write_cpu_vec(cache: torch.Tensor, slot: int, k: torch.Tensor, v: torch.Ten
     for head in range(h):
         base = (block * h + head) * 2 * bs * hd
         for d in range(hd):
-            flat[base + d * bs + o] = k[head, d]
-            flat[base + bs * hd + o * hd + d] = v[head, d]
+            flat[base + key_at(o, d, bs, hd)] = k[head, d]
+            flat[base + bs * hd + value_at(o, d, bs, hd)] = v[head, d]
+
+
+def _write_cpu_vec(cache: torch.Tensor, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """vLLM's CPU layout: the key's element d of offset o at d*bs + o (keys transposed, [hd, bs]), the value's at
+    o*hd + d ([bs, hd])."""
+    _write_cpu(cache, slot, k, v, lambda o, d, bs, hd: d * bs + o, lambda o, d, bs, hd: o * hd + d)
 
 
 def _write_head_major(cache: torch.Tensor, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -119,19 +125,18 @@ AMX = dict(nb=3, h=2, bs=32, hd=32)  # the "amx" ISA tiles 16 tokens (keys) and 
 
 
 def _write_cpu_amx(cache: torch.Tensor, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    """vLLM's CPU "amx" layout written element by element, as its `cpu_attn_reshape_and_cache(..., "amx")` lays it
-    out (`tests/test_vllm_engine.py` checks the reader against that op): per (block, head) bs*hd key numbers, key
-    (o, d) at (o // 16) * 16 * hd + (d // 2) * 32 + (o % 16) * 2 + d % 2, then bs*hd value numbers, value (o, d) at
+    """vLLM's CPU "amx" layout, as its `cpu_attn_reshape_and_cache(..., "amx")` lays it out
+    (`tests/test_vllm_engine.py` checks the reader against that op): key (o, d) at
+    (o // 16) * 16 * hd + (d // 2) * 32 + (o % 16) * 2 + d % 2, value (o, d) at
     (d // 16) * bs * 16 + (o // 2) * 32 + (d % 16) * 2 + o % 2."""
-    nb, h, bs, hd2 = cache.shape
-    hd = hd2 // 2
-    flat = cache.view(-1)
-    block, o = divmod(slot, bs)
-    for head in range(h):
-        base = (block * h + head) * 2 * bs * hd
-        for d in range(hd):
-            flat[base + (o // 16) * 16 * hd + (d // 2) * 32 + (o % 16) * 2 + d % 2] = k[head, d]
-            flat[base + bs * hd + (d // 16) * bs * 16 + (o // 2) * 32 + (d % 16) * 2 + o % 2] = v[head, d]
+    _write_cpu(
+        cache,
+        slot,
+        k,
+        v,
+        lambda o, d, bs, hd: (o // 16) * 16 * hd + (d // 2) * 32 + (o % 16) * 2 + d % 2,
+        lambda o, d, bs, hd: (d // 16) * bs * 16 + (o // 2) * 32 + (d % 16) * 2 + o % 2,
+    )
 
 
 @pytest.mark.parametrize("read", ["cpu_amx", "cpu_vec", "head_major"])
