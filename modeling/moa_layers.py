@@ -103,10 +103,17 @@ class MoAAttention(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
         return _rope(k, cos, sin), v
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        # q [B, H, Tq, hd], k/v [B, Hkv, Tk, hd], mask bool [B or 1, 1, Tq, Tk] (True = visible) or None (all visible)
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool = False
+    ) -> torch.Tensor:
+        # q [B, H, Tq, hd], k/v [B, Hkv, Tk, hd], mask bool [B or 1, 1, Tq, Tk] (True = visible) or None (all visible);
+        # causal (with mask None, Tq == Tk): query i sees keys j <= i, no mask built (SDPA's causal kernels)
         gqa = self.num_heads != self.num_kv_heads
-        if self.short and mask is None:
+        if causal:
+            if mask is not None or q.shape[2] != k.shape[2]:
+                raise ValueError("causal attention takes no mask and as many queries as keys")
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif self.short and mask is None:
             y = _explicit_attention(q, k, v)
         elif q.shape[2] == 1 and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
             # one drafted token on a CPU: half-precision SDPA is several times slower there than float32 (one query,
@@ -152,13 +159,13 @@ class MoADecoderLayer(GradientCheckpointingLayer):
             c.hidden_act,
         )
 
-    def forward(self, h, cos, sin, mask=None, cache=None):
+    def forward(self, h, cos, sin, mask=None, cache=None, causal=False):
         x = self.input_layernorm(h)
         q = self.self_attn.queries(x, cos, sin)
         k, v = self.self_attn.keys_values(x, cos, sin)
         if cache is not None:
             k, v = cache.append_self(k, v)
-        h = h + self.self_attn.attend(q, k, v, mask)
+        h = h + self.self_attn.attend(q, k, v, mask, causal=causal)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -436,12 +436,12 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         h = self.embed(input_ids)  # [B, T, d]
         cos, sin = self.rotary_emb(pos, h.dtype)
         causal = pos[None, :] <= pos[:, None]  # [T, T]
-        mask = causal[None, None] if sa_mask is None else (sa_mask & causal)[:, None]
+        mask = None if sa_mask is None else (sa_mask & causal)[:, None]  # None: SDPA's causal kernel, no [T, T] mask
         verified = pos[None, None, :] < cycle_starts[:, :, None]  # [B, T, T]: j < start(i)
         ca_mask = verified if target_kv_held is None else verified & target_kv_held[:, None, :]
         outputs = []  # the output of every block: one exit each
         for sa, ca in self.block_layers():
-            h = sa(h, cos, sin, mask=mask)
+            h = sa(h, cos, sin, mask=mask, causal=mask is None)
             ctx_k, ctx_v = ca.context_keys_values(context.to(h.dtype), cos, sin)
             h = ca(h, cos, sin, ctx_k, ctx_v, mask=ca_mask[:, None])
             outputs.append(h)

@@ -334,3 +334,24 @@ def test_moa_train_cli_on_cached_states_records_a_continuing_learning_curve(tmp_
     assert info_b["total_tokens"] == info["tokens"] + info_b["tokens"]
     with pytest.raises(SystemExit, match="one per --data folder"):
         main([*more_args, "--states", "x", "y", "z", "--output", str(tmp_path / "c"), "--max-steps", "1"])
+
+
+def test_soft_ce_can_skip_labels_outside_the_draft_vocabulary(tmp_path, target):
+    torch.manual_seed(0)
+    drafter = moa_hf.build_drafter(target, draft_vocab_size=16)
+    drafter.init_draft_vocab(torch.arange(40, 56), target.get_output_embeddings().weight)
+    data = random_dataset(2)
+    losses = {}
+    for mask in (False, True):
+        args = make_args(tmp_path, mask_outside_draft_vocab=mask)
+        trainer = MoATrainer(model=drafter, target=target, args=args, train_dataset=data)
+        inputs = trainer.data_collator([data[0], data[1]])
+        labels = inputs["labels"]
+        counted = labels != -100
+        states = trainer.target_states(inputs)
+        student = torch.randn(*labels.shape, target.config.hidden_size)
+        losses[mask] = trainer.token_losses(student, None, states, counted, labels=labels)[1]  # soft CE [N]
+    inside = (labels[counted] >= 40) & (labels[counted] < 56)
+    assert 0 < int(inside.sum()) < int(counted.sum())  # both kinds of position are present
+    torch.testing.assert_close(losses[True][inside], losses[False][inside])
+    assert bool((losses[True][~inside] == 0).all()) and bool((losses[False][~inside] > 0).all())

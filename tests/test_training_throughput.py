@@ -187,6 +187,33 @@ def test_the_loss_heads_run_under_bf16_autocast(tmp_path, target):
     assert seen and set(seen) == {torch.bfloat16}
 
 
+def test_sa_runs_sdpa_causal_without_a_mask_and_matches_the_masked_forward(target):
+    """With no SA curriculum the training forward builds no [T, T] SA mask (SDPA's causal kernel): the same hidden
+    states and gradients as the same forward given an all-visible `sa_mask` (which is AND-ed with causal)."""
+    torch.manual_seed(0)
+    drafter = moa_hf.build_drafter(target, lsa_hidden_size=32)
+    ids = torch.randint(3, 100, (2, 12))
+    kv = torch.randn(2, 12, target.config.num_hidden_layers, drafter.config.target_kv_width)
+    starts = torch.tensor([0, 0, 0, 3, 3, 3, 6, 6, 6, 9, 9, 9]).expand(2, 12)
+    seen = []
+    hook = drafter.self_attention.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["mask"]), with_kwargs=True)
+    outs, grads = [], []
+    with drafter.attached(target):
+        for sa_mask in (None, torch.ones(2, 12, 12, dtype=torch.bool)):
+            drafter.zero_grad()
+            out = drafter(ids, target_kv=kv, cycle_starts=starts, sa_mask=sa_mask, return_logits=False).hidden_states
+            out.pow(2).mean().backward()
+            outs.append(out.detach())
+            grads.append(drafter.self_attention.self_attn.q_proj.weight.grad.clone())
+    hook.remove()
+    assert seen[0] is None and seen[1] is not None
+    assert_close(outs[0], outs[1])
+    assert_close(grads[0], grads[1])
+    with pytest.raises(ValueError, match="causal attention takes no mask"):
+        q = torch.randn(1, 2, 3, 8)
+        drafter.self_attention.self_attn.attend(q, q, q, torch.ones(1, 1, 3, 3, dtype=torch.bool), causal=True)
+
+
 def test_gradient_checkpointing_same_gradients_less_kept(target):
     """`activation_checkpointing_enable()` (HF's, as `--activation_checkpointing true` calls it) recomputes the SA, CA
     and LSA layers in the backward: the same gradients in float32, far fewer activations kept for the backward."""

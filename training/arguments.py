@@ -86,6 +86,13 @@ class MoATrainingArguments(TrainingArguments):
     feature_weight: float = field(
         default=1.0, metadata={"help": "Weight of the SmoothL1 loss to the target's final (post-norm) hidden state."}
     )
+    mask_outside_draft_vocab: bool = field(
+        default=False,
+        metadata={
+            "help": "Drafters with a draft vocabulary: no soft cross-entropy at positions whose label (the target's "
+            "next token) is outside it, where the draft head cannot propose the right token (the feature loss stays)."
+        },
+    )
     vocab_chunk_size: int = field(
         default=1024,
         metadata={

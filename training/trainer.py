@@ -646,12 +646,14 @@ class MoATrainer(Trainer):
         states: TargetStates,
         counted: torch.Tensor,
         target_name: str | None = None,
+        labels: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(total, soft CE, feature) loss per counted position, each [N] float32, N = counted.sum().
 
         student: [B, T, d] the hidden states the drafter's head reads; feature: [B, T, d] the drafter's predicted
         target feature (None: no feature loss, e.g. an independent LM); target_name: whose head is the teacher (None:
-        `default_target`)."""
+        `default_target`); labels: [B, T] the next tokens, read by `mask_outside_draft_vocab` (soft CE 0 where the
+        label is outside the draft vocabulary)."""
         args = self.args
         drafter = self.drafter
         n = int(counted.sum())
@@ -679,6 +681,8 @@ class MoATrainer(Trainer):
                 chunk_size=args.vocab_chunk_size,
                 head_frozen=head_frozen,
             )
+            if args.mask_outside_draft_vocab and draft_ids is not None and labels is not None:
+                ce = ce * torch.isin(labels[counted], draft_ids.to(labels.device))  # [N]: 0 where it cannot be right
         ce_weight = args.soft_ce_weight if feature is not None else 1.0  # an independent LM: soft CE only
         return ce_weight * ce + args.feature_weight * feat, ce, feat
 
@@ -724,7 +728,7 @@ class MoATrainer(Trainer):
                 self.accelerator.autocast(),
                 contextlib.nullcontext() if weight > 0 else torch.no_grad(),
             ):
-                per_exit.append(self.token_losses(student, feature, states, counted, target_name=name))
+                per_exit.append(self.token_losses(student, feature, states, counted, name, inputs["labels"]))
         weighted = [(w, part) for w, part in zip(self.exit_weights, per_exit) if w > 0]
         total, ce, feat = (sum(w * part[i] for w, part in weighted) for i in range(3))  # each [N]
         if not model.training:
