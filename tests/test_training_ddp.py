@@ -150,3 +150,15 @@ def test_two_process_fsdp_matches_one_process_and_saves_a_loadable_drafter(singl
     ids = tokenizer("Hello", return_tensors="pt").input_ids
     plain = target.generate(ids, do_sample=False, max_new_tokens=8)
     assert torch.equal(target.generate(ids, do_sample=False, max_new_tokens=8, assistant_model=drafter), plain)
+
+
+@pytest.mark.skipif(ACCELERATE is None, reason="needs the `accelerate` command")
+def test_two_process_deepspeed_zero2_matches_one_process(single, tmp_path):
+    """DeepSpeed ZeRO-2 through `accelerate launch --use_deepspeed` (its CPU accelerator, gloo): the losses and weights
+    of one process, and a saved drafter that loads. Needs `pip install deepspeed` (the `deepspeed` extra)."""
+    pytest.importorskip("deepspeed")
+    _launch(["--use_deepspeed", "--zero_stage", "2"], single, tmp_path / "zero2", tmp_path / "states4", tmp_path)
+    _same_training(single[2], tmp_path / "zero2")
+    import moa_hf
+
+    assert moa_hf.load_drafter(tmp_path / "zero2").config.target_fingerprint
