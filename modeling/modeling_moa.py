@@ -435,7 +435,8 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
             context = self.compute_context(target_kv, where=read, positions=pos)
         h = self.embed(input_ids)  # [B, T, d]
         cos, sin = self.rotary_emb(pos, h.dtype)
-        causal = pos[None, :] <= pos[:, None]  # [T, T]
+        needs_causal = sa_mask is not None or self.config.target_layer_inference > 0
+        causal = pos[None, :] <= pos[:, None] if needs_causal else None  # [T, T], built only where a mask reads it
         mask = None if sa_mask is None else (sa_mask & causal)[:, None]  # None: SDPA's causal kernel, no [T, T] mask
         verified = pos[None, None, :] < cycle_starts[:, :, None]  # [B, T, T]: j < start(i)
         ca_mask = verified if target_kv_held is None else verified & target_kv_held[:, None, :]
