@@ -58,7 +58,9 @@ def measure_costs(target, drafter, input_ids: torch.Tensor, repeats: int = 20, g
     """Median timings on `input_ids` (one prompt) with the drafter attached to the target; `exits`: the drafting cost
     per token at each exit (`exit_costs`, minimum timings) and `exit1_over_full_depth`."""
     cache = DynamicCache(config=target.config)
-    target(input_ids[:, :-1], use_cache=True, **{CACHE_NAME: cache})
+    reads_hidden = getattr(drafter.config, "context_final_hidden", False)
+    prefill = target(input_ids[:, :-1], use_cache=True, output_hidden_states=reads_hidden, **{CACHE_NAME: cache})
+    hidden = prefill.hidden_states[-1] if reads_hidden else None  # [1, n-1, D]: the target's final hidden states
     n = input_ids.shape[1]
     last = input_ids[:, -1:]
 
@@ -71,7 +73,7 @@ def measure_costs(target, drafter, input_ids: torch.Tensor, repeats: int = 20, g
         cache.crop(-5)
 
     dcache = MoADrafterCache()
-    drafter.extend_context(dcache, drafter.read_context(cache, 0, n - 1))
+    drafter.extend_context(dcache, drafter.read_context(cache, 0, n - 1, hidden))
     drafter.draft_step(input_ids[:, :-1], dcache)
 
     def draft_token():
@@ -79,7 +81,7 @@ def measure_costs(target, drafter, input_ids: torch.Tensor, repeats: int = 20, g
         dcache.crop(n - 1)
 
     def lsa_3_tokens():  # what a drafting cycle does for 3 newly verified tokens: gather + LSA
-        drafter.read_context(cache, n - 4, n - 1)
+        drafter.read_context(cache, n - 4, n - 1, None if hidden is None else hidden[:, n - 4 :])
 
     result = {
         "target_decode_step_ms": _median_ms(target_step, repeats, input_ids.device),

@@ -228,6 +228,15 @@ class MoADrafterConfig(PreTrainedConfig):
         lsa_layers: the target layers the LSA reads (indices, in order; None: every layer).
         lsa_pooling: how the LSA's per-layer outputs become one vector per token: "mean" over layers (the paper) or
             "last" (the output at the last layer read).
+        context_final_hidden: the context vector of token j also reads the target's post-norm final hidden state at
+            j (what its LM head reads: its own next-token prediction, which no key or value holds), projected by
+            `Eh2E` and added to the LSA's. At inference the drafter reads those states with a hook on the target's
+            decoder (the `assistant_model` path) or from the engine's verification forward. False: the paper's
+            drafter, keys/values only.
+        ca_latest_context: the CA's input also adds a projection (`latest_proj`) of the newest context vector the
+            position may read (of token start(i)-1: the last verified one), so the target's latest state reaches
+            every drafted token directly, as an EAGLE drafter feeds it the previous feature, besides through
+            attention over all verified tokens. One block only (`num_blocks=1`).
         target_layer_inference: N in the paper. 0: the target's LM head reads the CA output. N > 0: the CA output is
             the predicted activation after target layer L-N, and the target's last N layers, final norm and head run.
         own_embeddings: keep (and save) the drafter's own copy of the embedding and LM head, for standalone use
@@ -290,6 +299,8 @@ class MoADrafterConfig(PreTrainedConfig):
     lsa_keys: str = "rotated"
     lsa_layers: list[int] | None = None
     lsa_pooling: str = "mean"
+    context_final_hidden: bool = False
+    ca_latest_context: bool = False
     # Target Layer Inference.
     target_layer_inference: int = 0
     own_embeddings: bool = False
@@ -345,6 +356,11 @@ class MoADrafterConfig(PreTrainedConfig):
             raise ValueError(
                 f"num_blocks={self.num_blocks} (sorted exits) needs target_layer_inference=0, got "
                 f"{self.target_layer_inference}: every exit feeds the LM head directly. Use one of the two."
+            )
+        if self.num_blocks > 1 and self.ca_latest_context:
+            raise ValueError(
+                f"ca_latest_context=True needs num_blocks=1 (got {self.num_blocks}): sorted exits do not feed the "
+                "newest context to their deeper blocks. Use one of the two."
             )
         if self.exit_thresholds is not None:
             self.exit_thresholds = check_exit_thresholds(self.exit_thresholds, self.num_blocks)

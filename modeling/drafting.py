@@ -43,6 +43,7 @@ __all__ = [
     "CACHE_NAME",
     "DrafterMixin",
     "DraftingSession",
+    "FeatureTap",
     "LayerKV",
     "RollbackCache",
     "SpeculationStats",
@@ -144,6 +145,40 @@ class TargetTap:
 
     def post_hook(self, module, args, kwargs, output):
         self.seconds += time.perf_counter() - self._t0
+
+
+class FeatureTap:
+    """Forward hooks on the target's decoder: its post-norm final hidden states by position, [B, P, d].
+
+    Each decoder call covers positions start..start+T-1, start = the length of the cache it was given; it overwrites
+    whatever was stored from `start` on (positions of rejected drafts get recomputed). Only positions the target has
+    verified are ever read (see `EagleDrafterModel._sync`, and `MoADrafterModel._sync` with `context_final_hidden`).
+    """
+
+    def __init__(self):
+        self.features: torch.Tensor | None = None
+        self._start = 0
+
+    def reset(self) -> None:
+        self.features = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.features is None else self.features.shape[1]
+
+    def pre_hook(self, module, args, kwargs):
+        cache = cache_argument(kwargs)
+        self._start = cache.get_seq_length() if cache is not None else 0
+
+    def post_hook(self, module, args, kwargs, output):
+        hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        hidden = hidden.detach()  # [B, T_new, d]
+        if self._start == 0:
+            self.features = hidden
+        elif self._start <= self.length and hidden.shape[0] == self.features.shape[0]:
+            self.features = torch.cat([self.features[:, : self._start], hidden], dim=1)
+        else:  # a gap (calls the drafter did not see): earlier positions are unknown, keep nothing
+            self.features = None
 
 
 def register_hooks(module: nn.Module, tap) -> list:

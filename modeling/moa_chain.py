@@ -40,6 +40,7 @@ class MoADrafterCache(RollbackCache):
         self.tli: DynamicCache | None = None
         self.tli_verified = 0  # the TLI cache holds the target's own keys/values for positions < tli_verified
         self.cycle_starts: list[int] = []  # per SA position p: its CA read the context of positions < this
+        self.contexts: torch.Tensor | None = None  # [B, M, d] the context vectors themselves (`ca_latest_context`)
         self.deep: list[DeepBlock] = []  # blocks 2..K of a sorted drafter
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -60,8 +61,11 @@ class MoADrafterCache(RollbackCache):
         self.sa_keys, self.sa_values = k, v
         return k, v
 
-    def append_context(self, k, v, valid: torch.Tensor | None = None):
-        """Append CA keys/values [B, Hkv, T, hd] of the next positions; `valid`: bool [T] (None: all valid)."""
+    def append_context(self, k, v, valid: torch.Tensor | None = None, context: torch.Tensor | None = None):
+        """Append CA keys/values [B, Hkv, T, hd] of the next positions; `valid`: bool [T] (None: all valid);
+        `context`: their context vectors [B, T, d], kept for `latest_context` (None: not kept)."""
+        if context is not None:
+            self.contexts = context if self.contexts is None else torch.cat([self.contexts, context], dim=1)
         if valid is not None and self.ca_valid is None and not bool(valid.all()):
             self.ca_valid = torch.ones(self.context_length, dtype=torch.bool, device=k.device)  # [M]
         if self.ca_valid is not None:
@@ -70,6 +74,16 @@ class MoADrafterCache(RollbackCache):
         if self.ca_keys is not None:
             k, v = torch.cat([self.ca_keys, k], dim=2), torch.cat([self.ca_values, v], dim=2)
         self.ca_keys, self.ca_values = k, v
+
+    def latest_context(self) -> torch.Tensor | None:
+        """[B, 1, d]: the context vector of the newest verified position that has one (None: none kept or none
+        yet, which the CA reads as zeros)."""
+        if self.contexts is None or self.contexts.shape[1] == 0:
+            return None
+        if self.ca_valid is None:
+            return self.contexts[:, -1:]
+        held = self.ca_valid.nonzero()
+        return self.contexts[:, int(held[-1]) : int(held[-1]) + 1] if len(held) else None
 
     def crop_self(self, length: int) -> None:
         """Keep the SA keys/values of positions < `length` only; the CA memory (verified context) stays."""
@@ -102,6 +116,8 @@ class MoADrafterCache(RollbackCache):
                 block.ca_keys, block.ca_values = block.ca_keys[:, :, :length], block.ca_values[:, :, :length]
         if self.ca_valid is not None:
             self.ca_valid = self.ca_valid[:length]
+        if self.contexts is not None:
+            self.contexts = self.contexts[:, :length]
         if self.tli_length > length:
             self.tli.crop(length - self.tli_length)
         self.tli_verified = min(self.tli_verified, length)
@@ -138,7 +154,8 @@ class MoAChainDrafting:
         start = cache.context_length
         cos, sin = self.rotary(torch.arange(start, start + context.shape[1], device=context.device), context.dtype)
         layers = self.layers()
-        cache.append_context(*layers[0][1].context_keys_values(context, cos, sin), valid=valid)
+        kept = context if self.config.ca_latest_context else None  # for `latest_context`
+        cache.append_context(*layers[0][1].context_keys_values(context, cos, sin), valid=valid, context=kept)
         for block, (_, ca) in zip(self.exits.deep_blocks(cache), layers[1:]):
             block.append_context(*ca.context_keys_values(context, cos, sin))
 
@@ -168,7 +185,8 @@ class MoAChainDrafting:
             return self.exits.draft(h, past, cos, sin, cache, cycle=cycle)  # [B, V], [B, 1]
         h = h[:, -1:]  # only the last position drafts
         ca_mask = None if cache.ca_valid is None else cache.ca_valid[None, None, None, :]  # [1, 1, 1, M]
-        h = cross_attention(h, cos[-1:], sin[-1:], cache.ca_keys, cache.ca_values, mask=ca_mask)
+        latest = cache.latest_context() if self.config.ca_latest_context else None  # [B, 1, d] or None
+        h = cross_attention(h, cos[-1:], sin[-1:], cache.ca_keys, cache.ca_values, mask=ca_mask, latest=latest)
         if self.config.target_layer_inference > 0:
             if cache.tli is None:
                 cache.tli = DynamicCache()

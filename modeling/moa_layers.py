@@ -185,13 +185,18 @@ class MoACrossAttentionLayer(GradientCheckpointingLayer):
         self.null_value = nn.Parameter(torch.zeros(hkv, 1, hd))
         self.post_attention_layernorm = MoARMSNorm(d, config.rms_norm_eps)
         self.mlp = MoAMLP(d, config.intermediate_size, config.hidden_act)
+        if getattr(config, "ca_latest_context", False):  # the newest verified context, added to the input
+            self.latest_proj = nn.Linear(d, d, bias=False)
 
     def context_keys_values(self, context, cos, sin):
         return self.attn.keys_values(self.input_layernorm(context), cos, sin)
 
-    def forward(self, h, cos, sin, ctx_k, ctx_v, mask=None):
-        # h [B, T, d]; ctx_k/ctx_v [B, Hkv, M, hd]; mask bool [B, 1, T, M] or None (all M visible)
+    def forward(self, h, cos, sin, ctx_k, ctx_v, mask=None, latest=None):
+        # h [B, T, d]; ctx_k/ctx_v [B, Hkv, M, hd]; mask bool [B, 1, T, M] or None (all M visible); latest [B, T or 1,
+        # d]: the newest context vector each position may read (`ca_latest_context`), or None
         B, T, _ = h.shape
+        if latest is not None:
+            h = h + self.latest_proj(latest.to(h.dtype))  # [B, T, d]
         q = self.attn.queries(self.input_layernorm(h), cos, sin)
         k = torch.cat([self.null_key.to(ctx_k.dtype).expand(B, -1, -1, -1), ctx_k], dim=2)  # [B, Hkv, 1+M, hd]
         v = torch.cat([self.null_value.to(ctx_v.dtype).expand(B, -1, -1, -1), ctx_v], dim=2)

@@ -35,6 +35,7 @@ class MoATreeState(TreeState):
     ca_valid: torch.Tensor
     root_exits: torch.Tensor
     node_exits: torch.Tensor
+    latest: torch.Tensor  # [B, d] each row's newest verified context vector (`ca_latest_context`; zeros: none)
     deep: list[DeepBlock] = field(default_factory=list)  # blocks 2..K of a sorted drafter
 
     def append_context(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
@@ -115,6 +116,7 @@ class MoATreeDrafting:
             ca_valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=device),  # [B, 0]
             root_exits=torch.ones(batch_size, dtype=torch.long, device=device),  # [B]
             node_exits=torch.ones(batch_size, 0, dtype=torch.long, device=device),  # [B, 0]
+            latest=torch.zeros(batch_size, c.hidden_size, dtype=dtype, device=device),  # [B, d]
         )
         if c.num_blocks > 1:
             self.exits.deep_blocks(state)
@@ -129,23 +131,32 @@ class MoATreeDrafting:
         valid: torch.Tensor,
         prev_slots: torch.Tensor,
         target_cache,
+        prev_hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Feed newly verified `tokens` [B, n] (right-aligned; `valid` [B, n] False on left padding; `positions`
         [B, n] real positions). CA memory: the context (LSA) of the target's keys/values at `prev_slots` [B, n]
         (the token at position-1; -1: none) of `target_cache` (a transformers cache, or a function reading another
         engine's cache: slots [B, m] -> [B, m, L, 2*Hkv*hd], as `moa_hf.vllm` reads vLLM's), with RoPE at
-        position-1. Returns float32 logits [B, V] of the token after each row's last one (the tree root's children),
-        from the exit each row's root leaves at; the deeper blocks run on these tokens when a later token first
-        needs them."""
+        position-1; `prev_hidden` [B, n, D]: the target's final hidden states at `prev_slots` (read by a drafter
+        with `context_final_hidden` only). Returns float32 logits [B, V] of the token after each row's last one (the
+        tree root's children), from the exit each row's root leaves at; the deeper blocks run on these tokens when a
+        later token first needs them."""
         state.end_tree()
         # a transformers cache, or a reader of another engine's cache (vLLM's paged one): slots -> [B, m, L, W]
         read = target_cache if callable(target_cache) else functools.partial(gather_target_kv_at, target_cache)
-        context = torch.cat(self.context(lambda s, e: read(prev_slots[:, s:e]), tokens.shape[1]), dim=1)
+        gather = lambda s, e: read(prev_slots[:, s:e])  # noqa: E731  [B, e-s, L, W]
+        context = torch.cat(self.context(gather, tokens.shape[1], target_hidden=prev_hidden), dim=1)  # [B, n, d]
         cos, sin = self.rotary(positions - 1, context.dtype)  # [B, n, hd]: the context is position-1's
         layers = self.layers()
         self_attention, cross_attention = layers[0]
         k, v = cross_attention.context_keys_values(context, cos, sin)  # [B, Hkv, n, hd]
-        state.append_context(k, v, valid & (prev_slots >= 0))
+        read = valid & (prev_slots >= 0)  # [B, n] tokens whose previous position has a context
+        state.append_context(k, v, read)
+        if self.config.ca_latest_context and tokens.shape[1]:  # the newest read context of each row
+            n = tokens.shape[1]
+            last = n - 1 - read.flip(1).to(torch.int8).argmax(1)  # [B] the last index read (any, if none)
+            newest = context[torch.arange(context.shape[0], device=context.device), last]  # [B, d]
+            state.latest = torch.where(read.any(1)[:, None], newest.to(state.latest.dtype), state.latest)
         for block, (_, ca) in zip(state.deep, layers[1:]):
             block.append_context(*ca.context_keys_values(context, cos, sin))
         h = self.embed(tokens)  # [B, n, d]
@@ -186,4 +197,5 @@ class MoATreeDrafting:
         """CA over the verified context of each row and the head: h [B, T, d] -> float32 logits [B, T, V]."""
         mask = state.ca_valid[:, None, None, :]  # [B, 1, 1, M]
         cross_attention = self.layers()[0][1]
-        return self.head(cross_attention(h, cos, sin, state.ca_keys, state.ca_values, mask=mask))
+        latest = state.latest[:, None] if self.config.ca_latest_context else None  # [B, 1, d]
+        return self.head(cross_attention(h, cos, sin, state.ca_keys, state.ca_values, mask=mask, latest=latest))

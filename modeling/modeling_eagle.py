@@ -23,11 +23,11 @@ from .configuration_eagle import EagleDrafterConfig, eagle_unsupported_target_re
 from .drafting import (
     DrafterMixin,
     DraftingSession,
+    FeatureTap,
     LayerKV,
     RollbackCache,
     TargetTap,
     TreeState,
-    cache_argument,
     decoder_of,
     register_hooks,
 )
@@ -91,40 +91,6 @@ class EagleTreeState(TreeState):
         self.node_features = self.node_features[:, :0]  # [B, 0, d]
 
 
-class _FeatureTap:
-    """Forward hooks on the target's decoder: its post-norm final hidden states by position, [B, P, d].
-
-    Each decoder call covers positions start..start+T-1, start = the length of the cache it was given; it overwrites
-    whatever was stored from `start` on (positions of rejected drafts get recomputed). Only positions the target has
-    verified are ever read (see `EagleDrafterModel._sync`).
-    """
-
-    def __init__(self):
-        self.features: torch.Tensor | None = None
-        self._start = 0
-
-    def reset(self) -> None:
-        self.features = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.features is None else self.features.shape[1]
-
-    def pre_hook(self, module, args, kwargs):
-        cache = cache_argument(kwargs)
-        self._start = cache.get_seq_length() if cache is not None else 0
-
-    def post_hook(self, module, args, kwargs, output):
-        hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
-        hidden = hidden.detach()  # [B, T_new, d]
-        if self._start == 0:
-            self.features = hidden
-        elif self._start <= self.length and hidden.shape[0] == self.features.shape[0]:
-            self.features = torch.cat([self.features[:, : self._start], hidden], dim=1)
-        else:  # a gap (calls the drafter did not see): earlier positions are unknown, keep nothing
-            self.features = None
-
-
 @dataclass
 class _EagleAttachment:
     """References to what the drafter borrows from the target (plain references: not submodules, never saved)."""
@@ -133,7 +99,7 @@ class _EagleAttachment:
     embed: nn.Module
     lm_head: nn.Module
     tap: TargetTap
-    features: _FeatureTap
+    features: FeatureTap
     handles: list
 
 
@@ -188,7 +154,7 @@ class EagleDrafterModel(DrafterMixin, EaglePreTrainedModel, GenerationMixin):
             self.detach()
         self.check_target(target, allow_other_target=allow_other_target)
         decoder = decoder_of(target)
-        tap, features = TargetTap(on_new_session=self._start_session), _FeatureTap()
+        tap, features = TargetTap(on_new_session=self._start_session), FeatureTap()
         handles = register_hooks(target, tap)
         try:
             handles += register_hooks(decoder, features)

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
@@ -43,7 +44,7 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import rotate_half
 
 from .configuration_moa import PRIMARY_TARGET, MoADrafterConfig
-from .drafting import DrafterMixin, DraftingSession, TargetTap
+from .drafting import DrafterMixin, DraftingSession, FeatureTap, TargetTap
 from .moa_chain import MoAChainDrafting, MoADrafterCache
 from .moa_layers import (
     MoAAttention,
@@ -192,6 +193,8 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
             short=True,  # one sequence of target layers per token, no mask
         )
         self.Ekv2E = nn.Linear(c.lsa_hidden_size, c.hidden_size, bias=True)  # authors' name for the LSA projection
+        if c.context_final_hidden:  # the target's final hidden state of the token, added to its context vector
+            self.Eh2E = nn.Linear(c.target_hidden_size, c.hidden_size, bias=False)
         self.rotary_emb = MoARotaryEmbedding(c.head_dim, c.rope_theta)
         self.lsa_rotary_emb = MoARotaryEmbedding(lsa_head_dim, 10000.0)
         if c.lsa_keys == "unrotated":  # the target's own rotation, undone on the keys the LSA reads
@@ -261,21 +264,33 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
     # The three attentions
     # -----------------------------------------------------------------------------------------------------------------
     def compute_context(
-        self, target_kv: torch.Tensor, where: torch.Tensor | None = None, positions: torch.Tensor | None = None
+        self,
+        target_kv: torch.Tensor,
+        where: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        target_hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """LSA: [B, T, L, 2*Hkv*hd] target keys/values per layer -> [B, T, d] one context vector per token.
 
         where: optional bool [B, T], the tokens whose context is needed (training: not padding, held by the target);
         the LSA runs on those only and the others get zero vectors. positions: [B, T] or [T] the tokens' positions in
-        their sequence (needed by `lsa_keys="unrotated"` only, which undoes the target's RoPE there)."""
+        their sequence (needed by `lsa_keys="unrotated"` only, which undoes the target's RoPE there). target_hidden:
+        [B, T, D] the target's post-norm final hidden states of the same tokens (needed by `context_final_hidden`
+        only, whose `Eh2E` projection of them is added)."""
         B, T = target_kv.shape[:2]
         if positions is not None:
             positions = positions.expand(B, T)
         if self._context_ablated:  # `context_ablated()`: what the drafter does without the target's state
             return target_kv.new_zeros(B, T, self.config.hidden_size, dtype=self.dtype)
+        if self.config.context_final_hidden and target_hidden is None:
+            raise ValueError(
+                "This drafter reads the target's final hidden states (context_final_hidden=True): pass "
+                "`target_hidden` [B, T, D], the target's post-norm last hidden states of the same tokens."
+            )
         if where is not None and not bool(where.all()):
             pos = None if positions is None else positions[where][None]  # [1, N]
-            picked = self.compute_context(target_kv[where][None], positions=pos)[0]  # [N, d] for the N tokens picked
+            hidden = target_hidden[where][None] if self.config.context_final_hidden else None  # [1, N, D]
+            picked = self.compute_context(target_kv[where][None], positions=pos, target_hidden=hidden)[0]  # [N, d]
             return picked.new_zeros(B, T, picked.shape[-1]).masked_scatter(where[..., None], picked)  # [B, T, d]
         if not torch.is_autocast_enabled(target_kv.device.type):  # autocast: the projection reads them as they are
             target_kv = target_kv.to(self.dtype)
@@ -290,7 +305,10 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         cos, sin = self.lsa_rotary_emb(torch.arange(L, device=x.device), x.dtype)  # position = layer index
         x = self.layer_self_attention(x, cos, sin, mask=None)  # no mask across layers
         pooled = x.mean(dim=1) if self.config.lsa_pooling == "mean" else x[:, -1]  # [B*T, lsa_hidden]
-        return self.Ekv2E(pooled).view(B, T, -1)  # [B, T, d]
+        context = self.Ekv2E(pooled).view(B, T, -1)  # [B, T, d]
+        if self.config.context_final_hidden:
+            context = context + self.Eh2E(target_hidden.to(context.dtype))  # [B, T, d]
+        return context
 
     def lsa_inputs(self, target_kv: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         """What the LSA reads of the target's keys/values [B, T, L, Hkv*2*hd] (`config.lsa_layers`, `lsa_keys`):
@@ -324,8 +342,11 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         finally:
             self._context_ablated = False
 
-    def read_context(self, target_cache, start: int, end: int) -> torch.Tensor:
-        """Context vectors [B, end-start, d] of target positions [start, end) read from the target's cache.
+    def read_context(
+        self, target_cache, start: int, end: int, target_hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Context vectors [B, end-start, d] of target positions [start, end) read from the target's cache (and, with
+        `context_final_hidden`, `target_hidden` [B, end-start, D]: the target's final hidden states there).
 
         The LSA treats every token on its own (attention runs across layers, never across tokens), so the positions
         are read in chunks of `CONTEXT_CHUNK` tokens and the last chunk is zero-padded to a power of two (then cut
@@ -339,28 +360,38 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         2.74-2.80 for a tiny target with window 8 < prompt 24 (1500 training steps, 3 runs, 96 held-out prompts).
         """
         lo = min(max(start, oldest_held_position(target_cache)), end)  # positions [lo, end) are held by every layer
-        out = self._context_chunks(lambda s, e: gather_target_kv(target_cache, lo + s, lo + e), end - lo, first=lo)
+        hidden = None if target_hidden is None else target_hidden[:, lo - start :]  # [B, end-lo, D]
+        gather = lambda s, e: gather_target_kv(target_cache, lo + s, lo + e)  # noqa: E731  [B, e-s, L, W]
+        out = self._context_chunks(gather, end - lo, first=lo, target_hidden=hidden)
         keys = target_cache.layers[0].keys
         dropped = keys.new_zeros(keys.shape[0], lo - start, self.config.hidden_size, dtype=self.dtype)  # no context
         return torch.cat([dropped, *out], dim=1)  # [B, end-start, d]
 
     def _context_chunks(
-        self, gather: Callable[[int, int], torch.Tensor], n: int, first: int | None = None
+        self,
+        gather: Callable[[int, int], torch.Tensor],
+        n: int,
+        first: int | None = None,
+        target_hidden: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Context vectors of n tokens in chunks [B, <= CONTEXT_CHUNK, d], from `gather(s, e)`: their target
         keys/values [B, e-s, L, W] of tokens s..e-1 (each chunk zero-padded to a power of two, see `read_context`).
-        first: the position of token 0 (None: unknown, e.g. slots of a tree)."""
+        first: the position of token 0 (None: unknown, e.g. slots of a tree). target_hidden: [B, n, D] the target's
+        final hidden states of the n tokens (`context_final_hidden`)."""
         out = []
         for s in range(0, n, CONTEXT_CHUNK):
             kv = gather(s, min(n, s + CONTEXT_CHUNK))  # [B, m, L, W]
             m = kv.shape[1]
             size = min(CONTEXT_CHUNK, 1 << (m - 1).bit_length())  # m rounded up to a power of two
+            hidden = None if target_hidden is None else target_hidden[:, s : s + m]  # [B, m, D]
             if m < size:
                 kv = torch.cat([kv, kv.new_zeros(kv.shape[0], size - m, *kv.shape[2:])], dim=1)  # [B, size, L, W]
+                if hidden is not None:
+                    hidden = F.pad(hidden, (0, 0, 0, size - m))  # [B, size, D]
             pos = None  # positions matter only to un-rotated keys: no tensor built per cycle otherwise
             if first is not None and self.config.lsa_keys == "unrotated":
                 pos = torch.arange(first + s, first + s + size, device=kv.device)  # [size]
-            out.append(self.compute_context(kv, positions=pos)[:, :m])  # [B, m, d]
+            out.append(self.compute_context(kv, positions=pos, target_hidden=hidden)[:, :m])  # [B, m, d]
         return out
 
     def _tli(self, h, positions, tli_cache, mask=None):
@@ -374,6 +405,7 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor,
         target_kv: torch.Tensor | None = None,
         context: torch.Tensor | None = None,
+        target_hidden: torch.Tensor | None = None,
         target_kv_held: torch.Tensor | None = None,
         cycle_starts: torch.LongTensor | None = None,
         sa_mask: torch.Tensor | None = None,
@@ -390,6 +422,8 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
             input_ids: [B, T] tokens.
             target_kv: [B, T, L, 2*Hkv*hd] the target's keys/values per layer (see `gather_target_kv`), or
             context: [B, T, d] precomputed context vectors.
+            target_hidden: [B, T, D] the target's post-norm final hidden states (with `target_kv`, for a drafter
+                with `context_final_hidden`).
             target_kv_held: optional bool [B, T]: whether every target layer still held token j's key/value when it
                 was read at inference (a sliding-window layer drops old positions; see `held_at_reads`); tokens it
                 was not are kept out of the CA memory, as at inference. None: all held.
@@ -406,7 +440,9 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         """
         with self.using_target(target_name):
             args = (context, target_kv_held, cycle_starts, sa_mask, target_tli_kv, return_logits, exits)
-            return self._forward(input_ids, target_kv, *args, attention_mask=attention_mask)
+            return self._forward(
+                input_ids, target_kv, *args, attention_mask=attention_mask, target_hidden=target_hidden
+            )
 
     def _forward(
         self,
@@ -420,6 +456,7 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         return_logits,
         exits,
         attention_mask=None,
+        target_hidden=None,
     ) -> MoADrafterOutput:
         B, T = input_ids.shape
         device = input_ids.device
@@ -432,7 +469,7 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
             read = None if attention_mask is None else attention_mask.bool()  # [B, T]: tokens the CA may read
             if target_kv_held is not None:
                 read = target_kv_held if read is None else read & target_kv_held
-            context = self.compute_context(target_kv, where=read, positions=pos)
+            context = self.compute_context(target_kv, where=read, positions=pos, target_hidden=target_hidden)
         h = self.embed(input_ids)  # [B, T, d]
         cos, sin = self.rotary_emb(pos, h.dtype)
         needs_causal = sa_mask is not None or self.config.target_layer_inference > 0
@@ -440,11 +477,15 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         mask = None if sa_mask is None else (sa_mask & causal)[:, None]  # None: SDPA's causal kernel, no [T, T] mask
         verified = pos[None, None, :] < cycle_starts[:, :, None]  # [B, T, T]: j < start(i)
         ca_mask = verified if target_kv_held is None else verified & target_kv_held[:, None, :]
+        latest = None  # [B, T, d]: the context of token start(i)-1, the newest one position i reads (zeros: none)
+        if self.config.ca_latest_context:
+            newest = (cycle_starts - 1).clamp(min=0)[..., None].expand(-1, -1, context.shape[-1])  # [B, T, d]
+            latest = context.gather(1, newest) * (cycle_starts > 0)[..., None].to(context.dtype)
         outputs = []  # the output of every block: one exit each
         for sa, ca in self.block_layers():
             h = sa(h, cos, sin, mask=mask, causal=mask is None)
             ctx_k, ctx_v = ca.context_keys_values(context.to(h.dtype), cos, sin)
-            h = ca(h, cos, sin, ctx_k, ctx_v, mask=ca_mask[:, None])
+            h = ca(h, cos, sin, ctx_k, ctx_v, mask=ca_mask[:, None], latest=latest)
             outputs.append(h)
         final = None
         if self.config.target_layer_inference > 0:
@@ -488,12 +529,27 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         if end > start:
             held = oldest_held_position(target_cache)  # 0 unless a sliding-window layer dropped older positions
             valid = None if start >= held else torch.arange(start, end) >= held  # [T] held by every layer
-            self.extend_context(cache, self.read_context(target_cache, start, end), valid=valid)
+            hidden = self._tapped_hidden(start, end)  # [B, end-start, D] or None (keys/values only)
+            self.extend_context(cache, self.read_context(target_cache, start, end, hidden), valid=valid)
             if self._session is not None:
                 self._session.context_reads.append((start, end))
         if self.config.target_layer_inference > 0:
             last = self.config.target_num_hidden_layers
             cache.sync_tli(target_cache, range(last - self.config.target_layer_inference, last), end)
+
+    def _tapped_hidden(self, start: int, end: int) -> torch.Tensor | None:
+        """The target's final hidden states [B, end-start, D] of verified positions [start, end), as the hook on its
+        decoder recorded them (`context_final_hidden`; None without it)."""
+        if not self.config.context_final_hidden:
+            return None
+        features = self._attachment.features
+        if features.length < end:
+            raise RuntimeError(
+                f"The target's final hidden states of positions {features.length}..{end - 1} were not recorded: the "
+                "drafter reads them with a hook on the target's decoder, which missed a target call (was the target "
+                "called outside `generate` between drafting calls?). Start a new `generate` call."
+            )
+        return features.features[:, start:end]
 
     def extend_context(self, cache: MoADrafterCache, context: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Append context vectors [B, T, d] of the next verified positions to the CA memory of `cache`.
@@ -608,9 +664,15 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         name = self.check_target(target, allow_other_target=allow_other_target)
         self.select_target(name or PRIMARY_TARGET)
         tap = TargetTap(on_new_session=self._start_session)
-        self._attachment = Attachment.borrow(target, tap, self.config.target_layer_inference)
+        features = FeatureTap() if self.config.context_final_hidden else None
+        self._attachment = Attachment.borrow(target, tap, self.config.target_layer_inference, features)
         self._start_session()
         return self
+
+    def _start_session(self) -> None:
+        if self._attachment is not None and self._attachment.features is not None:
+            self._attachment.features.reset()  # hidden states of an earlier generate call are stale
+        super()._start_session()
 
     def keep_first_block(self) -> "MoADrafterModel":
         """Drop blocks 2..K of a sorted drafter: it then drafts every token at exit 1, as the full drafter does with
@@ -646,12 +708,25 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         self._check_tree()
         return self.tree.start(batch_size, dtype=self.dtype, device=self.device)
 
+    @property
+    def needs_target_hidden(self) -> bool:
+        """Whether `tree_catch_up` reads `prev_hidden`, the target's final hidden states (`context_final_hidden`)."""
+        return bool(self.config.context_final_hidden)
+
     def tree_catch_up(
         self, state, tokens, positions, valid, prev_slots, target_cache, prev_hidden=None
     ) -> torch.Tensor:
         """Feed newly verified tokens; float32 logits [B, V] of the tree roots' children (`MoATreeDrafting.catch_up`;
-        `prev_hidden`, the target's final hidden states, is not read)."""
-        return self.tree.catch_up(state, tokens, positions, valid, prev_slots, target_cache)
+        `prev_hidden` [B, n, D], the target's final hidden states at `prev_slots`, is read by a drafter with
+        `context_final_hidden` only)."""
+        if self.config.context_final_hidden and prev_hidden is None:
+            raise ValueError(
+                "tree_catch_up of a MoA drafter with context_final_hidden=True (`needs_target_hidden`) needs "
+                "`prev_hidden`: the target's final hidden states (`outputs.hidden_states[-1]`) at `prev_slots`, "
+                "[B, n, D]."
+            )
+        hidden = prev_hidden if self.config.context_final_hidden else None
+        return self.tree.catch_up(state, tokens, positions, valid, prev_slots, target_cache, hidden)
 
     def tree_step(self, state, tokens, positions, parents) -> torch.Tensor:
         """Feed one depth of tree nodes; float32 logits [B, k, V] of their next tokens (`MoATreeDrafting.step`)."""

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .configuration_moa import PRIMARY_TARGET, tli_unsupported_reason, unsupported_target_reason
-from .drafting import CACHE_NAME, TargetTap, decoder_of, register_hooks, weights_difference
+from .drafting import CACHE_NAME, FeatureTap, TargetTap, decoder_of, register_hooks, weights_difference
 from .drafting import target_fingerprint as fingerprint_of
 
 __all__ = [
@@ -102,12 +102,24 @@ class Attachment:
     rotary: Callable | None
     tap: TargetTap
     handles: list
+    features: FeatureTap | None = None  # the target's final hidden states, for `context_final_hidden`
 
     @classmethod
-    def borrow(cls, target: nn.Module, tap: TargetTap, num_tli_layers: int) -> "Attachment":
+    def borrow(
+        cls, target: nn.Module, tap: TargetTap, num_tli_layers: int, features: FeatureTap | None = None
+    ) -> "Attachment":
         """Borrow the target's embedding, LM head (and last `num_tli_layers` layers with its final norm and RoPE) and
-        register `tap`'s hooks on it (removed again with `handles`)."""
+        register `tap`'s hooks on it (and `features`' on its decoder, when given; all removed again with
+        `handles`)."""
         n, decoder = num_tli_layers, decoder_of(target)
+        handles = register_hooks(target, tap)
+        if features is not None:
+            try:
+                handles += register_hooks(decoder, features)
+            except BaseException:
+                for handle in handles:
+                    handle.remove()
+                raise
         return cls(
             target=target,
             embed=target.get_input_embeddings(),
@@ -116,7 +128,8 @@ class Attachment:
             final_norm=getattr(decoder, "norm", None) if n > 0 else None,
             rotary=full_attention_rotary(decoder) if n > 0 else None,
             tap=tap,
-            handles=register_hooks(target, tap),
+            handles=handles,
+            features=features,
         )
 
     def run_tli(self, h: torch.Tensor, positions: torch.Tensor, tli_cache, mask=None) -> torch.Tensor:

@@ -14,9 +14,9 @@ from moa_hf import EagleDrafterConfig, EagleDrafterModel
 from factory import tiny_target, tiny_tokenizer
 
 
-def _moa(target, seed=0):
+def _moa(target, seed=0, **overrides):
     torch.manual_seed(seed)
-    drafter = moa_hf.build_drafter(target, lookup_num_tokens=8).eval()
+    drafter = moa_hf.build_drafter(target, lookup_num_tokens=8, **overrides).eval()
     return drafter
 
 
@@ -25,11 +25,14 @@ def _eagle(target, seed=0):
     return EagleDrafterModel(EagleDrafterConfig.from_target_config(target.config, num_hidden_layers=1)).eval()
 
 
-@pytest.mark.parametrize("kind", ["moa", "eagle"])
+@pytest.mark.parametrize("kind", ["moa", "moa-hidden", "moa-latest", "eagle"])
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3-sliding", "mistral-sliding"])
 def test_real_drafters_lossless_batch1_and_batch3(family, kind):
     target = _peaked(family)
-    drafter = (_moa if kind == "moa" else _eagle)(target)
+    if kind == "eagle":
+        drafter = _eagle(target)
+    else:  # the context reads the target's final hidden states too; the CA's input adds the newest context
+        drafter = _moa(target, context_final_hidden=kind == "moa-hidden", ca_latest_context=kind == "moa-latest")
     torch.manual_seed(2)
     seed = torch.randint(3, 128, (4,))
     loop = target.generate(seed[None], max_new_tokens=24, do_sample=False)[0]  # a peaked target repeats itself
@@ -41,7 +44,7 @@ def test_real_drafters_lossless_batch1_and_batch3(family, kind):
     assert out.sequences[0, prompts[1].shape[0] :].tolist() == refs[1].tolist()
     stats = out.speculation_stats[0]
     assert stats.drafted_tokens > 0 and stats.generated_tokens == 20
-    if kind == "moa":
+    if kind != "eagle":
         assert stats.lookup_tokens > 0
     ids, mask = _left_pad(prompts)
     out = moa_hf.generate(target, drafter, ids, attention_mask=mask, **settings)

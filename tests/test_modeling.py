@@ -58,11 +58,15 @@ def test_shapes_and_dtypes(family):
     assert c.num_hidden_layers == 1
 
 
-@pytest.mark.parametrize("tli", [0, 1, 2])
-def test_incremental_equals_parallel(tli):
-    """Caches + incremental drafting give the logits of a from-scratch parallel pass with the same cycles (fp32)."""
+@pytest.mark.parametrize("tli,latest", [(0, False), (1, False), (2, False), (0, True), (1, True)])
+def test_incremental_equals_parallel(tli, latest):
+    """Caches + incremental drafting give the logits of a from-scratch parallel pass with the same cycles (fp32);
+    latest: the CA's input adds the newest verified context (`ca_latest_context`)."""
     target = make_target("llama")
-    drafter = moa_hf.build_drafter(target, target_layer_inference=tli).eval().attach(target)
+    drafter = moa_hf.build_drafter(target, target_layer_inference=tli, ca_latest_context=latest).eval().attach(target)
+    if latest:
+        with torch.no_grad():
+            drafter.cross_attention.latest_proj.weight.normal_(0.0, 0.5)  # large enough to matter
     T = 24
     ids = torch.randint(3, 128, (1, T))
     starts = _random_starts(T, seed=tli)

@@ -119,10 +119,12 @@ def test_sa_curriculum_mask_and_schedule(tmp_path, target):
     assert trainer.simulated_cycles(batch)[1] is None
 
 
-@pytest.mark.parametrize("tli", [0, 1])
-def test_no_position_sees_target_state_at_or_after_its_cycle_start(tmp_path, target, tli):
+@pytest.mark.parametrize("tli,hidden", [(0, False), (1, False), (0, True)])
+def test_no_position_sees_target_state_at_or_after_its_cycle_start(tmp_path, target, tli, hidden):
+    """hidden: a drafter whose context reads the target's final hidden states too (`context_final_hidden`) and
+    whose CA's input adds the newest context (`ca_latest_context`)."""
     trainer = MoATrainer(
-        model=make_drafter(target, target_layer_inference=tli),
+        model=make_drafter(target, target_layer_inference=tli, context_final_hidden=hidden, ca_latest_context=hidden),
         target=target,
         args=make_args(tmp_path),
         train_dataset=random_dataset(4),
@@ -139,6 +141,7 @@ def test_no_position_sees_target_state_at_or_after_its_cycle_start(tmp_path, tar
             out = drafter(
                 input_ids=batch["input_ids"],
                 target_kv=s.target_kv,
+                target_hidden=s.final_hidden,
                 cycle_starts=starts,
                 target_tli_kv=s.tli_kv,
                 return_logits=False,
@@ -158,7 +161,9 @@ def test_no_position_sees_target_state_at_or_after_its_cycle_start(tmp_path, tar
             for k, v in tli_kv:
                 k[:, :, cut:] += torch.randn(k[:, :, cut:].shape, generator=g)
                 v[:, :, cut:] += torch.randn(v[:, :, cut:].shape, generator=g)
-        perturbed = per_position(training.TargetStates(kv, states.feature, states.final_hidden, tli_kv))
+        final = states.final_hidden.clone()
+        final[:, cut:] += torch.randn(final[:, cut:].shape, generator=g)
+        perturbed = per_position(training.TargetStates(kv, states.feature, final, tli_kv))
         blind = starts <= cut  # these positions may only read the state of tokens j < start(i) <= cut
         torch.testing.assert_close(perturbed[blind], reference[blind], rtol=0, atol=1e-6)
         if (~blind).any():  # the rest do read it: the check can fail

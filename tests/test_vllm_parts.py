@@ -764,6 +764,8 @@ def test_only_kinds_registered_for_vllm_draft_there():
     assert "'independent'" in reason and "moa" in reason and "transformers" in reason
     tli = sorted_drafter(target, num_blocks=1, target_layer_inference=1)
     assert "Target Layer Inference (N=1)" in unsupported_drafter_reason(tli)
+    hidden = sorted_drafter(target, num_blocks=1, context_final_hidden=True)
+    assert "final hidden states" in unsupported_drafter_reason(hidden)
 
 
 # -- a row's one-off catch-up against the tokens it has left ---------------------------------------------------------

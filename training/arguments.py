@@ -472,6 +472,20 @@ class DrafterArguments:
             "help": "MoA: one vector per token from the LSA's outputs per layer: their mean (default) or the last.",
         },
     )
+    context_final_hidden: bool = field(
+        default=False,
+        metadata={
+            "help": "MoA: each verified token's context vector also reads the target's post-norm final hidden state "
+            "(a linear projection added to the LSA's); default off (the paper: keys/values only)."
+        },
+    )
+    ca_latest_context: bool = field(
+        default=False,
+        metadata={
+            "help": "MoA: the CA's input also adds a projection of the newest context vector each position may read "
+            "(the last verified token's), as an EAGLE drafter feeds the previous feature; one block only."
+        },
+    )
     init_from_target_layer: int | None = field(
         default=None,
         metadata={"metavar": "I", "help": "Start the drafter's decoder layers from the target's layer I (e.g. -1)."},

@@ -244,6 +244,8 @@ class MoAAdapter(_AttachingAdapter):
         "lsa_keys": "lsa_keys",
         "lsa_layers": "lsa_layers",
         "lsa_pooling": "lsa_pooling",
+        "context_final_hidden": "context_final_hidden",
+        "ca_latest_context": "ca_latest_context",
         "init_from_target_layer": "init_from_target_layer",
         "num_blocks": "num_blocks",
     }
@@ -305,6 +307,7 @@ class MoAAdapter(_AttachingAdapter):
         outputs = model(
             input_ids=inputs["input_ids"],
             target_kv=states.target_kv,
+            target_hidden=states.final_hidden,
             target_kv_held=states.target_kv_held,
             cycle_starts=cycle_starts,
             sa_mask=sa_mask,

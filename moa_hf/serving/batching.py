@@ -37,6 +37,7 @@ from transformers.cache_utils import DynamicLayer
 from ..modeling import CACHE_NAME
 from ..modeling.configuration_moa import target_layer_windows
 from ..modeling.custom_generate.engine import tree_attention_mask
+from .target_hidden import HiddenRecordingCache, record_hidden
 
 __all__ = [
     "Admission",
@@ -140,10 +141,15 @@ class _Layout:
 
 
 def _forward_one(target, cache, tokens: list[int], keep: int) -> torch.Tensor | None:
-    """A single row: the target over `tokens` on its own cache (no padding, no mask); logits [keep, V] or None."""
+    """A single row: the target over `tokens` on its own cache (no padding, no mask); logits [keep, V] or None (and
+    a `HiddenRecordingCache` records the final hidden states of the tokens)."""
     device = target.device
     ids = torch.tensor([tokens], device=device)  # [1, q]
-    out = target(input_ids=ids, use_cache=True, logits_to_keep=max(1, keep), **{CACHE_NAME: cache})
+    hidden, start = isinstance(cache, HiddenRecordingCache), cache.get_seq_length()
+    out = target(
+        input_ids=ids, use_cache=True, logits_to_keep=max(1, keep), output_hidden_states=hidden, **{CACHE_NAME: cache}
+    )
+    record_hidden([cache], [start], [out.hidden_states[-1][0] if hidden else None])  # [q, D]
     return out.logits[0, -keep:].float() if keep else None  # [keep, V]
 
 
@@ -187,14 +193,19 @@ def batched_forward(target, caches: list, inputs: list[list[int]], keep: list[in
             S = max(s for _, s in held)
             masks[kind] = _kind_mask(held, S, q_pos, q_visible, layout.windows.get(kind), layout, device)
     attention_mask = masks if len(masks) > 1 else next(iter(masks.values()))
+    hidden = any(isinstance(c, HiddenRecordingCache) for c in caches)  # a drafter reads the final hidden states
     out = target(
         input_ids=ids,
         attention_mask=attention_mask,
         position_ids=q_pos,
         use_cache=True,
         logits_to_keep=max(1, max(keep)),
+        output_hidden_states=hidden,
         **{CACHE_NAME: temp},
     )
+    if hidden:  # row b's real tokens are its last len(x) columns: [len(x), D] each
+        rows = [out.hidden_states[-1][b, Q - len(x) :] for b, x in enumerate(inputs)]
+        record_hidden(caches, start.tolist(), rows)
     width = out.logits.shape[1]
     return [out.logits[b, width - k :].float() if k else None for b, k in enumerate(keep)]  # [k, V] per row
 

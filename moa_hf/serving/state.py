@@ -39,6 +39,7 @@ from .protocol import (
     lsa_fingerprint,
     tokenizer_file_bytes,
 )
+from .target_hidden import HiddenRecordingCache
 
 __all__ = ["ClientGone", "ServerLimits", "ServingState", "Session", "accept_drafts", "default_memory_budget"]
 
@@ -152,6 +153,9 @@ class ServingState:
         self.fingerprint = lsa_fingerprint(self.drafter)
         self.target_fingerprint = target_fingerprint(self.target)
         self.bytes_per_token = kv_bytes_per_token(target.config, target.dtype)
+        self.reads_hidden = bool(getattr(self.drafter.config, "context_final_hidden", False))
+        if self.reads_hidden:  # its sessions' caches also keep the target's final hidden states
+            self.bytes_per_token += target.get_input_embeddings().weight.shape[1] * target.dtype.itemsize
         self.sessions: OrderedDict[str, Session] = OrderedDict()
         self.expired: deque[str] = deque(maxlen=1024)
         self.lock = threading.Lock()
@@ -401,7 +405,7 @@ class ServingState:
         session = Session(
             id=secrets.token_urlsafe(16),
             verified=list(req.input_ids),
-            cache=DynamicCache(config=self.target.config),
+            cache=(HiddenRecordingCache if self.reads_hidden else DynamicCache)(config=self.target.config),
             request=req,
             generator=generator,
             reserved_tokens=tokens,
@@ -536,7 +540,9 @@ class ServingState:
         session.verified.extend(drafts[:accepted] + [next_token])
         context, valid_from = None, 0
         if req.want_context:
-            context = self.drafter.read_context(session.cache, min(context_start, new_len), new_len)  # [1, T, d]
+            start = min(context_start, new_len)
+            hidden = session.cache.hidden_between(start, new_len) if self.reads_hidden else None  # [1, T, D]
+            context = self.drafter.read_context(session.cache, start, new_len, hidden)  # [1, T, d]
             context = context[0].float().cpu()  # [T, d]
             valid_from = oldest_held_position(session.cache)  # older positions were read as zeros
         return VerifyResult(

@@ -76,7 +76,8 @@ def unsupported_reason(vllm_config, options: MoAVllmOptions) -> str | None:
 
 def unsupported_drafter_reason(drafter) -> str | None:
     """Why moa_hf.vllm cannot draft with this drafter (a sentence), or None: its kind in the drafter-type registry
-    must declare `vllm_support`, and it must not infer the target's last layers (TLI)."""
+    must declare `vllm_support`, and it must neither infer the target's last layers (TLI) nor read the target's final
+    hidden states (`context_final_hidden`)."""
     record = drafter_type(drafter)
     if not record.vllm_support:
         served = ", ".join(t.kind for t in drafter_types() if t.vllm_support)
@@ -89,6 +90,12 @@ def unsupported_drafter_reason(drafter) -> str | None:
             f"it uses Target Layer Inference (N={drafter.config.target_layer_inference}): it runs the target's last "
             "layers on every drafted token, which inside vLLM would need the target's own layers and paged cache for "
             "drafted positions. Use a drafter with target_layer_inference=0 in vLLM."
+        )
+    if getattr(drafter.config, "context_final_hidden", False):
+        return (
+            "it reads the target's final hidden states (context_final_hidden=True), which vLLM's custom proposer "
+            "interface does not hand over (only the paged key/value cache is read). Serve it with transformers "
+            "(`moa_hf.generate` or `assistant_model=`), or use a drafter with context_final_hidden=False in vLLM."
         )
     return None
 
