@@ -141,11 +141,18 @@ class MoATreeDrafting:
         with `context_final_hidden` only). Returns float32 logits [B, V] of the token after each row's last one (the
         tree root's children), from the exit each row's root leaves at; the deeper blocks run on these tokens when a
         later token first needs them."""
+        if self.config.context_final_hidden and prev_hidden is None:
+            raise ValueError(
+                "tree_catch_up of a MoA drafter with context_final_hidden=True (`needs_target_hidden`) needs "
+                "`prev_hidden`: the target's final hidden states (`outputs.hidden_states[-1]`) at `prev_slots`, "
+                "[B, n, D]."
+            )
+        hidden = prev_hidden if self.config.context_final_hidden else None
         state.end_tree()
         # a transformers cache, or a reader of another engine's cache (vLLM's paged one): slots -> [B, m, L, W]
         read = target_cache if callable(target_cache) else functools.partial(gather_target_kv_at, target_cache)
         gather = lambda s, e: read(prev_slots[:, s:e])  # noqa: E731  [B, e-s, L, W]
-        context = torch.cat(self.context(gather, tokens.shape[1], target_hidden=prev_hidden), dim=1)  # [B, n, d]
+        context = torch.cat(self.context(gather, tokens.shape[1], target_hidden=hidden), dim=1)  # [B, n, d]
         cos, sin = self.rotary(positions - 1, context.dtype)  # [B, n, hd]: the context is position-1's
         layers = self.layers()
         self_attention, cross_attention = layers[0]

@@ -32,6 +32,7 @@ This file ships inside every Hub repo as remote code: it imports only torch, tra
 """
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,7 +42,6 @@ from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import ModelOutput
-from transformers.models.llama.modeling_llama import rotate_half
 
 from .configuration_moa import PRIMARY_TARGET, MoADrafterConfig
 from .drafting import DrafterMixin, DraftingSession, FeatureTap, TargetTap
@@ -57,7 +57,7 @@ from .moa_layers import (
 )
 from .moa_tree import MoATreeDrafting, MoATreeState
 from .sorted_exits import MoASortedExits
-from .target_cache import gather_target_kv, gather_target_kv_at, oldest_held_position
+from .target_cache import gather_target_kv, gather_target_kv_at, lsa_view, oldest_held_position
 from .target_parts import Attachment, MoALinear, MoALoRA, MoATargetParts, MoATargets
 
 __all__ = [
@@ -122,6 +122,38 @@ def draft_vocab_ids(token_ids, config: MoADrafterConfig) -> torch.Tensor:
 # -------------------------------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------------------------------
+def context_in_chunks(
+    compute_context: Callable[..., torch.Tensor],
+    gather: Callable[[int, int], torch.Tensor],
+    n: int,
+    config: MoADrafterConfig,
+    first: int | None = None,
+    target_hidden: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """Context vectors of n tokens in chunks [B, <= CONTEXT_CHUNK, d], from `gather(s, e)`: their target keys/values
+    [B, e-s, L, W] of tokens s..e-1, each chunk zero-padded to a power of two (then cut off again). The LSA treats
+    every token on its own (attention runs across layers, never across tokens), so it only ever sees a handful of
+    shapes (a long prompt costs no new kernel set-up on a CPU), a cycle's few new tokens stay cheap, and memory stays
+    bounded.
+    first: the position of token 0 (None: unknown, e.g. slots of a tree). target_hidden: [B, n, D] the target's final
+    hidden states of the n tokens (`context_final_hidden`)."""
+    out = []
+    for s in range(0, n, CONTEXT_CHUNK):
+        kv = gather(s, min(n, s + CONTEXT_CHUNK))  # [B, m, L, W]
+        m = kv.shape[1]
+        size = min(CONTEXT_CHUNK, 1 << (m - 1).bit_length())  # m rounded up to a power of two
+        hidden = None if target_hidden is None else target_hidden[:, s : s + m]  # [B, m, D]
+        if m < size:
+            kv = torch.cat([kv, kv.new_zeros(kv.shape[0], size - m, *kv.shape[2:])], dim=1)  # [B, size, L, W]
+            if hidden is not None:
+                hidden = F.pad(hidden, (0, 0, 0, size - m))  # [B, size, D]
+        pos = None  # positions matter only to un-rotated keys: no tensor built per cycle otherwise
+        if first is not None and config.lsa_keys == "unrotated":
+            pos = torch.arange(first + s, first + s + size, device=kv.device)  # [size]
+        out.append(compute_context(kv, positions=pos, target_hidden=hidden)[:, :m])  # [B, m, d]
+    return out
+
+
 class MoAPreTrainedModel(PreTrainedModel):
     config_class = MoADrafterConfig
     config: MoADrafterConfig
@@ -213,7 +245,8 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         for name, spec in (c.extra_targets or {}).items():
             self.target_parts[name] = self.targets.new_parts(int(spec.get("lora_rank", 0)))
         self.sorted_exits = MoASortedExits(c, self.block_layers, self._exit_logits, self.targets)
-        parts = (self.embed, self.rotary_emb, self.block_layers, self._context_chunks, self.head, self.sorted_exits)
+        chunks = functools.partial(context_in_chunks, self.compute_context, config=c)  # (gather, n, ...)
+        parts = (self.embed, self.rotary_emb, self.block_layers, chunks, self.head, self.sorted_exits)
         self.tree = MoATreeDrafting(c, *parts)
         parts = (self.embed, self.rotary_emb, self.block_layers, self.head, self.sorted_exits, self._tli)
         self.chain = MoAChainDrafting(c, *parts)
@@ -283,10 +316,7 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         if self._context_ablated:  # `context_ablated()`: what the drafter does without the target's state
             return target_kv.new_zeros(B, T, self.config.hidden_size, dtype=self.dtype)
         if self.config.context_final_hidden and target_hidden is None:
-            raise ValueError(
-                "This drafter reads the target's final hidden states (context_final_hidden=True): pass "
-                "`target_hidden` [B, T, D], the target's post-norm last hidden states of the same tokens."
-            )
+            raise ValueError("context_final_hidden=True: pass `target_hidden` [B, T, D], the target's final states.")
         if where is not None and not bool(where.all()):
             pos = None if positions is None else positions[where][None]  # [1, N]
             hidden = target_hidden[where][None] if self.config.context_final_hidden else None  # [1, N, D]
@@ -311,26 +341,8 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         return context
 
     def lsa_inputs(self, target_kv: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        """What the LSA reads of the target's keys/values [B, T, L, Hkv*2*hd] (`config.lsa_layers`, `lsa_keys`):
-        [B, T, L', W'] with L' the layers read and W' = Hkv*2*hd (keys and values) or Hkv*hd (values only)."""
-        c = self.config
-        if c.lsa_layers is not None:
-            target_kv = target_kv[:, :, c.lsa_layers]  # [B, T, L', Hkv*2*hd]
-        if c.lsa_keys == "rotated":
-            return target_kv
-        kv = target_kv.unflatten(-1, (c.target_num_key_value_heads, 2, c.target_head_dim))  # [B, T, L', Hkv, 2, hd]
-        keys, values = kv.unbind(-2)  # 2 x [B, T, L', Hkv, hd]
-        if c.lsa_keys == "none":
-            return values.flatten(-2)  # [B, T, L', Hkv*hd]
-        if positions is None:
-            raise ValueError(
-                "lsa_keys='unrotated' undoes the target's RoPE at each token's position: pass `positions` "
-                "(this drafting path does not know them)."
-            )
-        cos, sin = self.target_rotary_emb(positions.expand(target_kv.shape[:2]), torch.float32)  # [B, T, hd]
-        cos, sin = cos[:, :, None, None], sin[:, :, None, None]  # [B, T, 1, 1, hd]
-        keys = (keys.float() * cos - rotate_half(keys.float()) * sin).to(values.dtype)  # rotation by -position
-        return torch.stack([keys, values], dim=-2).flatten(-3)  # [B, T, L', Hkv*2*hd]
+        """What the LSA reads of the target's keys/values [B, T, L, Hkv*2*hd]: [B, T, L', W'] (`lsa_view`)."""
+        return lsa_view(self.config, target_kv, positions, getattr(self, "target_rotary_emb", None))
 
     @contextlib.contextmanager
     def context_ablated(self):
@@ -347,11 +359,7 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
     ) -> torch.Tensor:
         """Context vectors [B, end-start, d] of target positions [start, end) read from the target's cache (and, with
         `context_final_hidden`, `target_hidden` [B, end-start, D]: the target's final hidden states there).
-
-        The LSA treats every token on its own (attention runs across layers, never across tokens), so the positions
-        are read in chunks of `CONTEXT_CHUNK` tokens and the last chunk is zero-padded to a power of two (then cut
-        off again): the LSA only ever sees a handful of shapes (a long prompt costs no new kernel set-up on CPU), a
-        cycle's few new tokens stay cheap, and memory stays bounded.
+        The LSA reads them in chunks (`context_in_chunks`).
 
         Positions older than `oldest_held_position` (a sliding-window layer of the target has dropped them: the start
         of a prompt longer than the window, read at the first cycle) have no context: their vectors are zero, and
@@ -362,37 +370,10 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         lo = min(max(start, oldest_held_position(target_cache)), end)  # positions [lo, end) are held by every layer
         hidden = None if target_hidden is None else target_hidden[:, lo - start :]  # [B, end-lo, D]
         gather = lambda s, e: gather_target_kv(target_cache, lo + s, lo + e)  # noqa: E731  [B, e-s, L, W]
-        out = self._context_chunks(gather, end - lo, first=lo, target_hidden=hidden)
+        out = context_in_chunks(self.compute_context, gather, end - lo, self.config, lo, hidden)
         keys = target_cache.layers[0].keys
         dropped = keys.new_zeros(keys.shape[0], lo - start, self.config.hidden_size, dtype=self.dtype)  # no context
         return torch.cat([dropped, *out], dim=1)  # [B, end-start, d]
-
-    def _context_chunks(
-        self,
-        gather: Callable[[int, int], torch.Tensor],
-        n: int,
-        first: int | None = None,
-        target_hidden: torch.Tensor | None = None,
-    ) -> list[torch.Tensor]:
-        """Context vectors of n tokens in chunks [B, <= CONTEXT_CHUNK, d], from `gather(s, e)`: their target
-        keys/values [B, e-s, L, W] of tokens s..e-1 (each chunk zero-padded to a power of two, see `read_context`).
-        first: the position of token 0 (None: unknown, e.g. slots of a tree). target_hidden: [B, n, D] the target's
-        final hidden states of the n tokens (`context_final_hidden`)."""
-        out = []
-        for s in range(0, n, CONTEXT_CHUNK):
-            kv = gather(s, min(n, s + CONTEXT_CHUNK))  # [B, m, L, W]
-            m = kv.shape[1]
-            size = min(CONTEXT_CHUNK, 1 << (m - 1).bit_length())  # m rounded up to a power of two
-            hidden = None if target_hidden is None else target_hidden[:, s : s + m]  # [B, m, D]
-            if m < size:
-                kv = torch.cat([kv, kv.new_zeros(kv.shape[0], size - m, *kv.shape[2:])], dim=1)  # [B, size, L, W]
-                if hidden is not None:
-                    hidden = F.pad(hidden, (0, 0, 0, size - m))  # [B, size, D]
-            pos = None  # positions matter only to un-rotated keys: no tensor built per cycle otherwise
-            if first is not None and self.config.lsa_keys == "unrotated":
-                pos = torch.arange(first + s, first + s + size, device=kv.device)  # [size]
-            out.append(self.compute_context(kv, positions=pos, target_hidden=hidden)[:, :m])  # [B, m, d]
-        return out
 
     def _tli(self, h, positions, tli_cache, mask=None):
         """Run the target's last N layers (with `tli_cache` holding their keys/values) and final norm on h."""
@@ -529,27 +510,13 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         if end > start:
             held = oldest_held_position(target_cache)  # 0 unless a sliding-window layer dropped older positions
             valid = None if start >= held else torch.arange(start, end) >= held  # [T] held by every layer
-            hidden = self._tapped_hidden(start, end)  # [B, end-start, D] or None (keys/values only)
+            hidden = att.final_hidden(start, end) if self.config.context_final_hidden else None  # [B, T, D]
             self.extend_context(cache, self.read_context(target_cache, start, end, hidden), valid=valid)
             if self._session is not None:
                 self._session.context_reads.append((start, end))
         if self.config.target_layer_inference > 0:
             last = self.config.target_num_hidden_layers
             cache.sync_tli(target_cache, range(last - self.config.target_layer_inference, last), end)
-
-    def _tapped_hidden(self, start: int, end: int) -> torch.Tensor | None:
-        """The target's final hidden states [B, end-start, D] of verified positions [start, end), as the hook on its
-        decoder recorded them (`context_final_hidden`; None without it)."""
-        if not self.config.context_final_hidden:
-            return None
-        features = self._attachment.features
-        if features.length < end:
-            raise RuntimeError(
-                f"The target's final hidden states of positions {features.length}..{end - 1} were not recorded: the "
-                "drafter reads them with a hook on the target's decoder, which missed a target call (was the target "
-                "called outside `generate` between drafting calls?). Start a new `generate` call."
-            )
-        return features.features[:, start:end]
 
     def extend_context(self, cache: MoADrafterCache, context: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Append context vectors [B, T, d] of the next verified positions to the CA memory of `cache`.
@@ -717,16 +684,8 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         self, state, tokens, positions, valid, prev_slots, target_cache, prev_hidden=None
     ) -> torch.Tensor:
         """Feed newly verified tokens; float32 logits [B, V] of the tree roots' children (`MoATreeDrafting.catch_up`;
-        `prev_hidden` [B, n, D], the target's final hidden states at `prev_slots`, is read by a drafter with
-        `context_final_hidden` only)."""
-        if self.config.context_final_hidden and prev_hidden is None:
-            raise ValueError(
-                "tree_catch_up of a MoA drafter with context_final_hidden=True (`needs_target_hidden`) needs "
-                "`prev_hidden`: the target's final hidden states (`outputs.hidden_states[-1]`) at `prev_slots`, "
-                "[B, n, D]."
-            )
-        hidden = prev_hidden if self.config.context_final_hidden else None
-        return self.tree.catch_up(state, tokens, positions, valid, prev_slots, target_cache, hidden)
+        `prev_hidden` [B, n, D], the target's final hidden states at `prev_slots`, for `context_final_hidden`)."""
+        return self.tree.catch_up(state, tokens, positions, valid, prev_slots, target_cache, prev_hidden)
 
     def tree_step(self, state, tokens, positions, parents) -> torch.Tensor:
         """Feed one depth of tree nodes; float32 logits [B, k, V] of their next tokens (`MoATreeDrafting.step`)."""

@@ -1,11 +1,14 @@
 """Reading the target's cache for the MoA drafter: per-layer keys/values of a transformers cache gathered into
 [B, T, L, 2*Hkv*hd] (`gather_target_kv`, by slot `gather_target_kv_at`), which positions a sliding-window layer still
-holds (`oldest_held_position`, `held_capacities`, `held_at_reads`), and the training-time cycle starts.
+holds (`oldest_held_position`, `held_capacities`, `held_at_reads`), the training-time cycle starts, and what the
+LSA reads of the keys/values (`lsa_view`).
 
-This file ships inside every Hub repo as remote code (a sibling of modeling_moa.py): it imports only torch.
+This file ships inside every Hub repo as remote code (a sibling of modeling_moa.py): it imports only torch and
+transformers.
 """
 
 import torch
+from transformers.models.llama.modeling_llama import rotate_half
 
 __all__ = [
     "cycle_starts_from_restarts",
@@ -15,6 +18,7 @@ __all__ = [
     "held_at_reads",
     "held_capacities",
     "joined_kv",
+    "lsa_view",
     "oldest_held_position",
     "split_target_kv",
 ]
@@ -122,3 +126,27 @@ def cycle_starts_from_restarts(restart: torch.Tensor) -> torch.Tensor:
     pos = torch.arange(T, device=restart.device).expand(B, T)
     marks = torch.where(restart, pos, torch.zeros_like(pos))
     return torch.cummax(marks, dim=1).values  # [B, T]
+
+
+def lsa_view(config, target_kv: torch.Tensor, positions: torch.Tensor | None, target_rotary=None) -> torch.Tensor:
+    """What a MoA drafter's LSA reads of the target's keys/values [B, T, L, Hkv*2*hd] (`config.lsa_layers`,
+    `lsa_keys`): [B, T, L', W'] with L' the layers read and W' = Hkv*2*hd (keys and values) or Hkv*hd (values only).
+    `lsa_keys="unrotated"` undoes the target's RoPE (`target_rotary`: its rotary embedding) at `positions` [B, T]."""
+    c = config
+    if c.lsa_layers is not None:
+        target_kv = target_kv[:, :, c.lsa_layers]  # [B, T, L', Hkv*2*hd]
+    if c.lsa_keys == "rotated":
+        return target_kv
+    kv = target_kv.unflatten(-1, (c.target_num_key_value_heads, 2, c.target_head_dim))  # [B, T, L', Hkv, 2, hd]
+    keys, values = kv.unbind(-2)  # 2 x [B, T, L', Hkv, hd]
+    if c.lsa_keys == "none":
+        return values.flatten(-2)  # [B, T, L', Hkv*hd]
+    if positions is None:
+        raise ValueError(
+            "lsa_keys='unrotated' undoes the target's RoPE at each token's position: pass `positions` "
+            "(this drafting path does not know them)."
+        )
+    cos, sin = target_rotary(positions.expand(target_kv.shape[:2]), torch.float32)  # [B, T, hd]
+    cos, sin = cos[:, :, None, None], sin[:, :, None, None]  # [B, T, 1, 1, hd]
+    keys = (keys.float() * cos - rotate_half(keys.float()) * sin).to(values.dtype)  # rotation by -position
+    return torch.stack([keys, values], dim=-2).flatten(-3)  # [B, T, L', Hkv*2*hd]

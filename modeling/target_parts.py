@@ -132,6 +132,17 @@ class Attachment:
             features=features,
         )
 
+    def final_hidden(self, start: int, end: int) -> torch.Tensor:
+        """The target's final hidden states [B, end-start, D] of verified positions [start, end), as the hook on its
+        decoder (`features`) recorded them (a drafter with `context_final_hidden`)."""
+        if self.features is None or self.features.length < end:
+            raise RuntimeError(
+                f"The target's final hidden states up to position {end - 1} were not recorded: the drafter reads them "
+                "with a hook on the target's decoder, which missed a target call (was the target called outside "
+                "`generate` between drafting calls?). Start a new `generate` call."
+            )
+        return self.features.features[:, start:end]
+
     def run_tli(self, h: torch.Tensor, positions: torch.Tensor, tli_cache, mask=None) -> torch.Tensor:
         """Target Layer Inference: the borrowed last N layers (their keys/values of earlier positions in `tli_cache`)
         and final norm on h [B, T, d] at `positions` [1, T]; `mask`: additive [B, 1, T, S] or None."""

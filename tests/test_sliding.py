@@ -212,13 +212,13 @@ def test_hooks_read_only_cached_positions_and_training_masks_the_same(family):
     reads, caches = [], []  # (start, end, oldest held position, kv of the held ones, context) per read
     real_read, real_sync = drafter.read_context, drafter._sync
 
-    def read_spy(cache, start, end):
+    def read_spy(cache, start, end, target_hidden=None):
         oldest = oldest_held_position(cache)
         if start < oldest:  # what the target's cache no longer holds cannot be read
             with pytest.raises(ValueError, match=f"holds positions >= {oldest} only"):
                 gather_target_kv(cache, start, end)
         kv = gather_target_kv(cache, max(start, oldest), end)[0]
-        context = real_read(cache, start, end)
+        context = real_read(cache, start, end, target_hidden)
         reads.append((start, end, oldest, kv, context[0]))
         return context
 
@@ -370,9 +370,9 @@ def test_gemma3_270m_real_weights_lossless_and_reads_cached_positions_only():
     def generate(drafter):
         real_read = drafter.read_context
 
-        def read_spy(cache, start, end):
+        def read_spy(cache, start, end, target_hidden=None):
             reads.append((start, end, oldest_held_position(cache)))
-            return real_read(cache, start, end)
+            return real_read(cache, start, end, target_hidden)
 
         drafter.read_context = read_spy
         reads.clear()

@@ -264,7 +264,8 @@ def test_draft_chain_stops_each_row_at_its_first_stop():
 
 def test_flags_and_unsupported_drafters():
     target = make_target("llama")
-    assert EagleDrafterModel.needs_target_hidden and not moa_hf.MoADrafterModel.needs_target_hidden
+    assert EagleDrafterModel.needs_target_hidden and not moa_hf.build_drafter(target).needs_target_hidden
+    assert moa_hf.build_drafter(target, context_final_hidden=True).needs_target_hidden  # reads `prev_hidden`
     assert moa_hf.build_drafter(target).tree_unsupported_reason() is None
     tli = moa_hf.build_drafter(target, target_layer_inference=1).attach(target)
     assert "target_layer_inference=0" in tli.tree_unsupported_reason()
