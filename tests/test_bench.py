@@ -452,12 +452,14 @@ def test_cli_engine_methods_check_and_batches(tmp_path, capsys):
     assert main([*argv[:-1], "1,x"]) == 2 and "--batch-sizes" in capsys.readouterr().err
 
 
-def test_moa_costs_reports_the_engines_measured_costs():
+@pytest.mark.parametrize("hidden", [False, True])
+def test_moa_costs_reports_the_engines_measured_costs(hidden):
+    """hidden: a drafter whose context reads the target's final hidden states too (`context_final_hidden`)."""
     from moa_hf.costs import measure_costs
 
     target = make_target()
     torch.manual_seed(0)
-    drafter = moa_hf.build_drafter(target).eval()
+    drafter = moa_hf.build_drafter(target, context_final_hidden=hidden, ca_latest_context=hidden).eval()
     ids = torch.randint(3, 128, (1, 24))  # [1, T]
     with moa_hf.attached(drafter, target):
         result = measure_costs(target, drafter, ids, repeats=2, gen_tokens=8)
