@@ -828,6 +828,9 @@ class DrafterMixin:
         tap = self._attachment.tap if self._attachment is not None else None
         if tap is not None:
             tap.cache = None  # the target's cache of an earlier generate call is stale
+        features = getattr(self._attachment, "features", None)
+        if features is not None:
+            features.reset()  # the final hidden states of an earlier generate call are stale too
         self._session = DraftingSession(
             tap_calls0=tap.calls if tap else 0,
             tap_seconds0=tap.seconds if tap else 0.0,

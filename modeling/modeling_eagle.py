@@ -29,9 +29,9 @@ from .drafting import (
     TargetTap,
     TreeState,
     decoder_of,
-    register_hooks,
 )
 from .modeling_moa import MoADecoderLayer, MoADrafterOutput, MoAPreTrainedModel, MoARotaryEmbedding
+from .target_parts import Attachment
 
 __all__ = ["EagleDrafterCache", "EagleDrafterModel", "EaglePreTrainedModel", "EagleTreeState"]
 
@@ -91,18 +91,6 @@ class EagleTreeState(TreeState):
         self.node_features = self.node_features[:, :0]  # [B, 0, d]
 
 
-@dataclass
-class _EagleAttachment:
-    """References to what the drafter borrows from the target (plain references: not submodules, never saved)."""
-
-    target: nn.Module
-    embed: nn.Module
-    lm_head: nn.Module
-    tap: TargetTap
-    features: FeatureTap
-    handles: list
-
-
 # -------------------------------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------------------------------
@@ -134,7 +122,7 @@ class EagleDrafterModel(DrafterMixin, EaglePreTrainedModel, GenerationMixin):
         if c.own_embeddings:
             self.embed_tokens = nn.Embedding(c.vocab_size, c.target_hidden_size)
             self.lm_head = nn.Linear(c.target_hidden_size, c.vocab_size, bias=False)
-        self._attachment: _EagleAttachment | None = None
+        self._attachment: Attachment | None = None
         self._session: DraftingSession | None = None
         self.post_init()
         self.generation_config = self.default_generation_config(self.generation_config)
@@ -153,23 +141,8 @@ class EagleDrafterModel(DrafterMixin, EaglePreTrainedModel, GenerationMixin):
                 return self
             self.detach()
         self.check_target(target, allow_other_target=allow_other_target)
-        decoder = decoder_of(target)
         tap, features = TargetTap(on_new_session=self._start_session), FeatureTap()
-        handles = register_hooks(target, tap)
-        try:
-            handles += register_hooks(decoder, features)
-        except BaseException:
-            for handle in handles:
-                handle.remove()
-            raise
-        self._attachment = _EagleAttachment(
-            target=target,
-            embed=target.get_input_embeddings(),
-            lm_head=target.get_output_embeddings(),
-            tap=tap,
-            features=features,
-            handles=handles,
-        )
+        self._attachment = Attachment.borrow(target, tap, num_tli_layers=0, features=features)
         self._start_session()
         return self
 
@@ -376,11 +349,6 @@ class EagleDrafterModel(DrafterMixin, EaglePreTrainedModel, GenerationMixin):
         h = self._layers(x, positions, state.add_nodes(parents), state)  # [B, k, d]
         state.node_features = torch.cat([state.node_features, h], dim=1)  # [B, K+k, d]
         return self.head(h)  # [B, k, V]
-
-    def _start_session(self) -> None:
-        if self._attachment is not None:
-            self._attachment.features.reset()  # features of an earlier generate call are stale
-        super()._start_session()
 
 
 EagleDrafterConfig.register_for_auto_class()

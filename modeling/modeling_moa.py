@@ -636,11 +636,6 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         self._start_session()
         return self
 
-    def _start_session(self) -> None:
-        if self._attachment is not None and self._attachment.features is not None:
-            self._attachment.features.reset()  # hidden states of an earlier generate call are stale
-        super()._start_session()
-
     def keep_first_block(self) -> "MoADrafterModel":
         """Drop blocks 2..K of a sorted drafter: it then drafts every token at exit 1, as the full drafter does with
         thresholds that leave every token there. For engines that draft at one exit only (vLLM's proposer)."""
