@@ -128,6 +128,8 @@ def inproc(target):
 
 
 def test_paged_reader_matches_transformers_cache(inproc, target):
+    """vLLM's paged keys/values read by the proposer, and the final hidden states its step tap records by slot, equal
+    transformers' cache and `hidden_states[-1]` on the same prompt (float32)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
     from vllm import SamplingParams
@@ -140,8 +142,9 @@ def test_paged_reader_matches_transformers_cache(inproc, target):
     messages = [{"role": "user", "content": QUESTIONS[3]}]
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     proposer = runner.drafter
+    proposer.tap.record_hidden = True  # as for a drafter with context_final_hidden=True
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     table = proposer.tap.metadata.block_table[:1]  # the prompt's block table (its blocks stay in the prefix cache)
     reader = proposer.reader or proposer._read_kv()
     positions = torch.arange(len(ids))[None]
@@ -150,8 +153,11 @@ def test_paged_reader_matches_transformers_cache(inproc, target):
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        out = model(torch.tensor([ids]), past_key_values=cache, use_cache=True, output_hidden_states=True)
     reference = gather_target_kv(cache, 0, len(ids))[0]  # [T, L, W]
+    hidden = proposer.tap.hidden_at(slots_of(table, positions, reader.block_size))[0].float()  # [T, D]
+    err = (hidden - out.hidden_states[-1][0]).norm() / out.hidden_states[-1][0].norm()
+    assert err < 0.02, f"final hidden states recorded by slot: relative error {err:.4f}"
     L = reference.shape[1]
     for layer in (0, L // 2, L - 1):
         err = (paged[:, layer] - reference[:, layer]).norm() / reference[:, layer].norm()

@@ -676,6 +676,87 @@ def test_catch_up_with_a_reader_function(moa):
     assert not torch.allclose(runs["shifted"][1], runs["cache"][1], atol=1e-3)
 
 
+def test_step_tap_records_final_hidden_states_by_slot():
+    """The tap stores each step's final hidden states at the step's slots (padding after the step's tokens and slots
+    -1 ignored), keeps what earlier steps wrote when it grows, lets a later step rewrite a slot (a rejected draft),
+    and reads zeros where no state is (-1)."""
+    from types import SimpleNamespace
+
+    from moa_hf.vllm.target import StepTap
+
+    g = torch.Generator().manual_seed(0)
+    tap = StepTap(record_hidden=True)
+    with pytest.raises(RuntimeError, match="No final hidden state"):
+        tap.hidden_at(torch.tensor([[0]]))
+    first = torch.randn(5, 8, generator=g)  # 4 tokens + 1 padding row
+    tap.record(SimpleNamespace(num_actual_tokens=4, slot_mapping=torch.tensor([3, 1, -1, 2, 0])), first)
+    second = torch.randn(2, 8, generator=g)
+    tap.record(SimpleNamespace(num_actual_tokens=2, slot_mapping=torch.tensor([40, 1])), second)  # grows; rewrites 1
+    got = tap.hidden_at(torch.tensor([[3, 2, 1], [40, -1, 7]]))  # [2, 3, 8]
+    assert_close(got[0], torch.stack([first[0], first[3], second[1]]))
+    assert_close(got[1, 0], second[0])
+    assert torch.equal(got[1, 1:], torch.zeros(2, 8))  # -1, and a slot never written
+    assert tap.hidden_at(torch.tensor([[1]]), torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="context_final_hidden=False"):
+        tap.record(SimpleNamespace(num_actual_tokens=1, slot_mapping=torch.tensor([0])), (first,))
+
+
+def test_catch_up_with_hidden_states_recorded_by_slot():
+    """A drafter reading the target's final hidden states (and the newest context) fed through the vLLM route: keys/
+    values from a paged copy of the cache and hidden states recorded by the tap at the same slots give the logits of
+    the transformers route (the cache and `hidden_states[-1]` at the same positions); the tap's states of other slots
+    give other logits."""
+    from types import SimpleNamespace
+
+    from moa_hf.vllm.target import StepTap
+
+    target = make_target("llama")
+    drafter = sorted_drafter(target, num_blocks=1, seed=1, context_final_hidden=True, ca_latest_context=True)
+    seqs = _seqs((9, 5), seed=4)
+    cache, offsets = _target_cache(target, seqs)
+    T = max(map(len, seqs))
+    ids = torch.tensor([[0] * o + s for o, s in zip(offsets, seqs)])
+    mask = (torch.arange(T)[None] >= torch.tensor(offsets)[:, None]).long()
+    with torch.no_grad():
+        out = target(
+            ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0), output_hidden_states=True
+        )
+    final = out.hidden_states[-1]  # [B, T, D]
+    bs, g = 4, torch.Generator().manual_seed(5)
+    paged, table = _paged_copy([(layer.keys, layer.values) for layer in cache.layers], "head_major", bs, nb=12, g=g)
+    reader = PagedKVReader(paged, LAYOUTS["head_major"], dtype=torch.float32)
+    tap = StepTap(record_hidden=True)
+    for b in range(len(seqs)):  # one "step" per row: its states written at the slots of its keys/values
+        slots = slots_of(table[b : b + 1], torch.arange(T)[None], bs)[0]
+        tap.record(SimpleNamespace(num_actual_tokens=T, slot_mapping=slots), final[b])
+
+    def feed(read, hidden_of, slot_of, spans, pad=0, seed=6):
+        state, g = drafter.tree_start(2), torch.Generator().manual_seed(seed)
+        B, n = len(seqs), max(e - a for a, e in spans) + pad
+        tokens, positions = torch.randint(3, V, (B, n), generator=g), torch.randint(0, 50, (B, n), generator=g)
+        valid, prev_slots = torch.zeros(B, n, dtype=torch.bool), torch.full((B, n), -1)
+        for b, (seq, (a, e)) in enumerate(zip(seqs, spans)):
+            m, pos = e - a, torch.arange(a, e)
+            tokens[b, n - m :], positions[b, n - m :], valid[b, n - m :] = torch.tensor(seq[a:e]), pos, True
+            prev_slots[b, n - m :] = torch.where(pos > 0, slot_of(b, (pos - 1).clamp(min=0)), -1)
+        logits = drafter.tree_catch_up(state, tokens, positions, valid, prev_slots, read, hidden_of(prev_slots))
+        return logits, drafter.tree_step(state, tokens[:, -1:], positions[:, -1:] + 1, torch.tensor([[-1], [-1]]))
+
+    def cache_hidden(prev):  # [B, n] slots of the left-padded transformers cache -> [B, n, D]
+        return final.gather(1, prev.clamp(min=0)[..., None].expand(-1, -1, final.shape[-1]))
+
+    at = lambda b, pos: offsets[b] + pos  # noqa: E731
+    paged_at = lambda b, pos: slots_of(table[b : b + 1], (offsets[b] + pos)[None], bs)[0]  # noqa: E731
+    spans = [(0, 9), (0, 5)]
+    with drafter.attached(target):
+        want = feed(cache, cache_hidden, at, spans)
+        got = feed(reader, tap.hidden_at, paged_at, spans, pad=2)
+        shifted = feed(reader, lambda prev: tap.hidden_at(torch.where(prev >= 0, prev + 1, prev)), paged_at, spans)
+    for w, o in zip(want, got):
+        assert_close(o, w)
+    assert not torch.allclose(shifted[0], want[0], atol=1e-3)
+
+
 def test_no_drafting_tried_where_free_drafting_gains_less_than_the_margin():
     p = VllmDraftPolicy(max_tokens=1, explore_every=4)
     for _ in range(50):
@@ -764,8 +845,8 @@ def test_only_kinds_registered_for_vllm_draft_there():
     assert "'independent'" in reason and "moa" in reason and "transformers" in reason
     tli = sorted_drafter(target, num_blocks=1, target_layer_inference=1)
     assert "Target Layer Inference (N=1)" in unsupported_drafter_reason(tli)
-    hidden = sorted_drafter(target, num_blocks=1, context_final_hidden=True)
-    assert "final hidden states" in unsupported_drafter_reason(hidden)
+    hidden = sorted_drafter(target, num_blocks=1, context_final_hidden=True, ca_latest_context=True)
+    assert unsupported_drafter_reason(hidden) is None  # its final hidden states come from the step tap
 
 
 # -- a row's one-off catch-up against the tokens it has left ---------------------------------------------------------

@@ -76,8 +76,7 @@ def unsupported_reason(vllm_config, options: MoAVllmOptions) -> str | None:
 
 def unsupported_drafter_reason(drafter) -> str | None:
     """Why moa_hf.vllm cannot draft with this drafter (a sentence), or None: its kind in the drafter-type registry
-    must declare `vllm_support`, and it must neither infer the target's last layers (TLI) nor read the target's final
-    hidden states (`context_final_hidden`)."""
+    must declare `vllm_support`, and it must not infer the target's last layers (TLI)."""
     record = drafter_type(drafter)
     if not record.vllm_support:
         served = ", ".join(t.kind for t in drafter_types() if t.vllm_support)
@@ -90,12 +89,6 @@ def unsupported_drafter_reason(drafter) -> str | None:
             f"it uses Target Layer Inference (N={drafter.config.target_layer_inference}): it runs the target's last "
             "layers on every drafted token, which inside vLLM would need the target's own layers and paged cache for "
             "drafted positions. Use a drafter with target_layer_inference=0 in vLLM."
-        )
-    if getattr(drafter.config, "context_final_hidden", False):
-        return (
-            "it reads the target's final hidden states (context_final_hidden=True), which vLLM's custom proposer "
-            "interface does not hand over (only the paged key/value cache is read). Serve it with transformers "
-            "(`moa_hf.generate` or `assistant_model=`), or use a drafter with context_final_hidden=False in vLLM."
         )
     return None
 
@@ -161,6 +154,7 @@ class MoAProposer:
                 )
             drafter.keep_first_block()  # every token leaves at exit 1: block 1 alone drafts the same tokens
         self.drafter = drafter.to(device=view.device).eval()
+        self.tap.record_hidden = bool(drafter.needs_target_hidden)  # context_final_hidden: states by cache slot
         self._hooks.enter_context(self.tap.installed(target_model))
         gc = drafter.generation_config
         self.threshold = float(getattr(gc, "assistant_confidence_threshold", 0.0) or 0.0)
@@ -344,8 +338,9 @@ class MoAProposer:
         prev = torch.where(valid, positions - 1, -1)  # [b, n] the context of token p is the target's state at p-1
         prev_slots = slots_of(table[rows], prev, reader.block_size)
         device = self.drafter.device
+        hidden = self.tap.hidden_at(prev_slots, self.drafter.dtype).to(device) if self.tap.record_hidden else None
         return self.drafter.tree_catch_up(
-            state, tokens.to(device), positions.to(device), valid.to(device), prev_slots.to(device), reader
+            state, tokens.to(device), positions.to(device), valid.to(device), prev_slots.to(device), reader, hidden
         )
 
     def _lookup(self, history: np.ndarray, limit: int) -> list[int] | None:

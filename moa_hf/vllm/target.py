@@ -1,6 +1,7 @@
 """The target side of the vLLM route, without patching vLLM: a transformers-shaped view of vLLM's model (so the
 drafter attaches, and checks the target's signature and weights fingerprint, exactly as with transformers), and a
-forward hook that records each step's attention metadata (the rows' block tables)."""
+forward hook that records each step's attention metadata (the rows' block tables) and, for drafters that read them,
+the target's final hidden states by cache slot."""
 
 from __future__ import annotations
 
@@ -117,11 +118,19 @@ class StepTap:
     """Records the attention metadata of the target's latest forward call (vLLM's `ForwardContext`), which holds
     what the proposer needs and vLLM does not pass it: each scheduled row's block table and query length.
 
+    With `record_hidden`, it also keeps the target's final hidden states (the output of vLLM's model: post-norm, one
+    row per scheduled token) by the cache slot each token's keys/values went to (`slot_mapping`): a paged store beside
+    vLLM's KV cache with the same life. A slot holds the state of the token whose keys/values it holds: a rejected
+    draft's slot is rewritten by the next step like its keys/values, and a block served from the prefix cache keeps
+    the states written when it was computed. `hidden_at(slots)` reads them like `PagedKVReader` reads keys/values.
+
     `with tap.installed(model):` registers one forward hook on vLLM's model and removes it on leaving."""
 
-    def __init__(self):
+    def __init__(self, record_hidden: bool = False):
         self.metadata = None
         self.calls = 0
+        self.record_hidden = record_hidden
+        self.hidden: torch.Tensor | None = None  # [slots, D]: the target's final hidden state at each cache slot
 
     def _hook(self, module, args, output) -> None:
         from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -137,6 +146,46 @@ class StepTap:
         if metadata:  # None during profiling and warm-up runs
             self.metadata = next(iter(metadata.values()))  # one KV cache group: every layer shares it
             self.calls += 1
+            if self.record_hidden:
+                self.record(self.metadata, output)
+
+    def record(self, metadata, output) -> None:
+        """Store the final hidden states `output` [T, D] (T >= the step's tokens; padding after them) at the step's
+        `metadata.slot_mapping` (slot < 0: padding, not stored)."""
+        if not isinstance(output, torch.Tensor) or output.ndim != 2:
+            raise RuntimeError(
+                f"vLLM's target returned {type(output).__name__} from its forward, not its final hidden states "
+                "[tokens, hidden]: a drafter with context_final_hidden=True cannot read them from this model. Use a "
+                "drafter with context_final_hidden=False in vLLM."
+            )
+        n = int(getattr(metadata, "num_actual_tokens", metadata.slot_mapping.shape[0]))
+        slots = metadata.slot_mapping[:n].to(device=output.device, dtype=torch.long)  # [n]
+        keep = slots >= 0
+        slots, states = slots[keep], output[:n][keep]  # [m], [m, D]
+        if slots.numel() == 0:
+            return
+        needed = int(slots.max()) + 1
+        if self.hidden is None or self.hidden.shape[0] < needed:  # grows with the slots vLLM hands out
+            grown = output.new_zeros(
+                max(needed, 2 * (0 if self.hidden is None else self.hidden.shape[0])), output.shape[1]
+            )
+            if self.hidden is not None:
+                grown[: self.hidden.shape[0]] = self.hidden
+            self.hidden = grown
+        self.hidden[slots] = states.to(self.hidden.dtype)
+
+    def hidden_at(self, slots: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The final hidden states recorded at `slots` [B, n] (-1: none, zeros): [B, n, D]."""
+        if self.hidden is None:
+            raise RuntimeError(
+                "No final hidden state was recorded: the proposer reads them only when the tap records them "
+                "(`StepTap(record_hidden=True)`, set for drafters with context_final_hidden=True)."
+            )
+        slots = slots.to(self.hidden.device)
+        inside = (slots >= 0) & (slots < self.hidden.shape[0])
+        out = self.hidden[torch.where(inside, slots, 0)]  # [B, n, D]
+        out = torch.where(inside[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+        return out if dtype is None else out.to(dtype)
 
     @contextlib.contextmanager
     def installed(self, model: nn.Module) -> Iterator[StepTap]:
