@@ -4,7 +4,7 @@ PIP := .venv/bin/pip
 TORCH_SPEC ?= torch==2.13.0
 TEST_WORKERS ?= 2  # pytest-xdist processes (the tests run one torch thread each)
 
-.PHONY: demo test test-isa test-all test-vllm vllm-setup lint format setup data drafters sorted bench bench-vllm hub
+.PHONY: demo test test-isa test-all test-vllm vllm-setup lint format setup data drafters sorted shipped bench bench-vllm hub
 
 .venv/.installed: pyproject.toml
 	python3 -m venv .venv
@@ -108,6 +108,24 @@ sorted: .venv/.installed  ## S2D: grow SORTED_FROM to 3 exits serving SmolLM2 an
 		--eval-steps 240 --output $(RUNS)/sorted
 	$(PY) -m moa_hf.cli tune --target default=default:validation --target default:pydoc=pydoc:heldout \
 		--drafter $(RUNS)/sorted --dtype bfloat16 --num-prompts 8 --max-new-tokens 96 --seed 1 --tune exits --write
+
+SHIP_STEPS ?= 1536
+SHIP := --target main=default --target pydoc=default:pydoc --data main=$(RUNS)/ship/data_main \
+	--data pydoc=$(RUNS)/ship/data_pydoc --states main=$(RUNS)/ship/states_main --states pydoc=$(RUNS)/ship/states_pydoc
+
+shipped: .venv/.installed  ## the shipped default drafter: one block reading the final hidden state, SmolLM2 + pydoc
+	$(PY) -m moa_hf.cli data --target default --dtype bfloat16 --prompts default --num-prompts 2560 \
+		--max-new-tokens 256 --batch-size 64 --shard-size 64 --output $(RUNS)/ship/data_main
+	$(PY) -m moa_hf.cli data --target default:pydoc --prompts pydoc --num-prompts 256 --max-new-tokens 192 \
+		--dtype float32 --output $(RUNS)/ship/data_pydoc
+	$(PY) -m moa_hf.cli train $(SHIP) --dtype bfloat16 --eval-prompts main=default:validation \
+		--eval-prompts pydoc=pydoc:heldout --batch-size 8 --lr 1e-3 --warmup-steps 10 --min-cycle 2 --max-cycle 8 \
+		--draft-vocab-size 8192 --lsa-hidden-size 128 --target-lora-rank 8 --context-final-hidden \
+		--ca-latest-context --max-steps $(SHIP_STEPS) --save-steps 256 --eval-steps 500 --output $(RUNS)/ship/moa
+	$(PY) -m moa_hf.cli tune --target default=default:validation+default:documents \
+		--target default:pydoc=pydoc:heldout --drafter $(RUNS)/ship/moa --dtype bfloat16 --num-prompts 8 \
+		--max-new-tokens 96 --seed 1 --tune speculation --num-assistant-tokens 24 --thresholds 0.3,0.5 \
+		--lookup-tokens 24 --lookup-halve-per-ngram 1 --write
 
 bench: .venv/.installed  ## Spec-Bench (needs ../shared/data/spec_bench or QUESTIONS=path)
 	$(PY) -m moa_hf.cli bench $(if $(QUESTIONS),--questions $(QUESTIONS)) --moa $(or $(MOA),default) \

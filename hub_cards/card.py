@@ -288,6 +288,8 @@ def _architecture(drafter_or_config: MoADrafterModel | MoADrafterConfig) -> tupl
         "confidence_threshold": getattr(gen, "assistant_confidence_threshold", None),
         "lookup": model.lookup_settings,  # `LookupSettings` from the config's `lookup_*` fields, None when off
         "num_blocks": int(getattr(config, "num_blocks", 1) or 1),
+        "final_hidden": bool(getattr(config, "context_final_hidden", False)),
+        "latest_context": bool(getattr(config, "ca_latest_context", False)),
         "targets": _target_list(config),
     }
     return config, arch

@@ -36,13 +36,16 @@ def _parse(argv: list[str], types) -> tuple:
 
 def test_the_makefile_tune_commands_parse_into_tune_arguments():
     commands = makefile_commands("tune")
-    assert len(commands) == 3
+    assert len(commands) == 4
     parsed = [_parse(argv, TuneArguments)[0] for argv in commands]
     assert parsed[0].num_assistant_tokens == (10, 24) and parsed[0].lookup_tokens == (0, 10, 24)
     assert parsed[0].thresholds == (0.3, 0.5) and parsed[0].lookup_halve_per_ngram == (0, 1) and parsed[0].write
     assert parsed[1].drafter == "runs/eagle" and parsed[1].thresholds == (0.0, 0.2, 0.4)
     assert parsed[2].target == ["default=default:validation", "default:pydoc=pydoc:heldout"]  # repeated: both kept
     assert (parsed[2].tune, parsed[2].seed, parsed[2].exit_grid) == ("exits", 1, (0.4, 0.6, 0.8, 0.9))
+    shipped = parsed[3]  # `make shipped`: one pooled setting for both targets, each on its own prompts
+    assert shipped.target == ["default=default:validation+default:documents", "default:pydoc=pydoc:heldout"]
+    assert (shipped.tune, shipped.lookup_tokens, shipped.lookup_halve_per_ngram) == ("speculation", (24,), (1,))
 
 
 def test_tune_defaults_and_comma_lists():
@@ -62,3 +65,17 @@ def test_the_makefile_bench_command_parses_into_bench_arguments():
     args, paths = _parse(["bench", "--prompts", "a", "b", "--no-progress", "--batch-sizes", "1,4"], BENCH_ARGUMENTS)
     assert (args.prompts, args.no_progress, args.batch_sizes, args.dtype) == (["a", "b"], True, "1,4", "bfloat16")
     assert vars(paths) == {"moa": "default", "eagle": None, "independent": None}  # the registry's bench_default
+
+
+def test_the_makefile_shipped_recipe_parses_into_train_arguments():
+    """`make shipped`: the default drafter's training command (SHIP, SHIP_STEPS spelled out) parses, with both
+    options of the shipped drafter and one block serving two targets."""
+    from moa_hf.training.cli import train_arguments
+
+    text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    ship = re.search(r"^SHIP := (.*)$", text, re.M).group(1).replace("$(RUNS)", "runs")
+    (argv,) = [a for a in makefile_commands("train") if "$(SHIP)" in a]
+    argv = [x for a in argv for x in (shlex.split(ship) if a == "$(SHIP)" else [a.replace("$(SHIP_STEPS)", "1536")])]
+    targets, data, drafter, command = train_arguments(build_parser().parse_args(argv))
+    assert drafter.context_final_hidden and drafter.ca_latest_context and command.target_lora_rank == 8
+    assert data.data == ["main=runs/ship/data_main", "pydoc=runs/ship/data_pydoc"] and command.max_steps == 1536

@@ -676,3 +676,14 @@ def test_card_shows_totals_over_continued_runs(drafter):
     text = render_card(drafter, training_info=info, repo_id=REPO_ID).text
     assert "| Training tokens, all runs | 123,457,789 |" in text and "| Optimizer steps, all runs | 4,331 |" in text
     assert "previous_runs" not in text and "Previous runs" not in text
+
+
+def test_card_says_what_of_the_target_the_drafter_reads(drafter, target):
+    """The card names the final hidden states and the newest-context path only for a drafter that has them."""
+    plain = render_card(drafter, repo_id=REPO_ID).text
+    assert "final hidden state" not in plain and "newest verified context" not in plain
+    torch.manual_seed(0)
+    both = moa_hf.build_drafter(target, context_final_hidden=True, ca_latest_context=True)
+    text = render_card(both, repo_id=REPO_ID).text
+    assert "and the target's final hidden states and" in text
+    assert "adds a projection of the target's final hidden state" in text and "newest verified context" in text

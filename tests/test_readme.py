@@ -2,6 +2,7 @@
 
 import ast
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -9,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import moa_hf
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -81,7 +84,8 @@ def test_readme_sorted_drafter_example_runs(tmp_path):
     result = run_offline(blocks[0] + blocks[2], tmp_path)
     assert result.returncode == 0, f"README sorted-drafter example failed:\n{result.stdout}\n{result.stderr}"
     lines = result.stdout.strip().splitlines()
-    assert lines[-2] == "['main', 'pydoc'] 3"
+    blocks_shipped = json.loads((moa_hf.default_drafter_path() / "config.json").read_text())["num_blocks"]
+    assert lines[-2] == f"['main', 'pydoc'] {blocks_shipped}"
     name, counts = lines[-1].split(" ", 1)
     counts = ast.literal_eval(counts)
-    assert name == "pydoc" and len(counts) == 3 and sum(counts) > 0
+    assert name == "pydoc" and len(counts) == blocks_shipped and sum(counts) > 0
