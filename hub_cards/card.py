@@ -309,7 +309,20 @@ _TRAINING_LABELS = {
     "cached_target_states": "Trained on cached target states",
     "final_train_loss": "Final training loss",
     "acceptance_length_heldout": "Held-out acceptance length (end of training)",
+    "acceptance_length_heldout_no_context": "Held-out acceptance length, context vectors zeroed",
+    "top1_heldout": "Held-out top-1 agreement with the target",
+    "top1_first_heldout": "Held-out top-1 agreement, first drafted token of a cycle",
+    "top1_heldout_no_context": "Held-out top-1 agreement, context vectors zeroed",
 }
+
+
+def _rounded(value: Any) -> Any:
+    """Floats to 3 decimals, inside dicts and lists too (a card shows measurements, not float noise)."""
+    if isinstance(value, float):
+        return round(value, 3)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return [_rounded(v) for v in value] if isinstance(value, list) else value
 
 
 def _fmt_training(key: str, value: Any) -> str:
@@ -327,6 +340,7 @@ def _fmt_training(key: str, value: Any) -> str:
         return f"{value:.4f}"
     if key == "acceptance_length_heldout" and _is_number(value):
         return f"{value:.2f}"
+    value = _rounded(value)
     return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
 
 

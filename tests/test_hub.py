@@ -685,5 +685,12 @@ def test_card_says_what_of_the_target_the_drafter_reads(drafter, target):
     torch.manual_seed(0)
     both = moa_hf.build_drafter(target, context_final_hidden=True, ca_latest_context=True)
     text = render_card(both, repo_id=REPO_ID).text
-    assert "and the target's final hidden states and" in text
+    assert "target layers) and final hidden states, and borrows" in text
     assert "adds a projection of the target's final hidden state" in text and "newest verified context" in text
+
+
+def test_card_training_measurements_are_labelled_and_rounded(drafter):
+    info = {"top1_heldout": 0.37441619097042034, "acceptance_heldout_by_target": {"main": {"default": 1.45042492917}}}
+    text = render_card(drafter, training_info=info, repo_id=REPO_ID).text
+    assert "| Held-out top-1 agreement with the target | 0.374 |" in text
+    assert '{"main": {"default": 1.45}}' in text and "0.3744" not in text
