@@ -379,6 +379,13 @@ def test_resume_continues_the_same_loss_curve(tmp_path, target, steps, stop):
         assert losses_of(first)[step] == pytest.approx(reference[step], rel=1e-5)
     for step in range(stop + 1, steps + 1):
         assert after[step] == pytest.approx(reference[step], rel=1e-5)
+    # the tally (tokens per target, wall time) goes on from the checkpoint's, not from zero
+    saved = json.loads((ckpt / "trainer_state.json").read_text())["stateful_callbacks"]["TrainingTally"]["attributes"]
+    assert saved["tokens"] == first.tally.tokens != {} and 0 < saved["wall_time_s"]
+    assert resumed.target_token_counts() == full.target_token_counts()
+    assert resumed.tally.elapsed() > saved["wall_time_s"]
+    fresh = MoATrainer(model=make_drafter(target), target=target, args=make_args(tmp_path / "c", **common))
+    assert fresh.target_token_counts() == {name: 0 for name in fresh.target_names}
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -73,7 +73,8 @@ class MoATrainingArguments(TrainingArguments):
     The defaults of a few inherited fields differ: `remove_unused_columns=False` (the collator's columns are all
     used), `label_names=["labels"]`, `prediction_loss_only=True`, `logging_steps=10`,
     `include_num_input_tokens_seen="non_padding"` (logs `train_tokens_per_second`), `ddp_find_unused_parameters=False`,
-    `train_sampling_strategy="group_by_length"` (`TargetBatchSampler`: batches of similar lengths).
+    `train_sampling_strategy="group_by_length"` (`TargetBatchSampler`: batches of similar lengths),
+    `restore_callback_states_from_checkpoint=True` (a resumed run keeps its `TrainingTally`).
     """
 
     min_cycle: int = field(
@@ -199,6 +200,12 @@ class MoATrainingArguments(TrainingArguments):
             "help": "group_by_length: each batch holds examples of similar lengths (shuffled in groups of 16 "
             "batches, then sorted by length), so little padding is computed; the others are the Trainer's own "
             "(random: plain shuffling).",
+        },
+    )
+    restore_callback_states_from_checkpoint: bool = field(
+        default=True,
+        metadata={
+            "help": "Restore stateful callbacks on resume (`TrainingTally`: tokens per target and wall time so far)."
         },
     )
     include_num_input_tokens_seen: str = field(  # str (a bool still maps to "all" / "no"): HfArgumentParser-safe

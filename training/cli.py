@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import time
 from pathlib import Path
 
 import torch
@@ -309,12 +308,11 @@ def run_train(args: argparse.Namespace) -> int:
     )
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     resume = training.resume_from_checkpoint
-    t0 = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=True if resume == "latest" else resume)
-    wall = time.perf_counter() - t0
+    wall = trainer.tally.elapsed()  # a resumed run: with the segments up to its checkpoint
     measuring = _acceptance_time(trainer)  # part of `wall`: the periodic acceptance measurements
     final = trainer.evaluate() if eval_prompts or eval_data is not None else {}
-    tokens_per_target = trainer.target_token_counts()  # a collective under DDP: every process calls it
+    tokens_per_target = trainer.target_token_counts()
     if trainer.is_world_process_zero():
         out = Path(training.output_dir)
         drafter = merge_lora(trainer.model) if drafter_args.lora_r else trainer.drafter

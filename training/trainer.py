@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.utils.data import ConcatDataset, Dataset, Sampler
-from transformers import DynamicCache, PreTrainedModel, Trainer
+from transformers import DynamicCache, PreTrainedModel, Trainer, TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from moa_hf.modeling import (
     CACHE_NAME,
@@ -348,6 +350,28 @@ def _accepts(model: torch.nn.Module, name: str) -> bool:
 # ---------------------------------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------------------------------
+class TrainingTally(TrainerCallback, ExportableState):
+    """What a run has trained that transformers' `TrainerState` does not keep: the non-padding tokens per target
+    (summed over processes) and the wall time, saved in every checkpoint (`stateful_callbacks`) and restored when the
+    run resumes from one (`restore_callback_states_from_checkpoint`, on by default in `MoATrainingArguments`). The
+    wall time counts the segments that led to the checkpoint, then this one."""
+
+    def __init__(self):
+        self.tokens: dict[str, float] = {}
+        self.wall_time_s = 0.0  # the earlier segments' (restored from a checkpoint)
+        self._started = time.perf_counter()  # a restored tally is made as the resumed loop starts
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        """Wall time of the run: the earlier segments and this one so far (seconds)."""
+        return self.wall_time_s + time.perf_counter() - self._started
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {"tokens": dict(self.tokens), "wall_time_s": self.elapsed()}}
+
+
 class MoATrainer(Trainer):
     """Trains `model` (a drafter, optionally PEFT-wrapped) against a frozen `target`, or several targets.
 
@@ -450,7 +474,7 @@ class MoATrainer(Trainer):
         K = len(self.exit_weights)
         self._parts = torch.zeros(3 + K, dtype=torch.float64)  # soft CE, feature loss, tokens since last log, exits
         self._agreement = torch.zeros(4, dtype=torch.float64)  # evaluation: top-1 hits, positions, first-of-cycle ones
-        self._target_tokens = torch.zeros(len(self.target_names), dtype=torch.float64)  # non-padding, this process
+        self.add_callback(TrainingTally())  # tokens per target and wall time, kept across a resume
         if eval_prompts is not None and args.eval_num_prompts > 0:
             if isinstance(eval_prompts, Mapping):
                 eval_prompts = {name: list(p)[: args.eval_num_prompts] for name, p in eval_prompts.items()}
@@ -544,14 +568,15 @@ class MoATrainer(Trainer):
             return TargetBatchSampler(self._target_sizes, step_batch, seed=self.args.seed, lengths=lengths)
         return super()._get_train_sampler(train_dataset)
 
+    @property
+    def tally(self) -> TrainingTally:
+        """The run's `TrainingTally` (a resume replaces the callback with the checkpoint's)."""
+        return next(cb for cb in self.callback_handler.callbacks if isinstance(cb, TrainingTally))
+
     def target_token_counts(self) -> dict[str, int]:
-        """Non-padding training tokens seen per target (summed over processes)."""
-        counts = self._target_tokens.clone()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            counts = counts.to(self.args.device)
-            torch.distributed.all_reduce(counts)
-            counts = counts.cpu()
-        return {name: int(n) for name, n in zip(self.target_names, counts.tolist())}
+        """Non-padding training tokens seen per target (summed over processes; a resumed run counts its checkpoint's
+        too)."""
+        return {name: int(self.tally.tokens.get(name, 0)) for name in self.target_names}
 
     # -----------------------------------------------------------------------------------------------------------------
     # Batch preparation
@@ -746,8 +771,16 @@ class MoATrainer(Trainer):
                 dtype=torch.float64,
             )
             mask = inputs.get("attention_mask")
-            tokens = mask.sum() if mask is not None else inputs["input_ids"].numel()
-            self._target_tokens[self.target_names.index(name)] += float(tokens)
+            tokens = torch.zeros(len(self.target_names), dtype=torch.float64)  # [targets] this batch's, this process
+            tokens[self.target_names.index(name)] = float(
+                mask.sum() if mask is not None else inputs["input_ids"].numel()
+            )
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                tokens = tokens.to(self.args.device)
+                torch.distributed.all_reduce(tokens)  # every process computes a loss for each micro-batch
+            tally = self.tally.tokens
+            for target_name, n in zip(self.target_names, tokens.tolist()):
+                tally[target_name] = tally.get(target_name, 0.0) + n
         if return_outputs:
             token_loss = torch.zeros(counted.shape, device=total.device)
             token_loss[counted] = total.detach()
