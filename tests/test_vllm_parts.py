@@ -491,10 +491,11 @@ def _target_cache(target, seqs):
     return cache, offsets
 
 
-def _feed(drafter, state, read, seqs, spans, slot_of, g, pad=0):
+def _feed(drafter, state, read, seqs, spans, slot_of, g, pad=0, hidden_of=None):
     """`tree_catch_up` with tokens seqs[b][a:e] for spans[b] = (a, e), right-aligned and left-padded (`pad` extra
     columns; garbage tokens/positions in the padding, prev_slots -1); slot_of(b, positions) gives the slots of the
-    target's state at those positions."""
+    target's state at those positions, hidden_of(prev_slots) its final hidden states there (for drafters that read
+    them)."""
     B = len(seqs)
     n = max(e - a for a, e in spans) + pad
     tokens = torch.randint(3, V, (B, n), generator=g)
@@ -505,7 +506,8 @@ def _feed(drafter, state, read, seqs, spans, slot_of, g, pad=0):
         m, pos = e - a, torch.arange(a, e)
         tokens[b, n - m :], positions[b, n - m :], valid[b, n - m :] = torch.tensor(seq[a:e]), pos, True
         prev_slots[b, n - m :] = torch.where(pos > 0, slot_of(b, (pos - 1).clamp(min=0)), -1)
-    return drafter.tree_catch_up(state, tokens, positions, valid, prev_slots, read)
+    hidden = None if hidden_of is None else hidden_of(prev_slots)  # [B, n, D] the target's final hidden states
+    return drafter.tree_catch_up(state, tokens, positions, valid, prev_slots, read, hidden)
 
 
 def _tree(drafter, state, root_pos, node_tokens):
@@ -732,15 +734,10 @@ def test_catch_up_with_hidden_states_recorded_by_slot():
 
     def feed(read, hidden_of, slot_of, spans, pad=0, seed=6):
         state, g = drafter.tree_start(2), torch.Generator().manual_seed(seed)
-        B, n = len(seqs), max(e - a for a, e in spans) + pad
-        tokens, positions = torch.randint(3, V, (B, n), generator=g), torch.randint(0, 50, (B, n), generator=g)
-        valid, prev_slots = torch.zeros(B, n, dtype=torch.bool), torch.full((B, n), -1)
-        for b, (seq, (a, e)) in enumerate(zip(seqs, spans)):
-            m, pos = e - a, torch.arange(a, e)
-            tokens[b, n - m :], positions[b, n - m :], valid[b, n - m :] = torch.tensor(seq[a:e]), pos, True
-            prev_slots[b, n - m :] = torch.where(pos > 0, slot_of(b, (pos - 1).clamp(min=0)), -1)
-        logits = drafter.tree_catch_up(state, tokens, positions, valid, prev_slots, read, hidden_of(prev_slots))
-        return logits, drafter.tree_step(state, tokens[:, -1:], positions[:, -1:] + 1, torch.tensor([[-1], [-1]]))
+        logits = _feed(drafter, state, read, seqs, spans, slot_of, g, pad=pad, hidden_of=hidden_of)
+        last = torch.tensor([[seqs[b][e - 1]] for b, (_, e) in enumerate(spans)])  # [B, 1] each row's last token
+        positions = torch.tensor([[e] for _, e in spans])  # [B, 1] the position after it
+        return logits, drafter.tree_step(state, last, positions, torch.tensor([[-1], [-1]]))
 
     def cache_hidden(prev):  # [B, n] slots of the left-padded transformers cache -> [B, n, D]
         return final.gather(1, prev.clamp(min=0)[..., None].expand(-1, -1, final.shape[-1]))
