@@ -14,11 +14,13 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from .chat import conversation_ids
+from .offline_text import STDLIB_TEXT, stdlib_text_records
 from .prompts import check_not_spec_bench
 
 __all__ = [
     "CONVERSATION_FIELDS",
     "conversation_of",
+    "default_responses",
     "format_conversation",
     "is_conversation_record",
     "is_conversation_source",
@@ -80,9 +82,11 @@ def conversation_of(record: dict, where: str = "record") -> list[dict[str, str]]
 
 
 def is_conversation_source(source: str | os.PathLike) -> bool:
-    """Whether a data source (a .jsonl/.json file or a `datasets` folder) holds conversations rather than prompts:
-    its first record has one of `CONVERSATION_FIELDS`. Other sources (the offline generators, dataset names) hold
-    prompts."""
+    """Whether a data source holds conversations rather than prompts: ``default:stdlib`` (`STDLIB_TEXT`), or a
+    .jsonl/.json file or `datasets` folder whose first record has one of `CONVERSATION_FIELDS`. Other sources (the
+    offline prompt generators, dataset names) hold prompts."""
+    if str(source) == STDLIB_TEXT:
+        return True
     path = Path(str(source)).expanduser()
     if path.is_file() and path.suffix in (".jsonl", ".json"):
         records = _file_records(path)
@@ -96,15 +100,24 @@ def is_conversation_source(source: str | os.PathLike) -> bool:
     return False
 
 
+def default_responses(source: str | os.PathLike) -> str:
+    """What `moa data` does with a conversation source's answers unless told (``--responses``): ``keep`` for
+    ``default:stdlib`` (real text for the target to label), ``regenerate`` for the others."""
+    return "keep" if str(source) == STDLIB_TEXT else "regenerate"
+
+
 def load_conversations(
     source: str | os.PathLike, *, split: str = "train", num_conversations: int | None = None
 ) -> list[list[dict[str, str]]]:
-    """Conversations (see `conversation_of`) from a ``.jsonl`` file (one record per line), a ``.json`` file (a list
-    of records), a `datasets` folder or a dataset name (``name`` or ``name:config``, with `split`)."""
+    """Conversations (see `conversation_of`) from ``default:stdlib`` (`moa_hf.offline_text`), a ``.jsonl`` file (one
+    record per line), a ``.json`` file (a list of records), a `datasets` folder or a dataset name (``name`` or
+    ``name:config``, with `split`)."""
     text = str(source)
     check_not_spec_bench(text)
     path = Path(text).expanduser()
-    if path.is_file():
+    if text == STDLIB_TEXT:
+        records, where = stdlib_text_records(), text
+    elif path.is_file():
         check_not_spec_bench(path.resolve())
         records, where = _file_records(path), str(path)
     else:

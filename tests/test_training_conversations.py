@@ -10,7 +10,13 @@ import pytest
 import torch
 
 import moa_hf
-from moa_hf.conversations import conversation_of, format_conversation, is_conversation_source, load_conversations
+from moa_hf.conversations import (
+    conversation_of,
+    default_responses,
+    format_conversation,
+    is_conversation_source,
+    load_conversations,
+)
 from moa_hf.prompts import SpecBenchPromptsError
 from moa_hf.training import IGNORE_INDEX, MoADataCollator, MoATrainer, staircase_restarts
 from moa_hf.training.data import build_chat_dataset
@@ -150,3 +156,46 @@ def test_cli_conversations_keep_then_train_with_states(tmp_path, target, capsys)
     train += ["--output", str(out), "--max-steps", "2", "--batch-size", "4", "--cpu", "--quiet", "--bf16", "false"]
     assert moa_main([*train, "--eval-num-prompts", "0", "--report-to", "none"]) == 0
     assert (out / "model.safetensors").exists()
+
+
+def test_stdlib_text_is_real_source_the_target_labels():
+    """`default:stdlib`: the installed stdlib's own text as answers (pieces of module sources cut at statements,
+    module docstrings), deterministic per seed, leaving out the pydoc target's modules (its held-out material)."""
+    import importlib.util
+
+    from moa_hf.offline_prompts import PYDOC_MODULES, stdlib_modules
+    from moa_hf.offline_text import STDLIB_TEXT, stdlib_text_records
+
+    records = stdlib_text_records()
+    assert len(records) > 500 and records == stdlib_text_records()
+    assert stdlib_text_records(5) == records[:5] and stdlib_text_records(5, seed=1) != records[:5]
+    code = [r for r in records if r["response"].startswith("```python\n") and r["response"].endswith("\n```")]
+    assert len(code) > len(records) // 2 and max(len(r["response"]) for r in code) <= 2400 + len("```python\n\n```")
+    for record in code[::50]:  # every piece is its module's own text, named in the prompt
+        assert f"`{record['module']}" in record["prompt"]
+        with open(importlib.util.find_spec(record["module"]).origin, encoding="utf-8") as f:
+            assert record["response"][len("```python\n") : -len("\n```")] in f.read()
+    pydoc = {name for name, _ in stdlib_modules() if name in PYDOC_MODULES or name.split(".")[0] in PYDOC_MODULES}
+    assert {"json", "json.decoder", "email.message"} <= pydoc  # the pydoc target's material (submodules too) is left out
+    assert not pydoc & {r["module"] for r in records} and {"bz2", "email.utils"} <= {r["module"] for r in records}
+    assert is_conversation_source(STDLIB_TEXT) and default_responses(STDLIB_TEXT) == "keep"
+    assert default_responses("chat.jsonl") == "regenerate"
+    assert load_conversations(STDLIB_TEXT, num_conversations=2)[1] == conversation_of(records[1])
+
+
+def test_cli_data_labels_stdlib_text_without_generating(tmp_path, target, capsys):
+    """`moa data --prompts default:stdlib` keeps the stdlib's text as the answers (no `--responses` needed)."""
+    from moa_hf.cli import main as moa_main
+    from moa_hf.offline_text import stdlib_text_records
+
+    folder = tmp_path / "target"
+    target.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    args = ["data", "--target", str(folder), "--prompts", "default:stdlib", "--num-prompts", "3"]
+    assert moa_main([*args, "--output", str(tmp_path / "data"), "--quiet"]) == 0
+    assert "saved 3 conversations" in capsys.readouterr().out
+    data = datasets.load_from_disk(str(tmp_path / "data"))
+    answers = [r["response"] for r in stdlib_text_records(3)]
+    context = target.config.max_position_embeddings  # a longer conversation is cut there
+    want = [min(len(a) + 1, context - row["prompt_length"]) for a, row in zip(answers, data)]  # + <|im_end|>
+    assert [sum(row["response_mask"]) for row in data] == want and len(set(want)) == 3

@@ -296,8 +296,9 @@ class DataArguments:
         default="default",
         metadata={
             "help": "`default` (offline generator), `default:written` (material the target writes first; needs "
-            "--num-prompts), a .jsonl/.txt file, a saved `datasets` folder or a dataset name; a .jsonl/.json file "
-            "or folder of conversations (see --responses)."
+            "--num-prompts), `default:stdlib` (the standard library's source and module docs as answers for the "
+            "target to label: --responses keep), a .jsonl/.txt file, a saved `datasets` folder or a dataset name; a "
+            ".jsonl/.json file or folder of conversations (see --responses)."
         },
     )
     max_new_tokens: int = field(default=256, metadata={"help": "Most tokens of each response."})
@@ -316,9 +317,10 @@ class DataArguments:
         metadata={
             "choices": ["regenerate", "keep"],
             "help": "Conversations (ShareGPT `conversations`, OpenAI `messages` or prompt/response records; found "
-            "by their fields): `regenerate` (the default for them) lets the target write every assistant turn "
-            "anew, turn by turn; `keep` keeps the file's answers, which the target then labels through its "
-            "next-token distribution (no generation: a prefill's cost). The loss covers assistant turns only.",
+            "by their fields): `regenerate` (the default for them, but `default:stdlib`) lets the target write every "
+            "assistant turn anew, turn by turn; `keep` keeps the file's answers, which the target then labels "
+            "through its next-token distribution (no generation: a prefill's cost). The loss covers assistant turns "
+            "only.",
         },
     )
     engine: str = field(

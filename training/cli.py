@@ -76,7 +76,7 @@ def train_arguments(
 # moa data
 # ---------------------------------------------------------------------------------------------------------------------
 def run_data(args: argparse.Namespace) -> int:
-    from moa_hf.conversations import is_conversation_source
+    from moa_hf.conversations import default_responses, is_conversation_source
 
     from .data import build_chat_dataset, build_dataset
 
@@ -97,7 +97,7 @@ def run_data(args: argparse.Namespace) -> int:
             tokenizer,
             data_args.prompts,
             data_args.output,
-            responses=data_args.responses or "regenerate",
+            responses=data_args.responses or default_responses(data_args.prompts),
             max_new_tokens=data_args.max_new_tokens,
             batch_size=data_args.batch_size,
             num_conversations=data_args.num_prompts,
