@@ -176,7 +176,11 @@ def test_stdlib_text_is_real_source_the_target_labels():
         with open(importlib.util.find_spec(record["module"]).origin, encoding="utf-8") as f:
             assert record["response"][len("```python\n") : -len("\n```")] in f.read()
     pydoc = {name for name, _ in stdlib_modules() if name in PYDOC_MODULES or name.split(".")[0] in PYDOC_MODULES}
-    assert {"json", "json.decoder", "email.message"} <= pydoc  # the pydoc target's material (submodules too) is left out
+    assert {
+        "json",
+        "json.decoder",
+        "email.message",
+    } <= pydoc  # the pydoc target's material (submodules too) is left out
     assert not pydoc & {r["module"] for r in records} and {"bz2", "email.utils"} <= {r["module"] for r in records}
     assert is_conversation_source(STDLIB_TEXT) and default_responses(STDLIB_TEXT) == "keep"
     assert default_responses("chat.jsonl") == "regenerate"
@@ -199,3 +203,42 @@ def test_cli_data_labels_stdlib_text_without_generating(tmp_path, target, capsys
     context = target.config.max_position_embeddings  # a longer conversation is cut there
     want = [min(len(a) + 1, context - row["prompt_length"]) for a, row in zip(answers, data)]  # + <|im_end|>
     assert [sum(row["response_mask"]) for row in data] == want and len(set(want)) == 3
+
+
+def test_prompt_data_and_conversations_train_together(tmp_path, target):
+    """A prompt+response dataset joined with conversations gets the response mask its prompt length implies: the same
+    labels and drafting cycles as without it; `moa train --data PROMPTS CHATS --states A B` trains on both."""
+    from moa_hf.cli import main as moa_main
+    from moa_hf.training.data import with_response_masks
+
+    prompt_rows = datasets.Dataset.from_dict(
+        {"input_ids": [[2, 5, 6, 7, 8, 9, 1], [2, 5, 6, 9, 1]], "prompt_length": [3, 4], "prompt_index": [0, 1]}
+    )
+    assert with_response_masks([prompt_rows]) == [prompt_rows]
+    masked, _ = with_response_masks([prompt_rows, datasets.Dataset.from_list([{"response_mask": [1]}])])
+    assert masked["response_mask"] == [[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 1]]
+    plain = MoADataCollator(pad_token_id=0)([dict(r) for r in prompt_rows])
+    with_mask = MoADataCollator(pad_token_id=0)([dict(r) for r in masked])
+    assert torch.equal(plain["labels"], with_mask["labels"])
+    every, real = torch.tensor([2, 3]), plain["attention_mask"].bool()  # padding restarts or not: never read
+    assert torch.equal(
+        staircase_restarts(plain["prompt_lengths"], every, 7)[real],
+        staircase_restarts(with_mask["prompt_lengths"], every, 7, with_mask["response_mask"])[real],
+    )
+
+    folder = tmp_path / "target"
+    target.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    (tmp_path / "prompts.txt").write_text("Hi\nAdd 2 and 3\nName a colour\nCount to 4\n")
+    common = ["--target", str(folder), "--quiet"]
+    assert moa_main(["data", *common, "--prompts", str(tmp_path / "prompts.txt"), "--max-new-tokens", "6",
+                     "--output", str(tmp_path / "answers")]) == 0  # fmt: skip
+    chat = _write(tmp_path / "chat.jsonl", [SHAREGPT, MESSAGES] * 2)
+    assert moa_main(["data", *common, "--prompts", str(chat), "--output", str(tmp_path / "chats")]) == 0
+    out = tmp_path / "drafter"
+    train = ["train", *common, "--data", str(tmp_path / "answers"), str(tmp_path / "chats"), "--states"]
+    train += [str(tmp_path / "s1"), str(tmp_path / "s2"), "--output", str(out), "--max-steps", "3", "--batch-size"]
+    train += ["8", "--cpu", "--bf16", "false", "--eval-num-prompts", "0", "--report-to", "none"]
+    assert moa_main(train) == 0
+    assert json.loads((out / "training_info.json").read_text())["steps"] == 3
+    assert not list((tmp_path / "answers").glob("cache-*"))  # nothing written into the data folders

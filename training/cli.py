@@ -260,6 +260,7 @@ def _load_eval_prompts(sources: dict[str, str], num_prompts: int) -> dict[str, l
 def run_train(args: argparse.Namespace) -> int:
     import datasets
 
+    from .data import with_response_masks
     from .peft_utils import apply_lora, merge_lora
     from .trainer import MoATrainer
 
@@ -284,7 +285,7 @@ def run_train(args: argparse.Namespace) -> int:
             f"moa train: error: a new drafter is built for its primary target `{PRIMARY_TARGET}`; name one target "
             f"{PRIMARY_TARGET} (--target {PRIMARY_TARGET}=SPEC) or start from a trained drafter (--init-drafter)."
         )
-    parts = {name: [datasets.load_from_disk(path) for path in dirs] for name, dirs in data_dirs.items()}
+    parts = {name: with_response_masks([datasets.load_from_disk(p) for p in dirs]) for name, dirs in data_dirs.items()}
     train_data = {name: p[0] if len(p) == 1 else datasets.concatenate_datasets(p) for name, p in parts.items()}
     eval_data = datasets.load_from_disk(data_args.eval_data) if data_args.eval_data else None
     eval_prompts = _load_eval_prompts(prompt_sources, training.eval_num_prompts) or None

@@ -34,6 +34,7 @@ __all__ = [
     "default_prompts",
     "format_prompts",
     "load_prompts",
+    "with_response_masks",
     "written_briefs",
     "written_prompts",
 ]
@@ -275,6 +276,32 @@ def _save_shard(shard_dir: Path, k: int, columns: dict[str, list], progress: boo
     with _datasets_progress(progress):
         shard.save_to_disk(str(tmp))
     os.replace(tmp, shard_dir / f"shard-{k:06d}")
+
+
+def with_response_masks(parts: list) -> list:
+    """Datasets trained on together (`moa train --data A B`): when one holds conversations (a ``response_mask``), each
+    prompt+response one gets the mask its ``prompt_length`` implies (1 on the response), so that every row is read
+    alike (the same labels and drafting cycles as without a mask); otherwise `parts` unchanged. Built in memory:
+    nothing is written into the data folders."""
+    import datasets
+
+    if not any("response_mask" in part.column_names for part in parts):
+        return parts
+
+    def mask(example):
+        n = len(example["input_ids"])
+        p = min(int(example["prompt_length"]), n)
+        return {"response_mask": [0] * p + [1] * (n - p)}
+
+    out = []
+    for part in parts:
+        if "response_mask" not in part.column_names:
+            features = part.features.copy()
+            features["response_mask"] = datasets.Sequence(datasets.Value("int8"))
+            with _datasets_progress(False):
+                part = part.map(mask, features=features, keep_in_memory=True)
+        out.append(part)
+    return out
 
 
 def _join_shards(output_dir: Path, num_shards: int, progress: bool):
