@@ -109,19 +109,28 @@ sorted: .venv/.installed  ## S2D: grow SORTED_FROM to 3 exits serving SmolLM2 an
 	$(PY) -m moa_hf.cli tune --target default=default:validation --target default:pydoc=pydoc:heldout \
 		--drafter $(RUNS)/sorted --dtype bfloat16 --num-prompts 8 --max-new-tokens 96 --seed 1 --tune exits --write
 
-SHIP_STEPS ?= 1536
-SHIP := --target main=default --target pydoc=default:pydoc --data main=$(RUNS)/ship/data_main \
-	--data pydoc=$(RUNS)/ship/data_pydoc --states main=$(RUNS)/ship/states_main --states pydoc=$(RUNS)/ship/states_pydoc
+SHIP_STEPS ?= 2912  # the first phase: SmolLM2 alone, from scratch (6.1M tokens)
+SHIP_MORE_STEPS ?= 1900  # the second: the pydoc target added, at half the learning rate (3.9M tokens)
+SHIP := --dtype bfloat16 --batch-size 8 --warmup-steps 10 --min-cycle 2 --max-cycle 8 --save-steps 256 \
+	--eval-data $(RUNS)/ship/data_val --eval-num-prompts 8 --eval-max-new-tokens 64 --eval-context-ablation
 
 shipped: .venv/.installed  ## the shipped default drafter: one block reading the final hidden state, SmolLM2 + pydoc
 	$(PY) -m moa_hf.cli data --target default --dtype bfloat16 --prompts default --num-prompts 2560 \
 		--max-new-tokens 256 --batch-size 64 --shard-size 64 --output $(RUNS)/ship/data_main
 	$(PY) -m moa_hf.cli data --target default:pydoc --prompts pydoc --num-prompts 256 --max-new-tokens 192 \
 		--dtype float32 --output $(RUNS)/ship/data_pydoc
-	$(PY) -m moa_hf.cli train $(SHIP) --dtype bfloat16 --eval-prompts main=default:validation \
-		--eval-prompts pydoc=pydoc:heldout --batch-size 8 --lr 1e-3 --warmup-steps 10 --min-cycle 2 --max-cycle 8 \
-		--draft-vocab-size 8192 --lsa-hidden-size 128 --target-lora-rank 8 --context-final-hidden \
-		--ca-latest-context --max-steps $(SHIP_STEPS) --save-steps 256 --eval-steps 500 --output $(RUNS)/ship/moa
+	$(PY) -m moa_hf.cli data --target default --dtype bfloat16 --prompts default --prompt-split validation \
+		--num-prompts 32 --max-new-tokens 128 --output $(RUNS)/ship/data_val
+	$(PY) -m moa_hf.cli train $(SHIP) --target main=default --data main=$(RUNS)/ship/data_main \
+		--states main=$(RUNS)/ship/states_main --eval-prompts main=default:validation --lr 1e-3 \
+		--draft-vocab-size 8192 --lsa-hidden-size 128 --context-final-hidden --ca-latest-context \
+		--max-steps $(SHIP_STEPS) --eval-steps $(SHIP_STEPS) --output $(RUNS)/ship/moa_main
+	$(PY) -m moa_hf.cli train $(SHIP) --target main=default --target pydoc=default:pydoc \
+		--data main=$(RUNS)/ship/data_main --data pydoc=$(RUNS)/ship/data_pydoc \
+		--states main=$(RUNS)/ship/states_main --states pydoc=$(RUNS)/ship/states_pydoc \
+		--eval-prompts main=default:validation --eval-prompts pydoc=pydoc:heldout --init-from $(RUNS)/ship/moa_main \
+		--lr 5e-4 --target-lora-rank 8 --max-steps $(SHIP_MORE_STEPS) --eval-steps $(SHIP_MORE_STEPS) \
+		--output $(RUNS)/ship/moa
 	$(PY) -m moa_hf.cli tune --target default=default:validation+default:documents \
 		--target default:pydoc=pydoc:heldout --drafter $(RUNS)/ship/moa --dtype bfloat16 --num-prompts 8 \
 		--max-new-tokens 96 --seed 1 --tune speculation --num-assistant-tokens 24 --thresholds 0.3,0.5 \

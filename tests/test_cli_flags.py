@@ -68,14 +68,21 @@ def test_the_makefile_bench_command_parses_into_bench_arguments():
 
 
 def test_the_makefile_shipped_recipe_parses_into_train_arguments():
-    """`make shipped`: the default drafter's training command (SHIP, SHIP_STEPS spelled out) parses, with both
-    options of the shipped drafter and one block serving two targets."""
+    """`make shipped`: the default drafter's two training commands (SHIP and the step counts spelled out) parse: one
+    block with both options of the shipped drafter on SmolLM2 alone, then grown to serve the pydoc target too."""
     from moa_hf.training.cli import train_arguments
 
     text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
     ship = re.search(r"^SHIP := (.*)$", text, re.M).group(1).replace("$(RUNS)", "runs")
-    (argv,) = [a for a in makefile_commands("train") if "$(SHIP)" in a]
-    argv = [x for a in argv for x in (shlex.split(ship) if a == "$(SHIP)" else [a.replace("$(SHIP_STEPS)", "1536")])]
-    targets, data, drafter, command = train_arguments(build_parser().parse_args(argv))
-    assert drafter.context_final_hidden and drafter.ca_latest_context and command.target_lora_rank == 8
-    assert data.data == ["main=runs/ship/data_main", "pydoc=runs/ship/data_pydoc"] and command.max_steps == 1536
+    steps = {"$(SHIP_STEPS)": "2912", "$(SHIP_MORE_STEPS)": "1900"}
+    commands = [a for a in makefile_commands("train") if "$(SHIP)" in a]
+    parsed = []
+    for argv in commands:
+        argv = [x for a in argv for x in (shlex.split(ship) if a == "$(SHIP)" else [steps.get(a, a)])]
+        parsed.append(train_arguments(build_parser().parse_args(argv)))
+    (_, data, drafter, command), (_, more_data, more_drafter, more) = parsed
+    assert drafter.context_final_hidden and drafter.ca_latest_context and drafter.init_drafter is None
+    assert data.data == ["main=runs/ship/data_main"] and (command.max_steps, command.learning_rate) == (2912, 1e-3)
+    assert more_drafter.init_drafter == command.output_dir and more.target_lora_rank == 8
+    assert more_data.data == ["main=runs/ship/data_main", "pydoc=runs/ship/data_pydoc"]
+    assert (more.max_steps, more.learning_rate) == (1900, 5e-4) and command.eval_context_ablation

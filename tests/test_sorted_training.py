@@ -363,6 +363,8 @@ def test_moa_train_sorted_two_targets_then_parts_only(tmp_path, target, other_ta
     assert set(info["targets"]) == {"main", "alt"} and all(n > 0 for n in info["tokens_per_target"].values())
     for name in ("main", "alt"):
         assert {"default", "exit1", "exit2"} <= set(info["acceptance_heldout_by_target"][name])
+    main_acceptance = info["acceptance_heldout_by_target"]["main"]["default"]  # the curve follows the primary target
+    assert info["learning_curve"][-1]["acceptance_length"] == round(main_acceptance, 4)
     saved = moa_hf.MoADrafterModel.from_pretrained(tmp_path / "a")
     assert saved.config.num_blocks == 2 and saved.target_names == ["main", "alt"]
 

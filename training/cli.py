@@ -416,7 +416,8 @@ def _totals(info: dict, info_from: str | None) -> dict:
 
 
 def _learning_curve(trainer, info_from: str | None) -> list[dict]:
-    """Held-out acceptance length vs training tokens and wall time, continuing the curve of `--init-drafter`."""
+    """Held-out acceptance length vs training tokens and wall time, continuing the curve of `--init-drafter`: the
+    primary target's where it was measured (a run that adds targets keeps one comparable curve), else the pooled."""
     from .evaluation import AcceptanceEvalCallback
 
     start = []
@@ -434,7 +435,9 @@ def _learning_curve(trainer, info_from: str | None) -> list[dict]:
                         "step": step0 + h["step"],
                         "tokens": tokens0 + h["tokens"],
                         "wall_time_s": round(wall0 + (h["wall_time_s"] or 0.0), 1),
-                        "acceptance_length": round(h["eval_acceptance_length"], 4),
+                        "acceptance_length": round(
+                            h.get(f"eval_{PRIMARY_TARGET}_acceptance_length", h["eval_acceptance_length"]), 4
+                        ),
                     }
                 )
     return list({p["step"]: p for p in points}.values())  # one point per step (the last measurement)
