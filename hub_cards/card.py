@@ -313,7 +313,16 @@ _TRAINING_LABELS = {
     "top1_heldout": "Held-out top-1 agreement with the target",
     "top1_first_heldout": "Held-out top-1 agreement, first drafted token of a cycle",
     "top1_heldout_no_context": "Held-out top-1 agreement, context vectors zeroed",
+    "acceptance_heldout_by_target": "Held-out acceptance length per target",
+    "tokens_per_target": "Training tokens per target",
+    "acceptance_eval_time_s": "Time measuring held-out acceptance (part of the wall time)",
+    "trainable_parameters": "Trainable parameters",
+    "num_blocks": "Blocks",
+    "exit_loss_weights": "Exit loss weights",
+    "trained": "Trained",
+    "init_drafter": "Started from (`--init-from`)",
 }
+_POOLED = ("acceptance_length_heldout", "acceptance_length_heldout_no_context")  # pooled over a run's targets
 
 
 def _rounded(value: Any) -> Any:
@@ -328,9 +337,19 @@ def _rounded(value: Any) -> Any:
 def _fmt_training(key: str, value: Any) -> str:
     if key == "datasets":
         return ", ".join(f"[`{d}`](https://huggingface.co/datasets/{d})" for d in value)
-    if key in ("tokens", "steps", "total_tokens", "total_steps") and _is_number(value):
+    if key in ("tokens", "steps", "total_tokens", "total_steps", "trainable_parameters") and _is_number(value):
         return f"{value:,}"
-    if key in ("wall_time_s", "total_wall_time_s") and _is_number(value):
+    if key == "tokens_per_target" and isinstance(value, dict) and all(map(_is_number, value.values())):
+        return "; ".join(f"{name} {n:,}" for name, n in value.items())
+    if (
+        key == "acceptance_heldout_by_target"
+        and isinstance(value, dict)
+        and all(isinstance(v, dict) for v in value.values())
+    ):
+        return "; ".join(
+            f"{name} {_acceptance_text(by_exit)}" for name, by_exit in value.items() if _acceptance_text(by_exit)
+        )
+    if key in ("wall_time_s", "total_wall_time_s", "acceptance_eval_time_s") and _is_number(value):
         return _fmt_duration(value)
     if key == "hardware" and isinstance(value, dict):
         return _hardware_text(value)
@@ -344,6 +363,14 @@ def _fmt_training(key: str, value: Any) -> str:
     return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
 
 
+def _acceptance_text(by_exit: dict) -> str:
+    """One target's held-out acceptance: "1.58", or per exit "1.58 (exit1 1.40, exit2 1.52)"."""
+    numbers = {k: v for k, v in by_exit.items() if _is_number(v)}
+    head = f"{numbers['default']:.2f}" if "default" in numbers else ""
+    rest = ", ".join(f"{k} {v:.2f}" for k, v in numbers.items() if k != "default")
+    return f"{head} ({rest})".strip() if rest and head else head or rest
+
+
 def _training_rows(info: dict | None) -> list[tuple[str, str]]:
     if not info:
         return []
@@ -354,6 +381,8 @@ def _training_rows(info: dict | None) -> list[tuple[str, str]]:
         if key in ("language", "learning_curve", "previous_runs", "targets") or value in (None, "", []):
             continue  # metadata; the learning curve and the targets have their own tables; runs are in the totals
         label = _TRAINING_LABELS.get(key, key.replace("_", " ").capitalize())
+        if key in _POOLED and len(info.get("targets") or {}) > 1:
+            label += ", pooled over the targets"
         rows.append((label, _fmt_training(key, value).replace("|", "\\|")))
     return rows
 

@@ -693,4 +693,18 @@ def test_card_training_measurements_are_labelled_and_rounded(drafter):
     info = {"top1_heldout": 0.37441619097042034, "acceptance_heldout_by_target": {"main": {"default": 1.45042492917}}}
     text = render_card(drafter, training_info=info, repo_id=REPO_ID).text
     assert "| Held-out top-1 agreement with the target | 0.374 |" in text
-    assert '{"main": {"default": 1.45}}' in text and "0.3744" not in text
+    assert "| Held-out acceptance length per target | main 1.45 |" in text and "0.3744" not in text
+    info = {  # a run of two targets: the pooled measurements say so; counts and exits read as text, not JSON
+        "targets": {"main": "default", "pydoc": "default:pydoc"},
+        "acceptance_length_heldout": 1.8594,
+        "tokens_per_target": {"main": 3639441, "pydoc": 261779},
+        "acceptance_heldout_by_target": {"main": {"default": 1.575, "exit1": 1.4}, "pydoc": {"default": 2.2735}},
+        "trainable_parameters": 12937664,
+        "acceptance_eval_time_s": 57.3,
+    }
+    text = render_card(drafter, training_info=info, repo_id=REPO_ID).text
+    assert "| Held-out acceptance length (end of training), pooled over the targets | 1.86 |" in text
+    assert "| Training tokens per target | main 3,639,441; pydoc 261,779 |" in text
+    assert "| Held-out acceptance length per target | main 1.57 (exit1 1.40); pydoc 2.27 |" in text
+    assert "| Trainable parameters | 12,937,664 |" in text and "| 57 s |" in text
+    assert '{"' not in text.split("## Training")[1].split("## Citation")[0]
