@@ -13,6 +13,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from .chat import chat_ids
+from .offline_text import STDLIB_TEXT
 
 __all__ = [
     "PYDOC",
@@ -137,6 +138,12 @@ def load_prompts(
         raise ValueError(
             f"{WRITTEN!r} prompts are written by the target first: use `build_dataset` / `moa data --prompts "
             f"{WRITTEN}` (or `written_prompts(target, tokenizer, n)`), not `load_prompts`."
+        )
+    if text == STDLIB_TEXT:
+        raise ValueError(
+            f"{STDLIB_TEXT!r} holds answers for the target to label (conversations), not prompts: use it as "
+            f"`moa data --prompts {STDLIB_TEXT}` (or `load_conversations`); for held-out prompts use "
+            "`default:validation`."
         )
     if text == "default" or text.startswith("default:"):
         from .offline_prompts import default_prompts

@@ -17,7 +17,7 @@ from moa_hf.conversations import (
     is_conversation_source,
     load_conversations,
 )
-from moa_hf.prompts import SpecBenchPromptsError
+from moa_hf.prompts import SpecBenchPromptsError, load_prompts
 from moa_hf.training import IGNORE_INDEX, MoADataCollator, MoATrainer, staircase_restarts
 from moa_hf.training.data import build_chat_dataset
 
@@ -185,6 +185,8 @@ def test_stdlib_text_is_real_source_the_target_labels():
     assert is_conversation_source(STDLIB_TEXT) and default_responses(STDLIB_TEXT) == "keep"
     assert default_responses("chat.jsonl") == "regenerate"
     assert load_conversations(STDLIB_TEXT, num_conversations=2)[1] == conversation_of(records[1])
+    with pytest.raises(ValueError, match="answers for the target to label"):
+        load_prompts(STDLIB_TEXT)
 
 
 def test_cli_data_labels_stdlib_text_without_generating(tmp_path, target, capsys):
