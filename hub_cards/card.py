@@ -346,9 +346,8 @@ def _fmt_training(key: str, value: Any) -> str:
         and isinstance(value, dict)
         and all(isinstance(v, dict) for v in value.values())
     ):
-        return "; ".join(
-            f"{name} {_acceptance_text(by_exit)}" for name, by_exit in value.items() if _acceptance_text(by_exit)
-        )
+        texts = {name: _acceptance_text(by_exit) for name, by_exit in value.items()}
+        return "; ".join(f"{name} {text}" for name, text in texts.items() if text)
     if key in ("wall_time_s", "total_wall_time_s", "acceptance_eval_time_s") and _is_number(value):
         return _fmt_duration(value)
     if key == "hardware" and isinstance(value, dict):

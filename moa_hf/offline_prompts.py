@@ -39,6 +39,7 @@ __all__ = [
     "pydoc_prompts",
     "pydoc_question",
     "pydoc_split",
+    "read_source",
     "stdlib_entries",
     "written_briefs",
 ]
@@ -94,7 +95,7 @@ def _first_paragraphs(doc: str, limit: int = _MAX_DOC_CHARS) -> str:
     return "\n\n".join(out)
 
 
-def _read(path: str | None) -> str | None:
+def read_source(path: str | None) -> str | None:
     if not path or not path.endswith(".py"):
         return None
     try:
@@ -163,7 +164,7 @@ def stdlib_entries() -> list[tuple[str, str, str, str]]:
     """
     entries: list[tuple[str, str, str, str]] = []
     for module, path in stdlib_modules():
-        source = _read(path)
+        source = read_source(path)
         if source is not None:
             entries.extend(_entries_of(module, source))
     return entries
@@ -205,7 +206,7 @@ def _stdlib_prompts(rng: random.Random) -> Iterator[str]:
     while modules or pool:
         while modules and len(pool) < 64:  # parse lazily, a few modules at a time, and mix their entries
             module, path = modules.pop()
-            source = _read(path)
+            source = read_source(path)
             pool.extend(_entries_of(module, source) if source is not None else [])
         if not pool:
             continue

@@ -19,7 +19,7 @@ from __future__ import annotations
 import ast
 import random
 
-from .offline_prompts import PYDOC_MODULES, stdlib_modules
+from .offline_prompts import PYDOC_MODULES, read_source, stdlib_modules
 
 __all__ = ["STDLIB_TEXT", "stdlib_text_records"]
 
@@ -50,17 +50,16 @@ def _start(node: ast.stmt) -> int:
     return min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", ()))]) - 1
 
 
-def _pieces(module: str, source: str) -> list[tuple[str, str]]:
+def _pieces(module: str, source: str, tree: ast.Module) -> list[tuple[str, str]]:
     """(name of the first definition, text) pieces of a module's source: consecutive runs of its lines, cut before
     top-level statements (and before the methods of a class longer than `_PIECE_CHARS`), each at most `_PIECE_CHARS`
     long (a longer statement is cut at a line end)."""
-    tree = ast.parse(source)
     lines = source.splitlines(keepends=True)
     starts: list[tuple[int, str]] = []  # (first line, name) of each unit
     for node in tree.body:
-        starts.append((_start(node), getattr(node, "name", module.rsplit(".", 1)[-1])))
-        text = "".join(lines[_start(node) : node.end_lineno])
-        if isinstance(node, ast.ClassDef) and len(text) > _PIECE_CHARS:
+        first = _start(node)
+        starts.append((first, getattr(node, "name", module.rsplit(".", 1)[-1])))
+        if isinstance(node, ast.ClassDef) and len("".join(lines[first : node.end_lineno])) > _PIECE_CHARS:
             methods = (n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
             starts.extend((_start(n), n.name) for n in methods)
     if not starts:
@@ -98,13 +97,15 @@ def stdlib_text_records(num_records: int | None = None, seed: int = 0) -> list[d
     for module, path in stdlib_modules():
         if _is_pydoc_material(module):
             continue
+        source = read_source(path)
         try:
-            with open(path, encoding="utf-8") as f:
-                source = f.read()
-            pieces = _pieces(module, source)
-        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            tree = ast.parse(source) if source is not None else None
+        except (SyntaxError, ValueError):
+            tree = None
+        if tree is None:
             continue
-        doc = ast.get_docstring(ast.parse(source))
+        pieces = _pieces(module, source, tree)
+        doc = ast.get_docstring(tree)
         if doc and len(doc) > _MIN_DOC_CHARS:
             prompt = rng.choice(_DOC_TEMPLATES).format(module=module)
             records.append({"prompt": prompt, "response": doc[:_MAX_DOC_CHARS], "module": module})

@@ -176,11 +176,8 @@ def test_stdlib_text_is_real_source_the_target_labels():
         with open(importlib.util.find_spec(record["module"]).origin, encoding="utf-8") as f:
             assert record["response"][len("```python\n") : -len("\n```")] in f.read()
     pydoc = {name for name, _ in stdlib_modules() if name in PYDOC_MODULES or name.split(".")[0] in PYDOC_MODULES}
-    assert {
-        "json",
-        "json.decoder",
-        "email.message",
-    } <= pydoc  # the pydoc target's material (submodules too) is left out
+    # the pydoc target's material (submodules too) is left out
+    assert {"json", "json.decoder", "email.message"} <= pydoc
     assert not pydoc & {r["module"] for r in records} and {"bz2", "email.utils"} <= {r["module"] for r in records}
     assert is_conversation_source(STDLIB_TEXT) and default_responses(STDLIB_TEXT) == "keep"
     assert default_responses("chat.jsonl") == "regenerate"
