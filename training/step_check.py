@@ -26,7 +26,8 @@ import torch
 
 __all__ = ["RECIPES", "TARGET_CONFIGS", "StepCheckArguments", "main", "run_setting"]
 
-# Llama-3.1-8B-Instruct's architecture (its config.json), and a small Llama that a CPU trains in seconds.
+# Llama-3.1-8B-Instruct's architecture (its config.json), SmolLM2-135M-Instruct's (the default target) and a small
+# Llama that a CPU trains in seconds.
 TARGET_CONFIGS = {
     "llama-3.1-8b": dict(
         vocab_size=128256,
@@ -49,6 +50,21 @@ TARGET_CONFIGS = {
         eos_token_id=[128001, 128008, 128009],
         tie_word_embeddings=False,
     ),
+    "smollm2-135m": dict(  # the default target's architecture (SmolLM2-135M-Instruct)
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    ),
     "small": dict(
         vocab_size=8192,
         hidden_size=256,
@@ -67,6 +83,14 @@ TARGET_CONFIGS = {
 RECIPES = {
     "llama-3.1-8b": dict(
         draft_vocab_size=32768, lsa_hidden_size=1024, intermediate_size=6144, min_cycle=6, max_cycle=14
+    ),
+    "smollm2-135m": dict(  # the shipped default drafter's shape
+        draft_vocab_size=8192,
+        lsa_hidden_size=128,
+        context_final_hidden=True,
+        ca_latest_context=True,
+        min_cycle=2,
+        max_cycle=8,
     ),
     "small": dict(draft_vocab_size=2048, lsa_hidden_size=128, intermediate_size=512, min_cycle=2, max_cycle=8),
 }
