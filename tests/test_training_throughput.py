@@ -148,6 +148,26 @@ def test_profile_steps_without_enough_steps_time_nothing(tmp_path, target, caplo
     assert "nothing was timed" in caplog.text
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_flops_count_grouped_query_attention_as_repeated_heads(causal):
+    """The step's FLOP count includes attention, on the CPU's fused kernel too, and counts grouped-query attention
+    (3 key/value heads for 9 query heads, as in SmolLM2: torch's own formula refuses it) as the same attention with
+    repeated key/value heads."""
+    from moa_hf.training.throughput import _FlopCount
+
+    def flops(kv_heads: int) -> int:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(2, 9, 16, 64, generator=g, requires_grad=True)
+        k, v = (torch.randn(2, kv_heads, 16, 64, generator=g, requires_grad=True) for _ in range(2))
+        with _FlopCount() as counter:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != 9)
+            out.sum().backward()
+        return counter.total
+
+    # forward 2 products of [16, 64] x [64, 16] per head (4*b*h*s*s*d), backward 2.5 times that
+    assert flops(3) == flops(9) == int(4 * 2 * 9 * 16 * 16 * 64 * 3.5)
+
+
 def test_hardware_names_the_cpu_flags():
     flags = cpu_flags()
     assert set(flags) <= {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2"}

@@ -70,10 +70,36 @@ class _FlopCount(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
+        packet = func._overloadpacket
+        formula = flop_registry.get(_SAME_FORMULA.get(packet, packet))
         if formula is not None:
+            if packet in _ATTENTION_OPS:
+                args = _heads_expanded(args)
             self.total += int(formula(*args, **kwargs, out_val=out))
         return out
+
+
+_aten = torch.ops.aten
+# The CPU's fused attention counts as flash attention does (same leading arguments: [grad_out,] query, key, value).
+_SAME_FORMULA = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: _aten._scaled_dot_product_flash_attention,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _aten._scaled_dot_product_flash_attention_backward,
+}
+_ATTENTION_OPS = {packet for packet in flop_registry if "_scaled_dot_product_" in str(packet)} | set(_SAME_FORMULA)
+
+
+def _heads_expanded(args: tuple) -> tuple:
+    """Grouped-query attention (`enable_gqa`: fewer key/value heads than query heads) as torch's formulas count it:
+    each [batch, heads, seq, dim] argument with fewer heads than the most given as shape-only (meta) tensors with that
+    many. The FLOPs are those of the equivalent attention with repeated key/value heads."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
+    heads = max((t.shape[1] for t in tensors), default=0)
+    return tuple(
+        torch.empty((a.shape[0], heads, *a.shape[2:]), device="meta")
+        if isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[1] != heads
+        else a
+        for a in args
+    )
 
 
 class StepProfile(TrainerCallback):
