@@ -224,6 +224,26 @@ def test_build_dataset_matches_unbatched_greedy_and_resumes(tmp_path, target, to
         )
 
 
+def test_build_dataset_max_shards_answers_the_first_shards_then_the_rest(tmp_path, target, tokenizer):
+    """`max_shards` (`moa data --max-shards K`): a budget on a long prompt list. The dataset holds the first K shards'
+    answers (the same as a full run's); a later run with a larger K keeps them and answers the next ones."""
+    prompts = [f"Question number {i}: what is {i} + {i}?" for i in range(7)]
+    kw = dict(max_new_tokens=6, batch_size=2, shard_size=2, progress=False)
+    full = build_dataset(target, tokenizer, prompts, tmp_path / "full", **kw)
+    out = tmp_path / "budget"
+    first = build_dataset(target, tokenizer, prompts, out, max_shards=2, **kw)
+    assert first["prompt_index"] == [0, 1, 2, 3] and first["input_ids"] == full["input_ids"][:4]
+    assert sorted(p.name for p in (out / "shards").iterdir() if p.is_dir()) == ["shard-000000", "shard-000001"]
+    meta = json.loads((out / "moa_data.json").read_text())
+    assert (meta["shards_answered"], meta["shards_in_list"], meta["num_examples"]) == (2, 4, 4)
+    stamps = {p.name: os.stat(p / "state.json").st_mtime_ns for p in (out / "shards").glob("shard-*")}
+    more = build_dataset(target, tokenizer, prompts, out, max_shards=9, **kw)  # beyond the list: all of it
+    assert more["input_ids"] == full["input_ids"]
+    assert {n: os.stat(out / "shards" / n / "state.json").st_mtime_ns for n in stamps} == stamps
+    with pytest.raises(ValueError, match="max_shards"):
+        build_dataset(target, tokenizer, prompts, out, max_shards=0, **kw)
+
+
 def test_build_dataset_sampling_is_seeded(tmp_path, target, tokenizer):
     kw = dict(max_new_tokens=10, batch_size=4, do_sample=True, temperature=1.5, progress=False)
     a = build_dataset(target, tokenizer, ["a", "b", "c"], tmp_path / "a", seed=1, **kw)

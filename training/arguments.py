@@ -340,6 +340,14 @@ class DataArguments:
             "`moa train --data PART0 ... PARTN-1`).",
         },
     )
+    max_shards: int | None = field(
+        default=None,
+        metadata={
+            "metavar": "K",
+            "help": "Answer only the first K shards of --shard-size prompts (a budget on a long prompt list); run "
+            "again with a larger K, or without, to answer the rest.",
+        },
+    )
     device: str | None = field(default=None, metadata={"help": "Device of the target (default: cuda if available)."})
     seed: int = field(default=0, metadata={"help": "Seed of the prompts' order and of sampling."})
     quiet: bool = field(default=False, metadata={"help": "No progress bars."})

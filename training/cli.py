@@ -133,6 +133,7 @@ def run_data(args: argparse.Namespace) -> int:
         system_prompt=data_args.system_prompt,
         shard_size=data_args.shard_size,
         part=part,
+        max_shards=data_args.max_shards,
         seed=data_args.seed,
         progress=not data_args.quiet,
         engine=data_args.engine,

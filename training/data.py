@@ -338,6 +338,7 @@ def build_dataset(
     max_prompt_tokens: int | None = None,
     shard_size: int = 512,
     part: tuple[int, int] | None = None,
+    max_shards: int | None = None,
     seed: int = 0,
     progress: bool = True,
     engine: str = "transformers",
@@ -358,6 +359,9 @@ def build_dataset(
         max_prompt_tokens: skip longer prompts (default: what fits the target's context with the response).
         part: (k, n) answers only prompts k, k+n, k+2n, ... (to split generation over n GPUs/processes; train on
             all the parts with `moa train --data PART0 PART1 ...`). `prompt_index` keeps the index in the full list.
+        max_shards: answer only the first `max_shards` shards of `shard_size` prompts (a budget on a long prompt
+            list); the dataset holds those. Running again with a larger value, or without, answers the rest and keeps
+            the finished shards.
         engine: what writes the answers: ``transformers`` (`target.generate`) or ``vllm`` (a vLLM engine in a
             process of its own, `moa_hf.vllm.answer`, loading the target from its `name_or_path`; the fastest
             where vLLM is installed, e.g. the repository's `.venv-vllm`); both greedy or both sampling.
@@ -368,8 +372,8 @@ def build_dataset(
     import datasets
     from tqdm.auto import tqdm
 
-    if max_new_tokens < 1 or batch_size < 1 or shard_size < 1:
-        raise ValueError("max_new_tokens, batch_size and shard_size must be positive.")
+    if max_new_tokens < 1 or batch_size < 1 or shard_size < 1 or (max_shards is not None and max_shards < 1):
+        raise ValueError("max_new_tokens, batch_size, shard_size and max_shards must be positive.")
     if str(prompts) == WRITTEN:
         if num_prompts is None:
             raise ValueError(f"--prompts {WRITTEN} needs a number of prompts (`num_prompts` / `--num-prompts`).")
@@ -422,10 +426,12 @@ def build_dataset(
     _check_manifest(shard_dir, fingerprint, len(prompts))
 
     num_shards = (len(prompts) + shard_size - 1) // shard_size
+    if max_shards is not None:
+        num_shards = min(num_shards, max_shards)  # the first shards only; the fingerprint covers the whole list
     done = [k for k in range(num_shards) if (shard_dir / f"shard-{k:06d}").is_dir()]
     skipped_long = 0
     bar = tqdm(
-        total=len(prompts),
+        total=min(len(prompts), num_shards * shard_size),
         initial=sum(min(shard_size, len(prompts) - k * shard_size) for k in done),
         desc="target answers",
         unit="prompt",
@@ -461,6 +467,8 @@ def build_dataset(
     metadata = {
         "target": getattr(target.config, "name_or_path", ""),
         "num_prompts": len(prompts),
+        "shards_answered": num_shards,
+        "shards_in_list": (len(prompts) + shard_size - 1) // shard_size,
         "num_examples": len(dataset),
         "response_tokens": response_tokens,
         "max_new_tokens": max_new_tokens,
