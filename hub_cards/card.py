@@ -6,8 +6,8 @@ without a benchmark the card says that no measurement is available.
 
 `training_info` (all keys optional, as `moa train` writes it): {"kind": str, "data": str, "datasets": [Hub ids],
 "language": str | [str], "tokens": int, "steps": int, "wall_time_s": float, "hardware": str, "final_train_loss": float,
-"acceptance_length_heldout": float, "cached_target_states": bool, "learning_curve": [{"step": int, "tokens": int,
-"wall_time_s": float, "acceptance_length": float}, ...]}; other keys are listed as they are.
+"acceptance_length_heldout": float, "cached_target_states": bool or {target: bool}, "learning_curve": [{"step": int,
+"tokens": int, "wall_time_s": float, "acceptance_length": float}, ...]}; other keys are listed as they are.
 
 The benchmark (`moa bench`'s JSON) needs "hardware" and "methods" with "moa"; every other method in it ("vanilla",
 "eagle", "independent", "pld", ...) is compared with it, and its settings ("target", "dtype", "max_new_tokens",
@@ -354,6 +354,8 @@ def _fmt_training(key: str, value: Any) -> str:
         return _hardware_text(value)
     if key == "cached_target_states" and isinstance(value, bool):
         return "yes" if value else "no"
+    if key == "cached_target_states" and isinstance(value, dict):
+        return "; ".join(f"{name} {'yes' if cached else 'no (online)'}" for name, cached in value.items())
     if key == "final_train_loss" and _is_number(value):
         return f"{value:.4f}"
     if key == "acceptance_length_heldout" and _is_number(value):

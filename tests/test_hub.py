@@ -701,10 +701,12 @@ def test_card_training_measurements_are_labelled_and_rounded(drafter):
         "acceptance_heldout_by_target": {"main": {"default": 1.575, "exit1": 1.4}, "pydoc": {"default": 2.2735}},
         "trainable_parameters": 12937664,
         "acceptance_eval_time_s": 57.3,
+        "cached_target_states": {"main": False, "pydoc": True},  # main online, pydoc from --states
     }
     text = render_card(drafter, training_info=info, repo_id=REPO_ID).text
     assert "| Held-out acceptance length (end of training), pooled over the targets | 1.86 |" in text
     assert "| Training tokens per target | main 3,639,441; pydoc 261,779 |" in text
     assert "| Held-out acceptance length per target | main 1.57 (exit1 1.40); pydoc 2.27 |" in text
     assert "| Trainable parameters | 12,937,664 |" in text and "| 57 s |" in text
+    assert "| Trained on cached target states | main no (online); pydoc yes |" in text
     assert '{"' not in text.split("## Training")[1].split("## Citation")[0]

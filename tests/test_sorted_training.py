@@ -353,12 +353,14 @@ def test_moa_train_sorted_two_targets_then_parts_only(tmp_path, target, other_ta
     alt = ["--target", f"alt={tmp_path / 't_alt'}", "--data", f"alt={tmp_path / 'd_alt'}"]
     alt += ["--states", f"alt={tmp_path / 's_alt'}"]
     first = [
-        *common, "--target", f"main={tmp_path / 't_main'}", "--data", f"main={tmp_path / 'd_main'}", "--states",
-        f"main={tmp_path / 's_main'}", *alt, "--num-blocks", "2", "--exit-loss-weights", "1,2",
-        "--target-lora-rank", "2", "--max-steps", "2", "--output", str(tmp_path / "a"),
+        *common, "--target", f"main={tmp_path / 't_main'}", "--data", f"main={tmp_path / 'd_main'}", *alt,
+        "--num-blocks", "2", "--exit-loss-weights", "1,2", "--target-lora-rank", "2", "--max-steps", "2",
+        "--output", str(tmp_path / "a"),
     ]  # fmt: skip
+    # main runs online (no --states for it), alt reads cached states
     assert main(first) == 0
     info = json.loads((tmp_path / "a" / "training_info.json").read_text())
+    assert info["cached_target_states"] == {"main": False, "alt": True}
     assert info["num_blocks"] == 2 and info["exit_loss_weights"] == [1.0, 2.0] and info["steps"] == 2
     assert set(info["targets"]) == {"main", "alt"} and all(n > 0 for n in info["tokens_per_target"].values())
     for name in ("main", "alt"):

@@ -324,6 +324,7 @@ def run_train(args: argparse.Namespace) -> int:
         drafter.generation_config.save_pretrained(out)
         tokens = int(trainer.state.num_input_tokens_seen or 0)
         info_from = _init_folder(drafter_args.init_drafter)
+        cached = {name: name in states_dirs for name in data_dirs}
         info = {
             "kind": adapter_for(drafter).name,
             "data": "; ".join(
@@ -332,7 +333,8 @@ def run_train(args: argparse.Namespace) -> int:
                 + (f" for target {name} ({specs[name]})" if len(specs) > 1 or name != PRIMARY_TARGET else "")
                 for name, dirs in data_dirs.items()
             ),
-            "cached_target_states": bool(states_dirs),
+            # per target where some ran online (no --states) and others read cached states
+            "cached_target_states": cached if len(set(cached.values())) > 1 else bool(states_dirs),
             "tokens": tokens or None,
             "steps": trainer.state.global_step,
             "wall_time_s": round(wall, 1),
