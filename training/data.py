@@ -425,9 +425,8 @@ def build_dataset(
     )
     _check_manifest(shard_dir, fingerprint, len(prompts))
 
-    num_shards = (len(prompts) + shard_size - 1) // shard_size
-    if max_shards is not None:
-        num_shards = min(num_shards, max_shards)  # the first shards only; the fingerprint covers the whole list
+    shards_in_list = (len(prompts) + shard_size - 1) // shard_size
+    num_shards = min(shards_in_list, max_shards or shards_in_list)  # the first ones; the fingerprint covers all
     done = [k for k in range(num_shards) if (shard_dir / f"shard-{k:06d}").is_dir()]
     skipped_long = 0
     bar = tqdm(
@@ -468,7 +467,7 @@ def build_dataset(
         "target": getattr(target.config, "name_or_path", ""),
         "num_prompts": len(prompts),
         "shards_answered": num_shards,
-        "shards_in_list": (len(prompts) + shard_size - 1) // shard_size,
+        "shards_in_list": shards_in_list,
         "num_examples": len(dataset),
         "response_tokens": response_tokens,
         "max_new_tokens": max_new_tokens,
