@@ -112,6 +112,7 @@ sorted: .venv/.installed  ## S2D: grow SORTED_FROM to 3 exits serving SmolLM2 an
 SHIP_STEPS ?= 2912  # the first phase: SmolLM2 alone, from scratch (6.1M tokens)
 SHIP_MORE_STEPS ?= 1900  # the second: the pydoc target added, at half the learning rate (3.9M tokens)
 SHIP_LAST_STEPS ?= 1500  # the third: 1.07M more answer tokens, SmolLM2 online (its states would fill the disk; 3.1M)
+SHIP_FINAL_STEPS ?= 1500  # the fourth: 0.85M more answer tokens, SmolLM2 online (3.3M)
 SHIP := --dtype bfloat16 --batch-size 8 --warmup-steps 10 --min-cycle 2 --max-cycle 8 --save-steps 256 \
 	--eval-data $(RUNS)/ship/data_val --eval-num-prompts 8 --eval-max-new-tokens 64 --eval-context-ablation
 
@@ -138,7 +139,14 @@ shipped: .venv/.installed  ## the shipped default drafter: one block reading the
 		--data main=$(RUNS)/ship/data_main,$(RUNS)/ship/data_more --data pydoc=$(RUNS)/ship/data_pydoc \
 		--states pydoc=$(RUNS)/ship/states_pydoc --eval-prompts main=default:validation \
 		--eval-prompts pydoc=pydoc:heldout --init-from $(RUNS)/ship/moa_10m --lr 4e-4 --target-lora-rank 8 \
-		--max-steps $(SHIP_LAST_STEPS) --eval-steps $(SHIP_LAST_STEPS) --output $(RUNS)/ship/moa
+		--max-steps $(SHIP_LAST_STEPS) --eval-steps $(SHIP_LAST_STEPS) --output $(RUNS)/ship/moa_13m
+	$(PY) -m moa_hf.cli data --target default --dtype bfloat16 --prompts default --num-prompts 16384 --seed 3 \
+		--max-new-tokens 256 --batch-size 64 --shard-size 1024 --max-shards 9 --output $(RUNS)/ship/data_more
+	$(PY) -m moa_hf.cli train $(SHIP) --target main=default --target pydoc=default:pydoc \
+		--data main=$(RUNS)/ship/data_main,$(RUNS)/ship/data_more --data pydoc=$(RUNS)/ship/data_pydoc \
+		--states pydoc=$(RUNS)/ship/states_pydoc --eval-prompts main=default:validation \
+		--eval-prompts pydoc=pydoc:heldout --init-from $(RUNS)/ship/moa_13m --lr 4e-4 --target-lora-rank 8 \
+		--max-steps $(SHIP_FINAL_STEPS) --eval-steps $(SHIP_FINAL_STEPS) --output $(RUNS)/ship/moa
 	$(PY) -m moa_hf.cli tune --target default=default:validation+default:documents \
 		--target default:pydoc=pydoc:heldout --drafter $(RUNS)/ship/moa --dtype bfloat16 --num-prompts 8 \
 		--max-new-tokens 96 --seed 1 --tune speculation --num-assistant-tokens 24 --thresholds 0.3,0.5 \

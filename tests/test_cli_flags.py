@@ -68,26 +68,36 @@ def test_the_makefile_bench_command_parses_into_bench_arguments():
 
 
 def test_the_makefile_shipped_recipe_parses_into_train_arguments():
-    """`make shipped`: the default drafter's three training commands (SHIP and the step counts spelled out) parse:
+    """`make shipped`: the default drafter's four training commands (SHIP and the step counts spelled out) parse:
     one block with both options of the shipped drafter on SmolLM2 alone, then grown to serve the pydoc target too,
-    then trained on more answers with SmolLM2 online (no --states for it)."""
+    then trained twice on more answers with SmolLM2 online (no --states for it)."""
     from moa_hf.training.cli import train_arguments
 
     text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
     ship = re.search(r"^SHIP := (.*)$", text, re.M).group(1).replace("$(RUNS)", "runs")
-    steps = {"$(SHIP_STEPS)": "2912", "$(SHIP_MORE_STEPS)": "1900", "$(SHIP_LAST_STEPS)": "1500"}
+    steps = {
+        "$(SHIP_STEPS)": "2912",
+        "$(SHIP_MORE_STEPS)": "1900",
+        "$(SHIP_LAST_STEPS)": "1500",
+        "$(SHIP_FINAL_STEPS)": "1500",
+    }
     commands = [a for a in makefile_commands("train") if "$(SHIP)" in a]
     parsed = []
     for argv in commands:
         argv = [x for a in argv for x in (shlex.split(ship) if a == "$(SHIP)" else [steps.get(a, a)])]
         parsed.append(train_arguments(build_parser().parse_args(argv)))
-    (_, data, drafter, command), (_, more_data, more_drafter, more), (_, last_data, last_drafter, last) = parsed
+    (_, data, drafter, command), (_, more_data, more_drafter, more), (_, last_data, last_drafter, last) = parsed[:3]
     assert drafter.context_final_hidden and drafter.ca_latest_context and drafter.init_drafter is None
     assert data.data == ["main=runs/ship/data_main"] and (command.max_steps, command.learning_rate) == (2912, 1e-3)
     assert more_drafter.init_drafter == command.output_dir and more.target_lora_rank == 8
     assert more_data.data == ["main=runs/ship/data_main", "pydoc=runs/ship/data_pydoc"]
     assert (more.max_steps, more.learning_rate) == (1900, 5e-4) and command.eval_context_ablation
-    assert last_drafter.init_drafter == more.output_dir and last.output_dir == "runs/ship/moa"
+    assert last_drafter.init_drafter == more.output_dir and last.output_dir == "runs/ship/moa_13m"
     assert last_data.data == ["main=runs/ship/data_main,runs/ship/data_more", "pydoc=runs/ship/data_pydoc"]
     assert last_data.states == ["pydoc=runs/ship/states_pydoc"]  # SmolLM2 online
     assert (last.max_steps, last.learning_rate, last.target_lora_rank) == (1500, 4e-4, 8)
+    (_, final_data, final_drafter, final) = parsed[3]  # the same on the data with four more shards answered
+    assert final_drafter.init_drafter == last.output_dir and final.output_dir == "runs/ship/moa"
+    assert (final_data.data, final_data.states) == (last_data.data, last_data.states)
+    assert (final.max_steps, final.learning_rate, final.target_lora_rank) == (1500, 4e-4, 8)
+    assert len(parsed) == 4
