@@ -310,14 +310,26 @@ def test_qwen3_float32_identical_to_vllm_alone(tiny_qwen3, tmp_path_factory):
 def test_cpu_layouts_read_what_vllms_own_op_writes(isa):
     """vLLM's CPU cache-writing op (`cpu_attn_reshape_and_cache`) lays keys/values out by ISA; the reader of each ISA
     reads them back exactly, and the other ISA's reader is refused (`_check_layout`, run at start-up). The op only
-    moves memory, so the "amx" layout is checked on any CPU, AMX or not."""
+    moves memory, so the "amx" layout is checked on any CPU whose vLLM build has that writer: AVX-512 ones, AMX or not.
+    On an AVX2-only CPU vLLM's build has none ("Unsupported CPU attention configuration") and never picks that ISA."""
     import types
 
     import torch
+    from vllm import _custom_ops as ops
 
     from moa_hf.vllm.kv_cache import LAYOUTS, UnsupportedCacheError, layout_for
     from moa_hf.vllm.proposer import _check_layout
 
+    if isa == "amx":
+        kv = torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16)
+        try:
+            ops.cpu_attn_reshape_and_cache(
+                kv[0, :, :1, :], kv[0, :, :1, :], kv, kv.clone(), torch.zeros(1, dtype=torch.long), isa
+            )
+        except RuntimeError as error:
+            if "Unsupported CPU attention configuration" not in str(error):
+                raise
+            pytest.skip(f"this CPU's vLLM build writes no 'amx' cache ({error}); vLLM never chooses that ISA here")
     other = {"vec": "cpu_amx", "amx": "cpu_vec"}[isa]
     for heads, head_dim, block_size in [(3, 64, 32), (2, 128, 64), (1, 64, 128)]:
         cache = torch.zeros(4, heads, block_size, 2 * head_dim, dtype=torch.bfloat16)
