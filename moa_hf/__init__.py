@@ -6,6 +6,7 @@ from transformers import AutoConfig, AutoModel
 
 from . import drafter_types
 from .default_target import DEFAULT_TARGET_VARIANTS
+from .hardware import fast_dtype
 from .loading import load_drafter, load_target, parse_dtype
 from .modeling import (
     PRIMARY_TARGET,
@@ -45,6 +46,7 @@ __all__ = [
     "TreeSettings",
     "attached",
     "build_drafter",
+    "fast_dtype",
     "fixed_exit_thresholds",
     "generate",
     "load_default_target",

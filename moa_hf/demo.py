@@ -1,7 +1,8 @@
 """`moa demo` (what `make demo` runs): the default drafter on the embedded SmolLM2-135M-Instruct target.
 
 Two parts, both measured on this machine:
-1. Speed, in the dtype asked for (bfloat16 by default): each prompt is answered by the target alone and with the
+1. Speed, in the dtype asked for (by default `moa_hf.fast_dtype()`: bfloat16 where the CPU or GPU computes it
+   natively, float32 elsewhere, e.g. on AVX2-only CPUs): each prompt is answered by the target alone and with the
    drafter (`target.generate(..., assistant_model=drafter)`); acceptance length, tokens/s and speedup are printed.
 2. Exactness, in float32 on the same prompts: the answer with the drafter must be token-identical to the target's
    own. (In bfloat16 a forward over several tokens rounds differently from one token at a time, so a bf16 answer may
@@ -71,14 +72,23 @@ def _check_exact(drafter_spec: str, prompts: list[str], max_new_tokens: int) -> 
     return differ
 
 
+def _dtype(name: str) -> torch.dtype:
+    """`auto`: the fastest dtype on this machine (`fast_dtype`); else the named one."""
+    from .hardware import fast_dtype
+    from .loading import parse_dtype
+
+    return fast_dtype() if name == "auto" else parse_dtype(name)
+
+
 def run_demo(
-    dtype: str = "bfloat16", max_new_tokens: int = 96, drafter_path: str | None = None, check: bool = True
+    dtype: str = "auto", max_new_tokens: int = 96, drafter_path: str | None = None, check: bool = True
 ) -> dict:
     from . import attached
-    from .loading import load_drafter, load_target, parse_dtype
+    from .loading import load_drafter, load_target
 
     spec = drafter_path or "default"
-    target, tok = load_target("default", dtype=parse_dtype(dtype))
+    target, tok = load_target("default", dtype=_dtype(dtype))
+    dtype = str(target.dtype).removeprefix("torch.")
     drafter = load_drafter(spec, target=target)
     n_params = sum(p.numel() for p in drafter.parameters())
     print(f"target: SmolLM2-135M-Instruct ({dtype}); drafter: {spec} ({n_params / 1e6:.2f}M own parameters)")
@@ -144,16 +154,16 @@ def _costs(args: argparse.Namespace) -> int:
 
     from . import attached
     from .costs import measure_costs
-    from .loading import load_drafter, load_target, parse_dtype
+    from .loading import load_drafter, load_target
 
-    target, tok = load_target("default", dtype=parse_dtype(args.dtype))
+    target, tok = load_target("default", dtype=_dtype(args.dtype))
     drafter = load_drafter(args.drafter or "default", target=target)
     ids = tok(chat_text(tok, PROMPTS[0]) + " The sky looks blue because" * 12, return_tensors="pt").input_ids  # [1, T]
     with attached(drafter, target):
         result = measure_costs(target, drafter, ids)
     result.update(
         drafter=args.drafter or "default",
-        dtype=args.dtype,
+        dtype=str(target.dtype).removeprefix("torch."),
         context_tokens=ids.shape[1],
         threads=torch.get_num_threads(),
     )
@@ -163,11 +173,16 @@ def _costs(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     c = subparsers.add_parser("costs", help="Drafter cost per token vs a target step, and per-cycle overhead.")
-    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    c.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="auto: `fast_dtype()`")
     c.add_argument("--drafter", default=None, help="a saved drafter folder (default: the shipped default drafter)")
     c.set_defaults(func=_costs)
     p = subparsers.add_parser("demo", help="Speculative decoding on the embedded SmolLM2 target: speed and exactness.")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="dtype of the speed part")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="dtype of the speed part (auto: bfloat16 where it is native here, else float32)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--drafter", default=None, help="a saved drafter folder (default: the shipped default drafter)")
     p.add_argument(

@@ -16,11 +16,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
 
 from .drafter_types import drafter_kinds, drafter_type
+from .hardware import emulated_bf16_warning
 
 __all__ = [
     "DRAFTER_KINDS",
@@ -124,6 +126,8 @@ def load_target(
 
     device = torch.device(device) if device is not None else default_device()
     torch_dtype = parse_dtype(dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if slow := emulated_bf16_warning(torch_dtype, device):
+        warnings.warn(slow, stacklevel=2)
     from .default_target import is_default_target_spec, load_default_target, parse_default_target_spec
 
     if is_default_target_spec(spec):

@@ -84,6 +84,36 @@ def test_parse_dtype_unknown_name_says_what_to_use():
         parse_dtype("fp8")
 
 
+@pytest.mark.parametrize(
+    "flags, fast, warns",
+    [
+        (["avx2"], torch.float32, True),  # an AVX2-only CPU: bf16 products take torch's fallback path
+        ([], torch.float32, True),
+        (["avx512_bf16", "avx512f", "avx2"], torch.bfloat16, False),
+        (["amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2"], torch.bfloat16, False),
+    ],
+)
+def test_fast_dtype_and_the_emulated_bf16_warning_follow_the_cpu_flags(folders, monkeypatch, flags, fast, warns):
+    import warnings
+
+    from moa_hf import hardware
+
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: flags)
+    assert moa_hf.fast_dtype("cpu") is fast
+    message = hardware.emulated_bf16_warning(torch.bfloat16, "cpu")
+    assert (message is not None) is warns
+    assert hardware.emulated_bf16_warning(torch.float32, "cpu") is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, _ = moa_hf.load_target(folders["target"], dtype="bfloat16", device="cpu")
+        moa_hf.load_target(folders["target"], dtype="float32", device="cpu")
+    assert model.dtype is torch.bfloat16  # a warning, never a silent change of what was asked for
+    said = [str(w.message) for w in caught if "native bf16" in str(w.message)]
+    assert len(said) == int(warns)
+    if warns:
+        assert "dtype='float32'" in said[0] and "slower than float32" in said[0]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Drafters
 # ---------------------------------------------------------------------------------------------------------------------
