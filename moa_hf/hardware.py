@@ -70,7 +70,7 @@ def emulated_bf16_warning(dtype: torch.dtype | None, device: str | torch.device 
     flags = " ".join(cpu_flags()) or "none of " + ", ".join(FIGURE_FLAGS)
     return (
         f"bfloat16 on this CPU ({cpu_name()}; flags: {flags}) has no native bf16 (AVX-512 bf16 or AMX): its matrix "
-        "products take a fallback up to ~60x slower than float32. Pass dtype='float32' (or `moa_hf.fast_dtype()`)."
+        "products take a fallback 45-70x slower than float32. Pass dtype='float32' (or `moa_hf.fast_dtype()`)."
     )
 
 
