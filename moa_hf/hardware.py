@@ -108,7 +108,7 @@ def hardware_info(device: torch.device | str = "cpu") -> dict:
 
 
 def hardware_summary() -> str:
-    """`2 x NVIDIA H100 ...` where CUDA is available, else `CPU (<model>, <n> threads)`."""
+    """`2 x NVIDIA H100 ...` where CUDA is available, else `CPU (<model>, <its FIGURE_FLAGS>, <n> threads)`."""
     if torch.cuda.is_available():
         return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     flags = " ".join(cpu_flags()) or "no AVX2"

@@ -262,6 +262,8 @@ def test_cli_end_to_end(tmp_path, capsys):
     data = json.loads((out / "bench.json").read_text())
     assert set(data["hardware"]) >= {"cpu", "cores", "torch", "device", "threads"}
     assert data["hardware"]["device"] == "cpu" and data["hardware"]["cores"] >= 1
+    flags = " ".join(data["hardware"]["cpu_flags"]) or "none of avx2, avx512, amx"
+    assert f"(CPU flags: {flags};" in stdout  # every figure names the CPU kind it was measured on
     assert data["dtype"] == "bfloat16" and data["max_new_tokens"] == 8 and data["date"]
     assert data["target"].rstrip("/").endswith("tiny-random-llama")
     assert list(data["methods"]) == methods.split(",")

@@ -166,9 +166,11 @@ def format_markdown(bench: dict) -> str:
                 )
     hw = bench.get("hardware") or {}
     if hw:
+        flags = " ".join(hw.get("cpu_flags") or []) or "none of avx2, avx512, amx"
         lines += [
             "",
-            f"Hardware: {hw.get('cpu')} ({hw.get('cores')} cores, {hw.get('threads')} threads), device "
+            f"Hardware: {hw.get('cpu')} (CPU flags: {flags}; "
+            f"{hw.get('cores')} cores, {hw.get('threads')} threads), device "
             f"{hw.get('device')}, torch {hw.get('torch')}. bound = Leviathan et al. (2023) expected improvement "
             "factor from alpha (per-token acceptance), gamma (draft tokens per cycle), c (drafter cost per "
             "drafted token / target step).",

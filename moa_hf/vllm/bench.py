@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..hardware import cpu_flags
+
 __all__ = ["METHODS", "EngineProcess", "main", "run_bench", "run_engines", "run_worker"]
 
 METHODS = ("vllm", "ngram", "moa")
@@ -31,16 +33,6 @@ SPEC_COUNTERS = {
     "vllm:spec_decode_num_draft_tokens": "draft_tokens",
     "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
 }
-
-
-def cpu_flags() -> list[str]:
-    """The CPU flags that decide bf16 speed here (AVX2, AVX-512 and its bf16, AMX)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return sorted(f for f in set(flags) if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"))
 
 
 def engine_kwargs(method: str, drafter: str, k: int, draft_length: int | None) -> dict:
