@@ -235,8 +235,10 @@ class _Run:
         ids = torch.stack(self.seqs)  # [B, P]
         B, P = ids.shape
         pos = (valid.long().cumsum(-1) - 1).clamp_min(0)  # [B, P]
-        visible = None  # without padding the prompt is causal: the model's own mask, whose SDPA kernel skips the
-        if not bool(valid.all()):  # masked half (a 4-D mask makes a long prompt's attention ~1.5x dearer on a CPU)
+        # Without padding the prompt is causal: the model builds its own mask, whose SDPA kernel skips the masked half
+        # (a 4-D mask made a long prompt's attention ~1.5x dearer on a CPU). With padding, the 4-D mask.
+        visible = None
+        if not bool(valid.all()):
             causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
             eye = torch.eye(P, dtype=torch.bool, device=ids.device)
             visible = (causal & valid[:, None, :]) | eye  # [B, P, P]; padding sees itself (no empty softmax row)
