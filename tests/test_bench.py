@@ -454,6 +454,98 @@ def test_cli_engine_methods_check_and_batches(tmp_path, capsys):
     assert main([*argv[:-1], "1,x"]) == 2 and "--batch-sizes" in capsys.readouterr().err
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Method variants: an engine method's fixed tree shape (`@DxKxB`) and the context vectors zeroed (`_nocontext`)
+# ---------------------------------------------------------------------------------------------------------------------
+def test_method_variants_parse_and_refuse_what_does_not_apply(tmp_path):
+    shape = {"tree_depth": 6, "tree_top_k": 8, "tree_budget": 24}
+    assert bench.method_variant("moa_tree_nolookup@6x8x24") == bench.MethodVariant("moa_tree_nolookup", shape)
+    assert bench.method_variant("moa_tree_nolookup@6x8x24_nocontext").no_context
+    assert bench.method_variant("moa_nolookup_nocontext") == bench.MethodVariant("moa_nolookup", None, True)
+    assert bench.method_variant("moa") == bench.MethodVariant("moa")
+    assert bench.method_kind("moa_tree@2x2x4_nocontext") == "moa"
+    paths = {"moa": "default"}
+    names = "moa_nolookup,moa_nolookup_nocontext,moa_tree_nolookup@6x8x24,moa_chain@5x1x5,moa_tree@2x2x4_nocontext"
+    assert bench.resolve_method_names(names, paths) == ["vanilla", *names.split(",")]
+    refused = {
+        "moa@6x8x24": "engine's methods",  # assisted generation drafts chains
+        "moa_chain@5x2x8": "top-k 1",
+        "moa_tree@0x2x4": "positive",
+        "pld_nocontext": "has none",
+        "moa_tree@6x8": "Unknown method",  # a shape is three numbers
+    }
+    for name, message in refused.items():
+        with pytest.raises(bench.BenchError, match=message):
+            bench.resolve_method_names(f"vanilla,{name}", paths)
+
+
+def test_build_methods_fix_the_tree_shape_and_zero_the_context_inside_the_method_only(tmp_path):
+    target = make_target()
+    torch.manual_seed(0)
+    _with_lookup(moa_hf.build_drafter(target)).save_pretrained(tmp_path / "moa")
+    names = ["moa_nolookup_nocontext", "moa_tree_nolookup@3x2x6", "moa_tree_nolookup@3x2x6_nocontext"]
+    methods = bench.build_methods(names, target, {"moa": str(tmp_path / "moa")})
+    assert methods[1].info["settings"] == {"tree_depth": 3, "tree_top_k": 2, "tree_budget": 6, "lookup": False}
+    assert methods[2].info["settings"] == methods[1].info["settings"] and methods[2].info["engine"]
+    assert methods[0].info["lookup_num_tokens"] == 0  # the base method's config override still applies
+    assert [m.info.get("context") for m in methods] == ["zeroed", None, "zeroed"]
+    cfg = target.config
+    kv = torch.randn(
+        1, 3, cfg.num_hidden_layers, 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    )
+    zeroed_drafter = methods[0].generate_kwargs["assistant_model"]
+    with torch.no_grad():
+        assert zeroed_drafter.compute_context(kv).abs().sum() > 0  # outside the method: the target's state
+        with methods[0].context(target):
+            assert zeroed_drafter.is_attached and zeroed_drafter.compute_context(kv).abs().sum() == 0
+        assert not zeroed_drafter.is_attached and zeroed_drafter.compute_context(kv).abs().sum() > 0
+    if HAS_EAGLE:
+        make_eagle(target).save_pretrained(tmp_path / "eagle")
+        with pytest.raises(bench.BenchError, match="no context vectors"):
+            bench.build_methods(["eagle_nocontext"], target, {"eagle": str(tmp_path / "eagle")})
+
+
+def test_report_gives_the_share_of_the_gain_from_the_target():
+    assert bench.context_share(1.5, 1.2) == pytest.approx(0.6)
+    assert bench.context_share(1.0, 1.0) is None and bench.context_share(1.4, None) is None
+
+    def entry(length):
+        return {"overall": {"acceptance_length": length, "tokens_per_s": 1.0, "speedup": 1.0,
+                            "theoretical_speedup": None, "alpha": None, "gamma": None, "cost_ratio": None},
+                "per_category": {}, "info": {}}  # fmt: skip
+
+    methods = {"vanilla": entry(1.0), "moa_nolookup": entry(1.5), "moa_nolookup_nocontext": entry(1.2)}
+    text = bench.format_markdown({"methods": methods, "max_new_tokens": 8})
+    assert "### the target's state" in text and "| moa_nolookup | 1.50 | 1.20 | 60% |" in text
+    del methods["moa_nolookup"]  # no pair: no table
+    assert "### the target's state" not in bench.format_markdown({"methods": methods, "max_new_tokens": 8})
+
+
+def test_cli_variants_end_to_end_and_lossless(tmp_path, capsys):
+    target, tokenizer = make_target(), make_tokenizer()
+    target_dir = tmp_path / "tiny-random-llama"
+    target.save_pretrained(target_dir)
+    tokenizer.save_pretrained(target_dir)
+    torch.manual_seed(0)
+    _with_lookup(moa_hf.build_drafter(target)).save_pretrained(tmp_path / "moa")
+    out = tmp_path / "out"
+    methods = "vanilla,moa_nolookup,moa_nolookup_nocontext,moa_tree_nolookup@3x2x6,moa_tree_nolookup@3x2x6_nocontext"
+    argv = [
+        "bench", "--questions", str(write_questions(tmp_path / "q.jsonl")), "--target", str(target_dir),
+        "--dtype", "bfloat16", "--max-new-tokens", "6", "--methods", methods, "--moa", str(tmp_path / "moa"),
+        "--warmup", "0", "--output", str(out), "--check", "--no-progress",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert "### the target's state" in stdout and "| moa_tree_nolookup@3x2x6 |" in stdout
+    data = json.loads((out / "bench.json").read_text())
+    assert list(data["methods"]) == methods.split(",")
+    assert all(entry["passed"] for entry in data["check"].values()) and len(data["check"]) == 4
+    assert data["methods"]["moa_tree_nolookup@3x2x6_nocontext"]["info"]["settings"]["tree_budget"] == 6
+    assert data["methods"]["moa_nolookup_nocontext"]["info"]["context"] == "zeroed"
+    assert main([*argv[:10], "vanilla,moa@3x2x6", *argv[11:]]) == 2 and "engine's methods" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("hidden", [False, True])
 def test_moa_costs_reports_the_engines_measured_costs(hidden):
     """hidden: a drafter whose context reads the target's final hidden states too (`context_final_hidden`)."""

@@ -19,9 +19,13 @@ Sorted drafters (`num_blocks` K > 1, exits after blocks 1..K): `moa_exit1` .. `m
 assisted generation; `moa_tree_exit1` .. `moa_tree_exitK` and `moa_tree_adaptive` the same through the tree engine
 (prompt lookup as the drafter's config says, for all of them). `moa_exits` / `moa_tree_exits` name all of them at
 once. Every method of a MoA drafter reports its tokens drafted per exit (`exit_counts`; prompt-lookup tokens are not
-drafted by an exit). `--prompts SOURCE ...` replaces the Spec-Bench questions by natural held-out prompts
-(`moa_hf.prompts.load_prompts`: `default:validation`, `default:documents`, `pydoc:heldout`, files, datasets), one
-category per source.
+drafted by an exit). Two variants are written after a method's name: `@DEPTHxTOP_KxBUDGET` fixes an engine method's
+tree shape (`moa_tree_nolookup@6x8x24`: depth 6, top-k 8, at most 24 drafted nodes per verification), and `_nocontext`
+runs a MoA method with the drafter's context vectors zeroed (`moa_nolookup_nocontext`,
+`moa_tree_nolookup@6x8x24_nocontext`): run next to the same method, the report gives the share of the drafter's gain
+that comes from the target's state. `--prompts SOURCE ...` replaces the Spec-Bench questions by natural held-out
+prompts (`moa_hf.prompts.load_prompts`: `default:validation`, `default:documents`, `pydoc:heldout`, files, datasets),
+one category per source.
 
 The package by job: data.py (Spec-Bench questions, natural prompts), methods.py (the decoding methods and
 `--methods`), counting.py (target calls and the metrics), runner.py (running, the lossless check, batches),
@@ -53,7 +57,9 @@ from .methods import (
     ADAPTIVE_METHODS,
     ENGINE_METHODS,
     EXIT_SHORTHANDS,
+    NO_CONTEXT,
     BenchMethod,
+    MethodVariant,
     all_methods,
     build_methods,
     drafter_method,
@@ -63,11 +69,13 @@ from .methods import (
     exit_methods_of,
     independent_method,
     method_kind,
+    method_variant,
     pld_method,
     resolve_method_names,
     vanilla_method,
+    without_context,
 )
-from .report import format_exit_setting, format_markdown, format_value, plot_benchmark
+from .report import context_share, format_exit_setting, format_markdown, format_value, plot_benchmark
 from .runner import check_lossless, generate_once, real_new_tokens, run_batches, run_benchmark
 
 __all__ = [
@@ -77,6 +85,8 @@ __all__ = [
     "CallCounter",
     "ENGINE_METHODS",
     "EXIT_SHORTHANDS",
+    "MethodVariant",
+    "NO_CONTEXT",
     "MT_BENCH_CATEGORIES",
     "SPEC_BENCH_CATEGORIES",
     "acceptance_length",
@@ -84,6 +94,7 @@ __all__ = [
     "build_methods",
     "category_of",
     "check_lossless",
+    "context_share",
     "count_forward_calls",
     "default_questions_path",
     "drafter_method",
@@ -100,6 +111,7 @@ __all__ = [
     "independent_method",
     "load_questions",
     "method_kind",
+    "method_variant",
     "pld_method",
     "plot_benchmark",
     "prompt_questions",
@@ -112,4 +124,5 @@ __all__ = [
     "speedup_bound",
     "summarize",
     "vanilla_method",
+    "without_context",
 ]

@@ -47,7 +47,9 @@ class BenchArguments:
         metadata={
             "help": f"comma list (default all: {','.join(all_methods())}; a sorted --moa drafter adds "
             "moa_exit1..K and, once tuned, moa_adaptive and moa_tree_adaptive); sorted drafters also: "
-            "moa_tree_exit<k>, and the shorthands moa_exits / moa_tree_exits (every exit and the adaptive depth)"
+            "moa_tree_exit<k>, and the shorthands moa_exits / moa_tree_exits (every exit and the adaptive depth); "
+            "variants: an engine method's fixed tree shape, METHOD@DEPTHxTOP_KxBUDGET (moa_tree_nolookup@6x8x24), "
+            "and a MoA method with its context vectors zeroed, METHOD_nocontext"
         },
     )
     pld_tokens: int = field(default=10, metadata={"help": "prompt lookup decoding: tokens drafted per cycle"})

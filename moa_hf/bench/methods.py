@@ -10,6 +10,7 @@ tree engine (`ENGINE_METHODS`)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -42,6 +43,34 @@ BATCH_METHOD = "moa_tree"
 # `<base>_exits` names every exit and the adaptive one; the bases are the kind's first assisted method and its engine
 # method with the engine's own settings (`moa`, `moa_tree`).
 _EXIT_METHOD = re.compile(r"^(\w+)_exit(\d+)$")
+# Variants of any drafter method, written after its name: `@DEPTHxTOP_KxBUDGET` fixes an engine method's tree shape
+# (`moa_tree_nolookup@6x8x24`), and `_nocontext` runs a MoA method with the drafter's context vectors zeroed
+# (`moa_nolookup_nocontext`, `moa_tree_nolookup@6x8x24_nocontext`): what the drafter accepts without the target's
+# state, the issue's "share of the gain from the target" (the report's context table).
+_SHAPE = re.compile(r"^(.+)@(\d+)x(\d+)x(\d+)$")
+NO_CONTEXT = "_nocontext"
+
+
+@dataclass(frozen=True)
+class MethodVariant:
+    """What a method name asks beyond its base method: `name` without the variants, the engine's fixed tree `shape`
+    ({"tree_depth", "tree_top_k", "tree_budget"}, None: the method's own) and `no_context` (context vectors zeroed)."""
+
+    name: str
+    shape: dict | None = None
+    no_context: bool = False
+
+
+def method_variant(name: str) -> MethodVariant:
+    """`name` split into its base method and its variants (`_nocontext` last, `@DxKxB` before it); a name without
+    them is its own base."""
+    no_context = name.endswith(NO_CONTEXT)
+    base = name[: -len(NO_CONTEXT)] if no_context else name
+    match = _SHAPE.match(base)
+    if match is None:
+        return MethodVariant(base, None, no_context)
+    depth, top_k, budget = (int(match[i]) for i in (2, 3, 4))
+    return MethodVariant(match[1], {"tree_depth": depth, "tree_top_k": top_k, "tree_budget": budget}, no_context)
 
 
 def all_methods() -> tuple[str, ...]:
@@ -66,7 +95,9 @@ EXIT_SHORTHANDS = _bases_by_suffix("_exits")  # {"moa_exits": "moa", "moa_tree_e
 
 
 def method_kind(name: str) -> str | None:
-    """The kind of drafter method `name` runs (exit methods: their base's), None for vanilla, pld and unknown names."""
+    """The kind of drafter method `name` runs (exit methods and variants: their base's), None for vanilla, pld and
+    unknown names."""
+    name = method_variant(name).name
     parsed = exit_methods_of(name)
     name = parsed[0] if parsed else name
     return next((record.kind for record in drafter_types() if name in record.bench_methods), None)
@@ -322,13 +353,16 @@ def resolve_method_names(methods: str | None, paths: dict[str, str | None]) -> l
     tuned exit thresholds, `moa_adaptive` (`moa_tree_adaptive`); K is the --moa drafter's `num_blocks`.
     """
     names = _requested_names(methods, paths)
-    unknown = [n for n in names if n not in all_methods() and exit_methods_of(n) is None]
+    unknown = [n for n in names if (b := method_variant(n).name) not in all_methods() and exit_methods_of(b) is None]
     if unknown:
         exits = ", ".join(f"{base}_exit<k>" for base in EXIT_SHORTHANDS.values())
         raise BenchError(
             f"Unknown method(s) {unknown} in --methods; choose from {','.join(all_methods())}, or for a sorted "
-            f"drafter {exits}, {', '.join(ADAPTIVE_METHODS)}, {', '.join(EXIT_SHORTHANDS)}."
+            f"drafter {exits}, {', '.join(ADAPTIVE_METHODS)}, {', '.join(EXIT_SHORTHANDS)}; variants: "
+            f"<engine method>@DEPTHxTOP_KxBUDGET (e.g. moa_tree_nolookup@6x8x24), <MoA method>{NO_CONTEXT}."
         )
+    for name in names:
+        _check_variant(name)
     names = ["vanilla"] + [n for n in dict.fromkeys(names) if n != "vanilla"]  # the speedup baseline is always run
     for name in names:
         kind = method_kind(name)
@@ -346,6 +380,25 @@ def resolve_method_names(methods: str | None, paths: dict[str, str | None]) -> l
                 f"{drafter_type(kind).build_hint}, or leave {','.join(used)} out with --methods."
             )
     return names
+
+
+def _check_variant(name: str) -> None:
+    """Refuse variants that do not apply to `name`'s base method, saying which methods take them."""
+    variant = method_variant(name)
+    base = (exit_methods_of(variant.name) or (variant.name,))[0]
+    if variant.shape is not None:
+        if base not in ENGINE_METHODS:
+            raise BenchError(
+                f"'{name}': a tree shape (@DEPTHxTOP_KxBUDGET) is for the engine's methods "
+                f"({', '.join(ENGINE_METHODS)}), not {variant.name}."
+            )
+        fixed = ENGINE_METHODS[base].get("tree_top_k")
+        if fixed is not None and variant.shape["tree_top_k"] != fixed:
+            raise BenchError(f"'{name}': {base} drafts with top-k {fixed}; write {base}@DEPTHx{fixed}xBUDGET.")
+        if min(variant.shape.values()) < 1:
+            raise BenchError(f"'{name}': depth, top-k and budget of a tree shape are positive integers.")
+    if variant.no_context and method_kind(name) is None:
+        raise BenchError(f"'{name}': {NO_CONTEXT} zeroes a MoA drafter's context vectors; {variant.name} has none.")
 
 
 def _load_drafter(kind: str, path: str, target):
@@ -425,16 +478,40 @@ def build_methods(
 
 def _drafter_method(name: str, kind: str, path: str | None, target, allow_other_target: bool) -> BenchMethod:
     """Method `name` with a drafter of the MoA drafter's API: through assisted generation (with `CONFIG_OVERRIDES`)
-    or the tree engine (`ENGINE_METHODS`), a sorted drafter at one exit or adaptive (`<base>_exit<k>`)."""
-    base, exit = exit_methods_of(name) or (name, False)
+    or the tree engine (`ENGINE_METHODS`, or the name's fixed tree shape), a sorted drafter at one exit or adaptive
+    (`<base>_exit<k>`), with its context vectors zeroed for a `_nocontext` name."""
+    _check_variant(name)
+    variant = method_variant(name)
+    base, exit = exit_methods_of(variant.name) or (variant.name, False)
     engine = base in ENGINE_METHODS
     drafter, path = checked_drafter(name, kind, path, target, allow_other_target, engine=engine)
     info = {"drafter": str(path)}
     if exit is not False:
         _set_exit(name, drafter, exit, target)
         info["exit"] = "adaptive" if exit is None else exit
-    for key, value in CONFIG_OVERRIDES.get(name, {}).items():
+    for key, value in CONFIG_OVERRIDES.get(variant.name, {}).items():
         setattr(drafter.config, key, value)
     if engine:  # the exit methods run the engine as their base does: its chosen tree settings, lookup as configured
-        return engine_method(name, drafter, ENGINE_METHODS[base], allow_other_target, info)
-    return drafter_method(name, drafter, allow_other_target, info)
+        settings = {**ENGINE_METHODS[base], **(variant.shape or {})}
+        method = engine_method(name, drafter, settings, allow_other_target, info)
+    else:
+        method = drafter_method(name, drafter, allow_other_target, info)
+    return without_context(method, drafter) if variant.no_context else method
+
+
+def without_context(method: BenchMethod, drafter) -> BenchMethod:
+    """`method` run with `drafter`'s context vectors zeroed (`drafter.context_ablated()`, around the same context as
+    before): the drafter without the target's state. Only a MoA drafter has context vectors."""
+    if not hasattr(drafter, "context_ablated"):
+        raise BenchError(
+            f"'{method.name}': a {type(drafter).__name__} has no context vectors to zero; {NO_CONTEXT} is for MoA "
+            "drafters."
+        )
+    inner = method.context
+
+    @contextlib.contextmanager
+    def context(target):
+        with drafter.context_ablated(), inner(target) as handle:
+            yield handle
+
+    return dataclasses.replace(method, context=context, info={**method.info, "context": "zeroed"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from .counting import ratio
+from .methods import NO_CONTEXT
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -44,6 +45,38 @@ def _engine_lines(methods: dict) -> list[str]:
             f"| {name} | {format_value(o['acceptance_length'])} | {format_value(o.get('mean_tree_size'), 1)} "
             f"| {o['drafted_tokens']} | {format_value(o['draft_time_s'])} | {format_value(o.get('verify_time_s'))} "
             f"| {_settings_cell(m['info'].get('settings'))} |"
+        )
+    return lines
+
+
+def context_share(with_context: float | None, without: float | None) -> float | None:
+    """The share of a drafter's gain over plain decoding that the target's state brings: (a - a0) / (a - 1) for
+    acceptance lengths a (with the context vectors) and a0 (zeroed); None where a drafter gains nothing."""
+    if with_context is None or without is None or with_context <= 1.0:
+        return None
+    return (with_context - without) / (with_context - 1.0)
+
+
+def _context_lines(methods: dict) -> list[str]:
+    """Methods run also with the drafter's context vectors zeroed (`<method>_nocontext`): acceptance both ways and
+    the share of the gain that comes from the target's state."""
+    bases = {n: n[: -len(NO_CONTEXT)] for n in methods if n.endswith(NO_CONTEXT)}
+    pairs = [(base, zeroed) for zeroed, base in bases.items() if base in methods]
+    if not pairs:
+        return []
+    lines = [
+        "",
+        "### the target's state (the drafter's context vectors zeroed)",
+        "",
+        "| method | acceptance length | context zeroed | share of the gain from the target |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, zeroed in pairs:
+        a, a0 = methods[name]["overall"]["acceptance_length"], methods[zeroed]["overall"]["acceptance_length"]
+        share = context_share(a, a0)
+        lines.append(
+            f"| {name} | {format_value(a)} | {format_value(a0)} "
+            f"| {'–' if share is None else format_value(100 * share, 0, '%')} |"
         )
     return lines
 
@@ -113,8 +146,8 @@ def _batch_lines(rows: list[dict] | None) -> list[str]:
 
 
 def format_markdown(bench: dict) -> str:
-    """Overall table per method, the tree engine's methods, one acceptance/speedup table per category, the batch
-    section and the losslessness check."""
+    """Overall table per method, the tree engine's methods, the target's share (methods run also with the context
+    zeroed), one acceptance/speedup table per category, the batch section and the losslessness check."""
     methods = bench["methods"]
     lines = [
         f"## moa bench: {bench.get('target', '')} ({bench.get('dtype', '')}, up to {bench.get('max_new_tokens')} "
@@ -137,6 +170,7 @@ def format_markdown(bench: dict) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines += _engine_lines(methods)
+    lines += _context_lines(methods)
     lines += _exit_lines(methods)
     categories = list(dict.fromkeys(c for m in methods.values() for c in m["per_category"]))
     for cat in categories:
