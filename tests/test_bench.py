@@ -429,14 +429,20 @@ def test_run_batches_rows_count_only_real_tokens():
     assert "| batch | vanilla tokens/s | engine tokens/s | speedup |" in text and "| 2 |" in text
 
 
-def test_cli_engine_methods_check_and_batches(tmp_path, capsys):
+def _saved_target_and_moa(tmp_path) -> Path:
+    """A tiny random target with its tokenizer in tmp_path/tiny-random-llama and a MoA drafter for it (prompt lookup
+    on) in tmp_path/moa; returns the target's folder."""
     target, tokenizer = make_target(), make_tokenizer()
     target_dir = tmp_path / "tiny-random-llama"
     target.save_pretrained(target_dir)
     tokenizer.save_pretrained(target_dir)
     torch.manual_seed(0)
     _with_lookup(moa_hf.build_drafter(target)).save_pretrained(tmp_path / "moa")
-    out = tmp_path / "out"
+    return target_dir
+
+
+def test_cli_engine_methods_check_and_batches(tmp_path, capsys):
+    target_dir, out = _saved_target_and_moa(tmp_path), tmp_path / "out"
     methods = "vanilla,moa_tree,moa_tree_nolookup,moa_chain"
     argv = [
         "bench", "--questions", str(write_questions(tmp_path / "q.jsonl")), "--target", str(target_dir),
@@ -522,13 +528,7 @@ def test_report_gives_the_share_of_the_gain_from_the_target():
 
 
 def test_cli_variants_end_to_end_and_lossless(tmp_path, capsys):
-    target, tokenizer = make_target(), make_tokenizer()
-    target_dir = tmp_path / "tiny-random-llama"
-    target.save_pretrained(target_dir)
-    tokenizer.save_pretrained(target_dir)
-    torch.manual_seed(0)
-    _with_lookup(moa_hf.build_drafter(target)).save_pretrained(tmp_path / "moa")
-    out = tmp_path / "out"
+    target_dir, out = _saved_target_and_moa(tmp_path), tmp_path / "out"
     methods = "vanilla,moa_nolookup,moa_nolookup_nocontext,moa_tree_nolookup@3x2x6,moa_tree_nolookup@3x2x6_nocontext"
     argv = [
         "bench", "--questions", str(write_questions(tmp_path / "q.jsonl")), "--target", str(target_dir),
