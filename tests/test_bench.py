@@ -543,6 +543,11 @@ def test_cli_variants_end_to_end_and_lossless(tmp_path, capsys):
     assert all(entry["passed"] for entry in data["check"].values()) and len(data["check"]) == 4
     assert data["methods"]["moa_tree_nolookup@3x2x6_nocontext"]["info"]["settings"]["tree_budget"] == 6
     assert data["methods"]["moa_nolookup_nocontext"]["info"]["context"] == "zeroed"
+    for name in ("moa_nolookup_nocontext", "moa_tree_nolookup@3x2x6_nocontext"):  # what the run itself records
+        assert (
+            data["methods"][name]["info"]["drafter_target"]
+            == data["methods"]["moa_nolookup"]["info"]["drafter_target"]
+        )
     assert main([*argv[:10], "vanilla,moa@3x2x6", *argv[11:]]) == 2 and "engine's methods" in capsys.readouterr().err
 
 
