@@ -3,11 +3,14 @@ written anew by the target, the loss on assistant tokens only, cycles restarting
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import datasets
 import pytest
 import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 import moa_hf
 from moa_hf.conversations import (
@@ -241,3 +244,147 @@ def test_prompt_data_and_conversations_train_together(tmp_path, target):
     assert moa_main(train) == 0
     assert json.loads((out / "training_info.json").read_text())["steps"] == 3
     assert not list((tmp_path / "answers").glob("cache-*"))  # nothing written into the data folders
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Regenerated answers go in as the target's own ids; a conversation that cannot be laid out is skipped and counted
+# ---------------------------------------------------------------------------------------------------------------------
+_ALTERNATING = (  # a template that refuses a conversation whose roles do not alternate, as Mistral's and Llama 2's do
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _merging_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """`tiny_tokenizer` with 28 more tokens (vocabulary 128): runs of 2 to 4 spaces and newlines, one token each, as a
+    BPE tokenizer merges whitespace. Text no longer maps to ids one to one: "\n" then " " re-encode as "\n ", and the
+    "\n" closing the template's generation prompt merges with an answer that starts with whitespace."""
+    base = tiny_tokenizer()
+    vocab = dict(sorted(base.get_vocab().items(), key=lambda item: item[1]))
+    runs = ["".join(run) for n in (2, 3, 4) for run in itertools.product(" \n", repeat=n)]
+    vocab |= {run: len(vocab) + i for i, run in enumerate(runs)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[ \n]{1,4}|[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        eos_token="<|im_end|>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tokenizer.chat_template = chat_template or base.chat_template
+    return tokenizer
+
+
+_QUESTIONS = [("Hi there", "Add 2 and 3"), ("Name a colour", "And another"), ("Count to 4", "Now back to 1")]
+
+
+def _two_turn_sharegpt(questions=_QUESTIONS) -> list[dict]:
+    return [
+        {"conversations": [{"from": s, "value": v} for q in qs for s, v in (("human", q), ("gpt", "Sure."))]}
+        for qs in questions
+    ]
+
+
+def _answer_spans(mask: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of every run of ones in a response mask."""
+    starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
+    return [(s, next((j for j in range(s, len(mask)) if not mask[j]), len(mask))) for s in starts]
+
+
+@pytest.mark.parametrize("seed", [3, 4], ids=["answers-start-with-whitespace", "whitespace-inside-answers"])
+def test_cli_regenerated_answers_are_the_targets_own_ids(tmp_path, seed):
+    """`moa data --responses regenerate` on a two-turn ShareGPT file, answered by a small random Llama whose
+    tokenizer merges whitespace: every stored answer is, token for token, the target's greedy continuation of the
+    stored tokens before it (its ids as generated, never decoded and re-encoded), where re-encoding the text changes
+    them: target 3 starts answers with whitespace, which merges with the generation prompt's newline (decoding and
+    re-encoding stopped the run: "does not render a conversation's beginning as a prefix"), target 4 writes runs of
+    whitespace that re-encode as other tokens. `--responses keep` on the same file works as before."""
+    from moa_hf.cli import main as moa_main
+
+    target, tok = tiny_target(seed=seed, vocab_size=128, logit_scale=30.0), _merging_tokenizer()
+    folder = tmp_path / "target"
+    target.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    chat = _write(tmp_path / "chat.jsonl", _two_turn_sharegpt())
+    common = ["data", "--target", str(folder), "--prompts", str(chat), "--max-new-tokens", "16", "--quiet"]
+    assert moa_main([*common, "--responses", "keep", "--output", str(tmp_path / "kept")]) == 0
+    assert moa_main([*common, "--responses", "regenerate", "--output", str(tmp_path / "regenerated")]) == 0
+    data = datasets.load_from_disk(str(tmp_path / "regenerated"))
+    assert len(data) == 3
+    changed = 0  # answers whose text re-encodes to other ids
+    for row in data:
+        ids, mask = row["input_ids"], row["response_mask"]
+        spans = _answer_spans(mask)
+        assert len(spans) == 2 and row["prompt_length"] == spans[0][0]
+        for start, end in spans:
+            with torch.no_grad():
+                out = target.generate(
+                    torch.tensor([ids[:start]]), max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=1
+                )
+            generated = out[0, start:].tolist()
+            generated = generated[: generated.index(1) + 1] if 1 in generated else [*generated, 1]
+            assert ids[start:end] == generated  # the target's own ids, its end-of-turn token included
+            changed += tok(tok.decode(ids[:end]), add_special_tokens=False)["input_ids"] != ids[:end]
+    assert changed  # decoding and re-encoding would have changed the target's tokens
+    assert json.loads((tmp_path / "regenerated" / "moa_data.json").read_text())["skipped"] == {}
+
+
+def test_a_conversation_that_cannot_be_laid_out_is_skipped_and_counted(tmp_path, capsys):
+    """One bad record among good ones: the run completes, saves the others and reports the skipped one with its
+    reason (the printed summary and moa_data.json), for regenerated and kept answers alike."""
+    from moa_hf.cli import main as moa_main
+
+    target = tiny_target(seed=1, vocab_size=128, logit_scale=30.0)
+    folder = tmp_path / "target"
+    target.save_pretrained(folder)
+    _merging_tokenizer(_ALTERNATING).save_pretrained(folder)
+    bad = {"messages": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Hello?"}]}
+    bad["messages"].append({"role": "assistant", "content": "Hi!"})
+    chat = _write(tmp_path / "chat.jsonl", [*_two_turn_sharegpt()[:2], bad, _two_turn_sharegpt()[2]])
+    common = ["data", "--target", str(folder), "--prompts", str(chat), "--max-new-tokens", "8", "--quiet"]
+    for responses in ("regenerate", "keep"):
+        out = tmp_path / responses
+        assert moa_main([*common, "--responses", responses, "--output", str(out)]) == 0
+        printed = capsys.readouterr().out
+        assert "saved 3 conversations" in printed and "skipped 1" in printed and "must alternate" in printed
+        data = datasets.load_from_disk(str(out))
+        assert data["conversation_index"] == [0, 1, 3]
+        skipped = json.loads((out / "moa_data.json").read_text())["skipped"]
+        assert list(skipped) == ["2"] and "Conversation roles must alternate" in skipped["2"]
+
+
+def test_kept_answers_that_cannot_be_laid_out_are_skipped(tmp_path, target):
+    """`responses="keep"`: a file answer the template cannot place (it starts with a newline, which merges with the
+    generation prompt's) is skipped with the reason; the others are saved; nothing left to save is an error that
+    says why."""
+    tok = _merging_tokenizer()
+    bad = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "\nHello"}]}
+    target = tiny_target(seed=1, vocab_size=128, logit_scale=30.0)
+    data = build_chat_dataset(
+        target, tok, [conversation_of(MESSAGES), conversation_of(bad)], tmp_path / "out", "keep", progress=False
+    )
+    assert data["conversation_index"] == [0]
+    skipped = json.loads((tmp_path / "out" / "moa_data.json").read_text())["skipped"]
+    assert list(skipped) == ["1"] and "prefix of the whole" in skipped["1"]
+    with pytest.raises(ValueError, match="prefix of the whole"):
+        build_chat_dataset(target, tok, [conversation_of(bad)], tmp_path / "none", "keep", progress=False)
+
+
+def test_answer_layout_matches_the_templates_own_for_text_answers():
+    """Answers given as the ids of their text (with or without the end-of-turn token the target would write) lay out
+    exactly as `format_conversation` lays out that text, and each turn's prompt is the template's generation prompt
+    for the conversation so far."""
+    from moa_hf.chat import conversation_ids
+    from moa_hf.training.data import _AnswerLayout
+
+    tok, turns = tiny_tokenizer(), conversation_of(MESSAGES)
+    layout = _AnswerLayout(tok, turns, [1])
+    answers = [tok(a, add_special_tokens=False)["input_ids"] + [1] for _, a in TURNS]
+    assert layout.ids(answers) == format_conversation(tok, turns, [1])
+    assert layout.ids([a[:-1] for a in answers]) == format_conversation(tok, turns, [1])  # cut short: closed by it
+    assert layout.prompt([]) == conversation_ids(tok, turns[:1])
+    assert layout.prompt(answers[:1]) == conversation_ids(tok, turns[:3])

@@ -78,7 +78,7 @@ def train_arguments(
 def run_data(args: argparse.Namespace) -> int:
     from moa_hf.conversations import default_responses, is_conversation_source
 
-    from .data import build_chat_dataset, build_dataset
+    from .data import _skip_reasons, build_chat_dataset, build_dataset
 
     keep_freed_memory()  # CPU steps reuse their freed activations instead of faulting fresh pages in
 
@@ -114,6 +114,9 @@ def run_data(args: argparse.Namespace) -> int:
         )
         tokens = sum(sum(m) for m in dataset["response_mask"])
         print(f"saved {len(dataset)} conversations ({tokens} assistant tokens) to {data_args.output}")
+        skipped = json.loads((Path(data_args.output) / "moa_data.json").read_text())["skipped"]
+        if skipped:  # the run went on without them
+            print(f"skipped {len(skipped)} conversations (listed in moa_data.json): {_skip_reasons(skipped)}")
         return 0
     dataset = build_dataset(
         target,

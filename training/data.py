@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from jinja2.exceptions import TemplateError
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from moa_hf.chat import conversation_ids, eos_token_ids
+from moa_hf.chat import ChatTemplateError, eos_token_ids
 from moa_hf.offline_prompts import default_prompts, written_briefs
 from moa_hf.prompts import WRITTEN, SpecBenchPromptsError, check_not_spec_bench, format_prompts, load_prompts
 
@@ -304,13 +305,14 @@ def with_response_masks(parts: list) -> list:
     return out
 
 
-def _join_shards(output_dir: Path, num_shards: int, progress: bool):
-    """All shards as one dataset, saved in `output_dir` itself."""
+def _join_shards(output_dir: Path, num_shards: int | list[int], progress: bool):
+    """All shards (or those listed) as one dataset, saved in `output_dir` itself."""
     import datasets
 
     shard_dir = output_dir / _SHARDS
+    shards = range(num_shards) if isinstance(num_shards, int) else num_shards
     dataset = datasets.concatenate_datasets(
-        [datasets.load_from_disk(str(shard_dir / f"shard-{k:06d}")) for k in range(num_shards)]
+        [datasets.load_from_disk(str(shard_dir / f"shard-{k:06d}")) for k in shards]
     )
     if len(dataset):
         with _datasets_progress(progress):
@@ -519,9 +521,14 @@ def build_chat_dataset(
     Args:
         responses: ``regenerate``: the target writes every assistant turn anew, turn by turn, each from the
             conversation so far with its own earlier answers (greedy, or sampled with `do_sample`, at most
-            `max_new_tokens` each; its text is decoded and re-encoded with the template); ``keep``: the file's
-            answers stay (the target still labels every position through its states: the loss is a distillation
-            of its next-token distribution on that text), which costs no generation at all.
+            `max_new_tokens` each); its answers go into the sequence as the ids it generated (never decoded and
+            re-encoded), between the template's text, so each is exactly its continuation of the tokens before it
+            (`_AnswerLayout`); ``keep``: the file's answers stay (the target still labels every position through its
+            states: the loss is a distillation of its next-token distribution on that text), which costs no
+            generation at all.
+            A conversation that cannot be laid out (the template does not render its beginning as a prefix of the
+            whole, or refuses it) is skipped, and so is one whose first answer starts beyond `max_tokens`: the run
+            goes on, and ``moa_data.json`` lists them under ``skipped`` (conversation index: reason).
         max_tokens: conversations longer than this many tokens are cut after the last assistant turn that fits
             (default: the target's context).
         engine, engine_model: what writes regenerated turns: ``transformers`` or ``vllm`` (see `build_dataset`).
@@ -534,6 +541,8 @@ def build_chat_dataset(
 
     if responses not in RESPONSES:
         raise ValueError(f"responses must be one of {RESPONSES}, got {responses!r}.")
+    if getattr(tokenizer, "chat_template", None) is None:  # every conversation would be skipped for it
+        raise ChatTemplateError("The target's tokenizer has no chat template; use an instruction-tuned target.")
     if isinstance(conversations, (str, os.PathLike)):
         conversations = load_conversations(conversations, split=split, num_conversations=num_conversations)
     else:
@@ -553,6 +562,7 @@ def build_chat_dataset(
         template=getattr(tokenizer, "chat_template", None),
         responses=responses,
         generation=gen_config.to_diff_dict() if regenerate else None,
+        **({"answers": "generated ids"} if regenerate else {}),  # not the decoded text of earlier versions
         max_tokens=max_tokens,
         shard_size=shard_size,
         seed=seed,
@@ -569,21 +579,41 @@ def build_chat_dataset(
             if k not in todo:
                 bar.update(sum(t["role"] == "assistant" for c in conversations[lo:hi] for t in c))
                 continue
-            shard = [[dict(t) for t in c] for c in conversations[lo:hi]]
+            shard = conversations[lo:hi]
             if regenerate:
                 seed_k = _shard_seed(seed, k)
-                _regenerate_turns(target, tokenizer, shard, gen_config, eos, batch_size, seed_k, bar, answerer)
+                laid_out = _regenerate_turns(
+                    target, tokenizer, shard, gen_config, eos, batch_size, seed_k, bar, answerer
+                )
             else:
+                laid_out = _kept_turns(tokenizer, shard, eos)
                 bar.update(sum(t["role"] == "assistant" for c in shard for t in c))
-            _save_conversations(tokenizer, shard, lo, eos, max_tokens, shard_dir, k, progress)
+            _save_conversations(laid_out, lo, max_tokens, shard_dir, k, progress)
     bar.close()
-    dataset = _join_shards(output_dir, num_shards, progress)
-    if len(dataset) == 0:
-        raise ValueError(f"Every conversation's first answer starts beyond max_tokens={max_tokens}; nothing to save.")
+    skipped, filled = {}, []  # filled: the shards with rows (an empty saved dataset cannot be loaded back)
+    for k in range(num_shards):
+        listed = shard_dir / f"skipped-{k:06d}.json"  # absent from shards written before skipping was recorded
+        skipped_k = json.loads(listed.read_text()) if listed.is_file() else {}
+        skipped |= skipped_k
+        if len(skipped_k) < min(len(conversations), (k + 1) * shard_size) - k * shard_size:
+            filled.append(k)
+    if not filled:
+        raise ValueError(f"Nothing to save: no conversation could be laid out. {_skip_reasons(skipped)}")
+    if skipped:
+        logger.warning(
+            "Skipped %d of %d conversations (listed in %s): %s",
+            len(skipped),
+            len(conversations),
+            output_dir / _METADATA,
+            _skip_reasons(skipped),
+        )
+    dataset = _join_shards(output_dir, filled, progress)
     metadata = {
         "target": getattr(target.config, "name_or_path", ""),
         "num_conversations": len(conversations),
         "num_examples": len(dataset),
+        "num_skipped": len(skipped),
+        "skipped": skipped,
         "response_tokens": int(sum(sum(m) for m in dataset["response_mask"])),
         "responses": responses,
         "max_new_tokens": max_new_tokens if regenerate else None,
@@ -599,42 +629,146 @@ def build_chat_dataset(
     return datasets.load_from_disk(str(output_dir))
 
 
-def _save_conversations(tokenizer, shard, lo, eos, max_tokens, shard_dir, k, progress) -> None:
-    """Shard k of conversations `shard` (the first being conversation `lo`) as training rows: token ids and the
-    assistant-turn mask, each cut after the last assistant token within `max_tokens`."""
-    from moa_hf.conversations import format_conversation
+def _skip_reasons(skipped: dict[str, str]) -> str:
+    """The reasons of skipped conversations ({index: reason}), each once with how many it skipped."""
+    counts: dict[str, int] = {}
+    for reason in skipped.values():
+        counts[reason] = counts.get(reason, 0) + 1
+    return " ".join(f"{n} x {reason}" for reason, n in counts.items())
 
+
+def _save_conversations(laid_out, lo, max_tokens, shard_dir, k, progress) -> None:
+    """Shard k of conversations as training rows (token ids and assistant-turn mask, each cut after the last assistant
+    token within `max_tokens`), from `laid_out`: one (ids, mask) or the reason it could not be laid out per
+    conversation, the first being conversation `lo`. The skipped ones go to ``skipped-k.json`` (index: reason)."""
     columns = {"input_ids": [], "response_mask": [], "prompt_length": [], "conversation_index": []}
-    for i, conversation in enumerate(shard):
-        ids, mask = format_conversation(tokenizer, conversation, eos)
+    skipped = {}
+    for i, row in enumerate(laid_out):
+        if isinstance(row, str):
+            skipped[str(lo + i)] = row
+            continue
+        ids, mask = row
         if max_tokens is not None and len(ids) > max_tokens:  # cut after the last assistant token that fits
             ends = [j + 1 for j in range(max_tokens) if mask[j]]
             if not ends:
+                skipped[str(lo + i)] = f"Its first answer starts beyond max_tokens={max_tokens}."
                 continue
             ids, mask = ids[: ends[-1]], mask[: ends[-1]]
         columns["input_ids"].append(ids)
         columns["response_mask"].append(mask)
         columns["prompt_length"].append(mask.index(1))
         columns["conversation_index"].append(lo + i)
+    (shard_dir / f"skipped-{k:06d}.json").write_text(json.dumps(skipped, indent=1))  # before the shard: resumable
     _save_shard(shard_dir, k, columns, progress)
 
 
-def _regenerate_turns(target, tokenizer, conversations, gen_config, eos, batch_size, seed, bar, answerer=None) -> None:
-    """Replace every assistant turn's content by the target's answer to the conversation before it (with its own
-    earlier answers), in place: turn k of every conversation is answered in one batched pass."""
-    depth = max(sum(t["role"] == "assistant" for t in c) for c in conversations)
-    for k in range(depth):
-        at = {}  # conversation -> index of its k-th assistant turn
-        for c, conversation in enumerate(conversations):
-            positions = [j for j, t in enumerate(conversation) if t["role"] == "assistant"]
-            if k < len(positions):
-                at[c] = positions[k]
-        prompts = {c: conversation_ids(tokenizer, conversations[c][:j]) for c, j in at.items()}
-        order = list(prompts)
-        prompt_ids = [prompts[c] for c in order]
+# What cannot be laid out: a ValueError (the template is not prefix-stable) or the template's own refusal.
+_LAYOUT_ERRORS = (ValueError, TemplateError)
+
+
+def _kept_turns(tokenizer, conversations, eos) -> list:
+    """(ids, mask) of every conversation with its answers as given (`format_conversation`), or why it cannot be laid
+    out."""
+    from moa_hf.conversations import format_conversation
+
+    out = []
+    for conversation in conversations:
+        try:
+            out.append(format_conversation(tokenizer, conversation, eos))
+        except _LAYOUT_ERRORS as err:
+            out.append(f"{type(err).__name__}: {err}")
+    return out
+
+
+class _AnswerLayout:
+    """A conversation in the chat template with its assistant turns' contents left open, to be filled with token
+    ids as generated: the template's text around them is rendered (each answer stands in as a placeholder) and
+    tokenized piece by piece, the answers spliced in verbatim, so that an answer's ids are never decoded and
+    re-encoded (which can change them) and the sequence before each answer is exactly the prompt it answered.
+
+    Raises ValueError where the template does not render the conversation's beginning (with the generation prompt)
+    as a prefix of the whole, or does not render a content where it stands."""
+
+    _PLACEHOLDER = "\u27e8moa-answer-{}\u27e9"  # no whitespace: templates that trim contents leave it whole
+
+    def __init__(self, tokenizer, turns: list[dict[str, str]], eos: list[int]):
+        self.tokenizer, self.eos = tokenizer, set(eos)
+        positions = [j for j, t in enumerate(turns) if t["role"] == "assistant"]
+        marks = [self._PLACEHOLDER.format(k) for k in range(len(positions))]
+        turns = [dict(t) for t in turns]
+        for j, mark in zip(positions, marks):
+            turns[j]["content"] = mark
+        render = tokenizer.apply_chat_template
+        whole = render(turns[: positions[-1] + 1], tokenize=False, add_generation_prompt=False)
+        self.heads, self.tails = [], []  # text before answer k (since the turn before closed) and the turn's closing
+        done = 0  # characters of `whole` laid out
+        for j, mark in zip(positions, marks):
+            before = render(turns[:j], tokenize=False, add_generation_prompt=True)
+            through = render(turns[: j + 1], tokenize=False, add_generation_prompt=False)
+            if (
+                whole.count(mark) != 1
+                or len(before) < done
+                or not whole.startswith(through)
+                or not through.startswith(before + mark)
+            ):
+                raise ValueError(
+                    "The chat template does not render a conversation's beginning as a prefix of the whole (or does "
+                    "not render an assistant turn's content as it is), so the target's answers cannot be placed in "
+                    "it; pass prompt/response pairs (one assistant turn each) or a template that does."
+                )
+            self.heads.append(self._encode(before[done:]))
+            self.tails.append(self._encode(through[len(before) + len(mark) :]))
+            done = len(through)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def __len__(self) -> int:
+        return len(self.heads)
+
+    def prompt(self, answers: list[list[int]]) -> list[int]:
+        """The token ids the target answers turn `len(answers)` from, after its earlier `answers`."""
+        return self.ids(answers)[0] + self.heads[len(answers)]
+
+    def ids(self, answers: list[list[int]]) -> tuple[list[int], list[int]]:
+        """(token ids, response mask) of the conversation through its turn `len(answers) - 1`, every answer's ids
+        as given. The mask is 1 on the answers' tokens; an answer that ends with an EOS id stands for the template's
+        closing up to its end-of-turn token (its first EOS id), one cut short of it is followed by that closing,
+        the end-of-turn token marked too (as `format_conversation` marks it)."""
+        ids: list[int] = []
+        mask: list[int] = []
+        for head, answer, tail in zip(self.heads, answers, self.tails):
+            end = next((i + 1 for i, tok in enumerate(tail) if tok in self.eos), None)
+            if answer and answer[-1] in self.eos:
+                tail, marked = (tail[end:] if end is not None else tail), 0
+            else:
+                marked = end if end is not None else len(tail)
+            ids += head + answer + tail
+            mask += [0] * len(head) + [1] * (len(answer) + marked) + [0] * (len(tail) - marked)
+        return ids, mask
+
+
+def _regenerate_turns(target, tokenizer, conversations, gen_config, eos, batch_size, seed, bar, answerer=None) -> list:
+    """The target's answers to every assistant turn of `conversations`, each to the conversation before it with its
+    own earlier answers (turn k of every conversation in one batched pass), laid out with them as generated
+    (`_AnswerLayout`): (ids, mask) per conversation, or why it cannot be laid out (the file's answers unused)."""
+    layouts = {}
+    out: list = [None] * len(conversations)
+    for c, conversation in enumerate(conversations):
+        try:
+            layouts[c] = _AnswerLayout(tokenizer, conversation, eos)
+        except _LAYOUT_ERRORS as err:
+            out[c] = f"{type(err).__name__}: {err}"
+            bar.update(sum(t["role"] == "assistant" for t in conversation))
+    answers: dict[int, list[list[int]]] = {c: [] for c in layouts}
+    for k in range(max((len(layout) for layout in layouts.values()), default=0)):
+        order = [c for c, layout in layouts.items() if k < len(layout)]
+        prompt_ids = [layouts[c].prompt(answers[c]) for c in order]
         rows = _answer_all(
             target, prompt_ids, range(len(order)), gen_config, eos, batch_size, seed + k, bar.update, answerer
         )
         for i, c in enumerate(order):
-            answer = rows[i][:-1] if rows[i] and rows[i][-1] in eos else rows[i]
-            conversations[c][at[c]]["content"] = tokenizer.decode(answer, skip_special_tokens=True)
+            answers[c].append(list(rows[i]))
+    for c, layout in layouts.items():
+        out[c] = layout.ids(answers[c])
+    return out
