@@ -9,6 +9,9 @@ Disjoint splits, built from different material or different template families (s
   template families (compare / rewrite / plan / percentages and fractions / dialogues) over held-out topic lists.
 - ``documents``: held out as well, for tuning on copy-heavy use: longer language-reference passages to summarise,
   answer questions from, extract rules from, translate or rewrite (the regime of summarisation and RAG prompts).
+- ``test``: frozen, for reporting only: chat requests and word problems of their own template families over their own
+  topic lists (no prompt of another split; no checkpoint, setting or shipping choice was ever made on them). Select
+  on ``validation``, report on ``test``.
 
 Everything is deterministic for a given seed and Python version.
 """
@@ -44,7 +47,7 @@ __all__ = [
     "written_briefs",
 ]
 
-SPLITS = ("train", "validation", "documents")
+SPLITS = ("train", "validation", "documents", "test")
 
 # Standard-library packages that are tests, demos, GUI toolkits or tooling rather than library material.
 _SKIP_MODULES = {
@@ -541,6 +544,71 @@ def _heldout_math_prompts(rng: random.Random) -> Iterator[str]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Test families (frozen, reporting only: templates and topics of their own)
+# ---------------------------------------------------------------------------------------------------------------------
+_TEST_EVENTS = (
+    "moved to a new city", "lost my job", "adopted a puppy", "started university", "broke my phone screen",
+    "got a parking ticket", "bought an old house", "joined a choir", "started working from home", "got engaged",
+)  # fmt: skip
+_TEST_OCCASIONS = (
+    "a colleague's retirement", "my sister's wedding", "the opening of a community garden", "a school prize day",
+    "a team's first win of the season", "a neighbour's 90th birthday", "the launch of a small bakery",
+)  # fmt: skip
+_TEST_DECISIONS = (
+    "adopting a rabbit", "signing a phone contract", "hiring a plumber", "choosing a university course",
+    "buying a used bicycle", "joining a gym", "lending money to a friend", "starting a podcast",
+)  # fmt: skip
+_TEST_JOBS = (
+    "a lighthouse keeper", "a beekeeper", "a night-shift nurse", "a museum guide", "a ferry captain",
+    "a bakery owner", "a park ranger", "a piano tuner",
+)  # fmt: skip
+_TEST_BUSINESSES = (
+    "a bicycle repair shop", "a vegan food truck", "a dog-walking service", "a second-hand bookshop",
+    "a pottery studio", "a language tutoring app", "a plant nursery",
+)  # fmt: skip
+_TEST_DIFFERENCES = (
+    ("a virus", "a bacterium"), ("a loan", "a lease"), ("a crocodile", "an alligator"),
+    ("baking soda", "baking powder"), ("a simile", "a metaphor"), ("latitude", "longitude"),
+    ("weather", "climate"), ("a comet", "an asteroid"), ("a lake", "a pond"), ("a hurricane", "a tornado"),
+)  # fmt: skip
+
+
+_TEST_OPENERS = ("", "Hello! ", "Can you help? ", "Hi there. ")
+_TEST_STYLES = ("", " Keep it short.", " Use bullet points.", " Be friendly and practical.")
+
+
+def _test_chat_prompts(rng: random.Random) -> Iterator[str]:
+    while True:
+        kind = rng.randrange(6)
+        if kind == 0:
+            request = f"I just {rng.choice(_TEST_EVENTS)}. Can you help me figure out what to do next?"
+        elif kind == 1:
+            request = f"Write a short speech for {rng.choice(_TEST_OCCASIONS)}."
+        elif kind == 2:
+            request = f"What questions should I ask before {rng.choice(_TEST_DECISIONS)}?"
+        elif kind == 3:
+            request = f"Describe a typical working day of {rng.choice(_TEST_JOBS)}."
+        elif kind == 4:
+            request = f"Suggest a name and a short slogan for {rng.choice(_TEST_BUSINESSES)}, and explain the idea."
+        else:
+            a, b = rng.choice(_TEST_DIFFERENCES)
+            request = f"Explain the difference between {a} and {b} in simple terms."
+        yield rng.choice(_TEST_OPENERS) + request + rng.choice(_TEST_STYLES)
+
+
+def _test_math_prompts(rng: random.Random) -> Iterator[str]:
+    while True:
+        a, b, c = rng.randint(2, 12), rng.randint(3, 9), rng.randint(10, 60)
+        kind = rng.randrange(3)
+        if kind == 0:
+            yield f"A recipe for {b} people needs {c * 10} grams of flour. How much flour is needed for {a} people?"
+        elif kind == 1:
+            yield f"A tank holds {c * b} litres and drains at {b} litres per minute. How long until it is empty?"
+        else:
+            yield f"The sides of a triangle are {a}, {b + a} and {c // 4 + a + 1} cm. What is its perimeter?"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Document families (held out; long passages the answer draws on, as in summarisation and RAG)
 # ---------------------------------------------------------------------------------------------------------------------
 _DOC_CHARS = 2400  # about 500-700 tokens of passage
@@ -587,8 +655,9 @@ _FAMILIES: dict[str, tuple[tuple[Callable[[random.Random], Iterator[str]], float
         (_heldout_math_prompts, 0.25),
     ),
     "documents": ((_document_prompts, 1.0),),
+    "test": ((_test_chat_prompts, 0.75), (_test_math_prompts, 0.25)),
 }
-_DEFAULT_COUNTS = {"train": 10000, "validation": 200, "documents": 100}
+_DEFAULT_COUNTS = {"train": 10000, "validation": 200, "documents": 100, "test": 200}
 _MAX_SHARE_FACTOR = 2.0  # no family gives more than twice its share, even when others run out
 _MAX_REPEATS = 2000  # consecutive duplicates after which a combinatorial family counts as exhausted
 
