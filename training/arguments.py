@@ -94,6 +94,38 @@ class MoATrainingArguments(TrainingArguments):
             "next token) is outside it, where the draft head cannot propose the right token (the feature loss stays)."
         },
     )
+    hard_ce_weight: float = field(
+        default=0.0,
+        metadata={
+            "help": "Weight of the cross-entropy to the target's own next token (the label: its greedy choice in "
+            "greedy on-policy data), what greedy verification accepts; over the draft vocabulary where there is one "
+            "(positions whose label is outside it count 0)."
+        },
+    )
+    depth_decay: float = field(
+        default=1.0,
+        metadata={
+            "help": "Weight of a position at depth d of its simulated cycle (d = 0 for the cycle's first draft): "
+            "depth_decay ** d, as a depth-d draft counts only when the d before it were accepted (EAGLE-3: 0.8)."
+        },
+    )
+    cycle_starts: str = field(
+        default="staircase",
+        metadata={
+            "choices": ["staircase", "on_policy"],
+            "help": "Where simulated cycles start in a response: 'staircase' every U{min_cycle..max_cycle} tokens; "
+            "'on_policy' also right after each token the drafter's first draft misses (one no-grad drafter pass per "
+            "batch), as decoding restarts after a rejection, in harder text. Single-turn data only.",
+        },
+    )
+    eval_replay_rules: str | None = field(
+        default="24:0.3,8:0",
+        metadata={
+            "help": "With --eval-data (greedy answers): on every evaluation, replay greedy chain decoding of those "
+            "answers (`moa_hf.training.replay`, one-block MoA drafters) under these chain rules MAX_TOKENS:THRESHOLD "
+            "and log eval_replay_tokens_per_call (the first) and eval_replay_k<K>_t<T> (each). None or '': off."
+        },
+    )
     vocab_chunk_size: int = field(
         default=1024,
         metadata={
@@ -218,6 +250,10 @@ class MoATrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         super().__post_init__()
+        if not 0.0 < self.depth_decay <= 1.0:
+            raise ValueError(f"depth_decay must be in (0, 1], got {self.depth_decay}.")
+        if self.hard_ce_weight < 0:
+            raise ValueError(f"hard_ce_weight must be >= 0, got {self.hard_ce_weight}.")
         if not 1 <= self.min_cycle <= self.max_cycle:
             raise ValueError(
                 f"Need 1 <= min_cycle <= max_cycle, got min_cycle={self.min_cycle}, max_cycle={self.max_cycle}."

@@ -31,6 +31,7 @@ from .arguments import (
     named_values,
 )
 from .drafters import adapter_for, adapter_named
+from .replay_cli import ReplayArguments, run_replay
 from .target_finetune import FinetuneTargetArguments, run_finetune_target_command
 
 __all__ = [
@@ -460,7 +461,7 @@ def _add_command(subparsers, name: str, types: tuple[type, ...], func, **kwargs)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `moa data`, `moa train` and `moa finetune-target`."""
+    """Add `moa data`, `moa train`, `moa replay` and `moa finetune-target`."""
     _add_command(
         subparsers,
         "data",
@@ -481,6 +482,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "moa_hf.training.cli train ...` for several GPUs/processes. The final drafter (safetensors + "
         "generation_config.json) is saved in --output. Every MoATrainingArguments / TrainingArguments field is an "
         "option.",
+    )
+    _add_command(
+        subparsers,
+        "replay",
+        (ReplayArguments,),
+        run_replay,
+        help="tokens per target call of greedy chain decoding, replayed on held-out answers (no decoding)",
+        description="Replay greedy speculative decoding with the drafter's chains (network alone, the "
+        "`assistant_model` path) on the target's greedy answers in a `moa data` folder, from teacher-forced drafter "
+        "passes: tokens per target call for several chain rules (max tokens, confidence threshold) with bootstrap "
+        "intervals over prompts; --check N also runs real decoding on N prompts and compares.",
     )
     _add_command(
         subparsers,

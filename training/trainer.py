@@ -3,9 +3,11 @@
 Per batch the frozen target runs once over (prompt + its own response); the drafter then sees the target's cached
 keys/values through simulated drafting cycles (a "staircase"): position i may only read the target's state of tokens
 j < start(i), where a cycle starts at every prompt token and every `every` tokens of the response, `every` drawn from
-U{min_cycle..max_cycle} per sequence. Loss per counted position (predicting a response token):
-`soft_ce_weight * CE(p_target, p_drafter) + feature_weight * SmoothL1(drafter feature, target's final hidden)`,
-summed and divided by the number of counted positions in the whole (accumulated, all-device) batch.
+U{min_cycle..max_cycle} per sequence (`cycle_starts="on_policy"`: also right after the drafter's own first-draft
+misses). Loss per counted position (predicting a response token): `soft_ce_weight * CE(p_target, p_drafter) +
+hard_ce_weight * CE(target's token, p_drafter) + feature_weight * SmoothL1(drafter feature, target's final hidden)`,
+times `depth_decay ** depth` (the position's depth in its cycle), summed and divided by the number of counted
+positions in the whole (accumulated, all-device) batch.
 
 A target with sliding-window layers: the drafter reads a prompt at the end of it, when such a layer holds only its
 last window-1 positions; the older ones have no context and stay out of the CA memory, in training
@@ -52,6 +54,7 @@ __all__ = [
     "MoATrainer",
     "TargetBatchSampler",
     "draw_cycle_lengths",
+    "on_policy_restarts",
     "read_ends_of_cycles",
     "run_target",
     "sa_curriculum_mask",
@@ -275,6 +278,24 @@ def staircase_restarts(
     return ~response | (rel % cycle_lengths.to(rel.device)[:, None] == 0)
 
 
+def on_policy_restarts(
+    prompt_lengths: torch.Tensor, cycle_lengths: torch.Tensor, first_hits: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """Restart points bool [B, T] of decoding-like cycles: every prompt position; from the last one on, a cycle
+    starting at s whose first draft misses (`first_hits[b, s]` False: the drafter's top token at s is not token s+1)
+    is followed by one at s+1, as decoding restarts right after the target's correction; one whose first draft hits
+    runs `cycle_lengths[b]` positions (a staircase step). `lengths`: [B] each row's tokens (no restarts beyond)."""
+    B, T = first_hits.shape
+    restarts = torch.arange(T)[None, :] < prompt_lengths.cpu()[:, None]  # [B, T]
+    hits = first_hits.cpu().tolist()
+    for b in range(B):
+        s, every, end = max(int(prompt_lengths[b]) - 1, 0), int(cycle_lengths[b]), int(lengths[b])
+        while s < end:
+            restarts[b, s] = True
+            s += every if hits[b][s] else 1
+    return restarts.to(first_hits.device)
+
+
 def read_ends_of_cycles(prompt_lengths: torch.Tensor, cycle_starts: torch.Tensor) -> torch.Tensor:
     """[B, T]: the target's cache length when the drafter reads token j at inference, for simulated cycles.
 
@@ -493,6 +514,12 @@ class MoATrainer(Trainer):
                 )
             )
 
+        self._replay_rules = None  # chain rules of the replay on held-out greedy answers (`evaluation_loop`)
+        if args.eval_replay_rules:
+            from .replay import parse_rules
+
+            self._replay_rules = parse_rules(args.eval_replay_rules)
+
     def _datasets_by_target(self, train_dataset) -> dict[str, Dataset] | None:
         """{target name: dataset} from `train_dataset` (a plain one is the main target's, or the only target's)."""
         if train_dataset is None:
@@ -638,10 +665,13 @@ class MoATrainer(Trainer):
             return None
         return held_at_reads(read_ends_of_cycles(prompt_lengths, cycle_starts), capacities)
 
-    def simulated_cycles(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def simulated_cycles(
+        self, inputs: dict[str, torch.Tensor], first_hits: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(cycle_starts [B, T], sa_mask [B, T, T] or None) for the batch: the staircase of simulated drafting cycles
-        and, with `sa_curriculum`, the SA mask. Random draws depend on (seed, global step, sample index) only (in
-        evaluation on (seed, sample index): comparable evaluation losses)."""
+        (with `first_hits` [B, T], whether the drafter's first draft at each position is right: cycles also start
+        after its misses, `on_policy_restarts`) and, with `sa_curriculum`, the SA mask. Random draws depend on (seed,
+        global step, sample index) only (in evaluation on (seed, sample index): comparable evaluation losses)."""
         args = self.args
         step = self.state.global_step if self.model.training else -1  # evaluation: the same cycles every time
         input_ids = inputs["input_ids"]
@@ -651,9 +681,19 @@ class MoATrainer(Trainer):
             index = torch.arange(B) + (1 << 40)  # no dataset index: deterministic per (step, row)
         index = index.cpu()
         every = draw_cycle_lengths(index, step, args.seed, args.min_cycle, args.max_cycle)
-        restarts = staircase_restarts(
-            inputs["prompt_lengths"], every.to(input_ids.device), T, inputs.get("response_mask")
-        )
+        if first_hits is not None:
+            if "response_mask" in inputs:
+                raise ValueError(
+                    "cycle_starts='on_policy' supports single-turn data (prompt + response); this batch holds "
+                    "conversations: use cycle_starts='staircase'."
+                )
+            mask = inputs.get("attention_mask")
+            lengths = mask.sum(1) if mask is not None else torch.full((B,), T)
+            restarts = on_policy_restarts(inputs["prompt_lengths"], every, first_hits, lengths)
+        else:
+            restarts = staircase_restarts(
+                inputs["prompt_lengths"], every.to(input_ids.device), T, inputs.get("response_mask")
+            )
         cycle_starts = cycle_starts_from_restarts(restarts)  # [B, T]
         sa_mask = None
         if args.sa_curriculum and self.model.training:
@@ -709,7 +749,29 @@ class MoATrainer(Trainer):
             if args.mask_outside_draft_vocab and draft_ids is not None and labels is not None:
                 ce = ce * torch.isin(labels[counted], draft_ids.to(labels.device))  # [N]: 0 where it cannot be right
         ce_weight = args.soft_ce_weight if feature is not None else 1.0  # an independent LM: soft CE only
-        return ce_weight * ce + args.feature_weight * feat, ce, feat
+        total = ce_weight * ce + args.feature_weight * feat
+        if args.hard_ce_weight > 0 and labels is not None:
+            total = total + args.hard_ce_weight * self._hard_cross_entropy(student[counted], labels[counted])
+        return total, ce, feat
+
+    def _hard_cross_entropy(self, student: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """[N] float32 cross-entropy of the drafter's head on `student` [N, d] to the target's own next tokens
+        `labels` [N] (full-vocabulary ids); over a draft vocabulary, 0 where the label is outside it."""
+        head, draft_ids = self.adapter.student_head(self.drafter)
+        target = labels
+        if draft_ids is not None:
+            column = torch.full((self.drafter.config.vocab_size,), -1, dtype=torch.long, device=labels.device)
+            column[draft_ids.to(labels.device)] = torch.arange(len(draft_ids), device=labels.device)
+            target = column[labels]  # [N]: the label's column of the draft head, -1 outside it
+        chunk = self.args.vocab_chunk_size
+        parts = [
+            torch.nn.functional.cross_entropy(
+                head(student[i : i + chunk]).float(), target[i : i + chunk].clamp(min=0), reduction="none"
+            )
+            for i in range(0, student.shape[0], chunk)
+        ]
+        ce = torch.cat(parts) if parts else student.new_zeros(0, dtype=torch.float32)
+        return ce * (target >= 0)
 
     # -----------------------------------------------------------------------------------------------------------------
     # Loss
@@ -726,7 +788,12 @@ class MoATrainer(Trainer):
         with section("target states"):
             states = self.target_states(inputs, name)
         with section("simulated cycles"):
-            cycle_starts, sa_mask = self.simulated_cycles(inputs) if self.adapter.simulates_cycles else (None, None)
+            first_hits = None
+            if self.args.cycle_starts == "on_policy" and self.adapter.simulates_cycles and model.training:
+                first_hits = self._first_draft_hits(model, inputs, states, name)
+            cycle_starts, sa_mask = (
+                self.simulated_cycles(inputs, first_hits) if self.adapter.simulates_cycles else (None, None)
+            )
             if cycle_starts is not None and states.target_kv is not None:
                 states.target_kv_held = self.held_target_kv(inputs["prompt_lengths"], cycle_starts, name)
         with section("drafter forward"):
@@ -756,6 +823,10 @@ class MoATrainer(Trainer):
                 per_exit.append(self.token_losses(student, feature, states, counted, name, inputs["labels"]))
         weighted = [(w, part) for w, part in zip(self.exit_weights, per_exit) if w > 0]
         total, ce, feat = (sum(w * part[i] for w, part in weighted) for i in range(3))  # each [N]
+        if self.args.depth_decay < 1.0 and cycle_starts is not None:
+            pos = torch.arange(counted.shape[1], device=counted.device)
+            depth = (pos[None, :] - cycle_starts)[counted]  # [N]: 0 for a cycle's first draft
+            total = total * self.args.depth_decay ** depth.to(total.dtype)
         if not model.training:
             self._count_agreement(exits[-1][0], inputs["labels"], counted, cycle_starts)
         if num_items_in_batch is None:
@@ -786,6 +857,17 @@ class MoATrainer(Trainer):
             token_loss[counted] = total.detach()
             return loss, {"token_loss": token_loss, "cycle_starts": cycle_starts}
         return loss
+
+    @torch.no_grad()
+    def _first_draft_hits(self, model, inputs, states: TargetStates, name: str) -> torch.Tensor:
+        """bool [B, T]: whether the drafter's first draft of a cycle starting at each position (every earlier token
+        verified) is the next token: one no-grad pass, every position the start of its own cycle."""
+        exits = self.adapter.training_forward(model, inputs, states, cycle_starts=None, target_name=name)
+        student = exits[-1][0]  # [B, T, d]
+        flat = student.reshape(-1, student.shape[-1])
+        top = torch.cat([self._student_top1(flat[i : i + 1024]) for i in range(0, flat.shape[0], 1024)])
+        labels = inputs["labels"]
+        return top.view(labels.shape) == labels
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """The Trainer's step (forward, backward), timed and FLOP-counted when profiling (`profile_steps`)."""
@@ -825,9 +907,22 @@ class MoATrainer(Trainer):
     def evaluation_loop(
         self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix: str = "eval"
     ):
-        """Adds ``{prefix}_top1`` (the drafter's top-1 token = the target's, all counted positions) and
-        ``{prefix}_top1_first`` (first positions of simulated cycles) to the evaluation loss."""
+        """Adds ``{prefix}_top1`` (the drafter's top-1 token = the target's, all counted positions),
+        ``{prefix}_top1_first`` (first positions of simulated cycles) and, with `eval_replay_rules` on single-turn
+        answers, the replay's tokens per target call (``{prefix}_replay_tokens_per_call``; `replay.replay_metrics`)
+        to the evaluation loss."""
         output = self._agreement_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        rows = getattr(dataloader.dataset, "dataset", None)  # `_Indexed`: the rows themselves
+        columns = getattr(rows, "column_names", None) or []
+        if self._replay_rules and "prompt_length" in columns and "response_mask" not in columns:
+            from .replay import replay_metrics
+
+            eos = self.target.generation_config.eos_token_id
+            eos = [eos] if isinstance(eos, int) else list(eos or [])
+            replayed = replay_metrics(
+                self.drafter, self.target, rows, self._replay_rules, eos, self.accelerator.autocast
+            )
+            output.metrics.update({f"{metric_key_prefix}_{k}": v for k, v in replayed.items()})
         if self.args.eval_context_ablation:
             with self.adapter.context_ablated(self.drafter):
                 ablated = self._agreement_loop(dataloader, description, prediction_loss_only, ignore_keys, "ablated")
