@@ -213,16 +213,19 @@ def draft_tables(
     if depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}.")
     eos_token_ids = drafter_eos_ids(drafter) if eos_token_ids is None else list(eos_token_ids)
-    tables: list[DraftTable] = []
     attach = contextlib.nullcontext() if drafter.is_attached else drafter.attached(target, allow_other_target=True)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # batches of similar lengths
+    by_index: dict[int, DraftTable] = {}
     with attach:
-        for lo in range(0, len(sequences), batch_size):
-            rows = [list(s) for s in sequences[lo : lo + batch_size]]
-            prompts = list(prompt_lengths[lo : lo + batch_size])
-            tables += _batch_tables(
+        for lo in range(0, len(order), batch_size):
+            batch = order[lo : lo + batch_size]
+            rows = [list(sequences[i]) for i in batch]
+            prompts = [int(prompt_lengths[i]) for i in batch]
+            made = _batch_tables(
                 drafter, target, rows, prompts, max_new_tokens, depth, eos_token_ids, first_cycle_context, strict
             )
-    return tables
+            by_index.update(zip(batch, made))
+    return [by_index[i] for i in range(len(sequences))]
 
 
 def _batch_tables(
