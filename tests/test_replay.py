@@ -9,6 +9,8 @@ import torch
 
 import moa_hf
 from moa_hf.training import MoATrainer
+from moa_hf.training.cycles import on_policy_restarts
+from moa_hf.training.losses import hard_cross_entropy
 from moa_hf.training.replay import (
     ChainRule,
     DraftTable,
@@ -19,7 +21,6 @@ from moa_hf.training.replay import (
     replay,
     replay_chain,
 )
-from moa_hf.training.trainer import on_policy_restarts
 
 from factory import random_dataset, tiny_target, tiny_training_args
 
@@ -164,7 +165,8 @@ def test_hard_cross_entropy_over_the_draft_vocabulary(tmp_path, loopy_target):
     )
     student = torch.randn(5, drafter.config.hidden_size)
     labels = torch.tensor([3, 10, 66, 67, 99])  # the last two are outside the draft vocabulary
-    ce = trainer._hard_cross_entropy(student, labels)
+    head, draft_ids = trainer.adapter.student_head(drafter)
+    ce = hard_cross_entropy(head, draft_ids, drafter.config.vocab_size, student, labels, chunk=2)
     logits = drafter.draft_logits(student)
     expected = torch.nn.functional.cross_entropy(logits[:3], labels[:3] - 3, reduction="none")
     torch.testing.assert_close(ce[:3], expected)

@@ -16,7 +16,7 @@ from moa_hf.modeling import cycle_starts_from_restarts, gather_target_kv
 from moa_hf.modeling.configuration_eagle import EagleDrafterConfig
 from moa_hf.modeling.modeling_eagle import EagleDrafterModel
 from moa_hf.modeling.target_cache import held_at_reads, held_capacities, oldest_held_position
-from moa_hf.training.trainer import read_ends_of_cycles
+from moa_hf.training.cycles import read_ends_of_cycles
 
 from factory import SLIDING_FAMILIES, OracleDrafter, make_target, tiny_training_args
 from tolerance import assert_close

@@ -16,9 +16,9 @@ _EXPORTS = {
     "TargetStates": "states",
     "IGNORE_INDEX": "trainer",
     "run_target": "trainer",
-    "staircase_restarts": "trainer",
-    "draw_cycle_lengths": "trainer",
-    "sa_curriculum_mask": "trainer",
+    "staircase_restarts": "cycles",
+    "draw_cycle_lengths": "cycles",
+    "sa_curriculum_mask": "cycles",
     # losses
     "chunked_soft_cross_entropy": "losses",
     "feature_loss": "losses",
@@ -115,18 +115,11 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from .arguments import MoATrainingArguments
     from .builders import build_independent, frequent_tokens, init_from_target_layer
     from .convert import with_own_embeddings
+    from .cycles import draw_cycle_lengths, sa_curriculum_mask, staircase_restarts
     from .data import SpecBenchPromptsError, build_dataset, check_not_spec_bench, format_prompts, load_prompts
     from .drafters import ADAPTERS, DrafterAdapter, adapter_for, build_for_kind, drafter_kind, unwrap_drafter
     from .evaluation import AcceptanceEvalCallback, measure_acceptance
     from .losses import chunked_soft_cross_entropy, feature_loss
     from .peft_utils import DEFAULT_LORA_TARGETS, apply_lora, merge_lora
     from .states import TargetStates, TargetStatesDataset, cache_target_states, load_target_states
-    from .trainer import (
-        IGNORE_INDEX,
-        MoADataCollator,
-        MoATrainer,
-        draw_cycle_lengths,
-        run_target,
-        sa_curriculum_mask,
-        staircase_restarts,
-    )
+    from .trainer import IGNORE_INDEX, MoADataCollator, MoATrainer, run_target

@@ -79,7 +79,7 @@ def train_arguments(
 def run_data(args: argparse.Namespace) -> int:
     from moa_hf.conversations import default_responses, is_conversation_source
 
-    from .data import _skip_reasons, build_chat_dataset, build_dataset
+    from .data import build_chat_dataset, build_dataset, skip_reasons
 
     keep_freed_memory()  # CPU steps reuse their freed activations instead of faulting fresh pages in
 
@@ -117,7 +117,7 @@ def run_data(args: argparse.Namespace) -> int:
         print(f"saved {len(dataset)} conversations ({tokens} assistant tokens) to {data_args.output}")
         skipped = json.loads((Path(data_args.output) / "moa_data.json").read_text())["skipped"]
         if skipped:  # the run went on without them
-            print(f"skipped {len(skipped)} conversations (listed in moa_data.json): {_skip_reasons(skipped)}")
+            print(f"skipped {len(skipped)} conversations (listed in moa_data.json): {skip_reasons(skipped)}")
         return 0
     dataset = build_dataset(
         target,

@@ -35,6 +35,7 @@ __all__ = [
     "default_prompts",
     "format_prompts",
     "load_prompts",
+    "skip_reasons",
     "with_response_masks",
     "written_briefs",
     "written_prompts",
@@ -598,14 +599,14 @@ def build_chat_dataset(
         if len(skipped_k) < min(len(conversations), (k + 1) * shard_size) - k * shard_size:
             filled.append(k)
     if not filled:
-        raise ValueError(f"Nothing to save: no conversation could be laid out. {_skip_reasons(skipped)}")
+        raise ValueError(f"Nothing to save: no conversation could be laid out. {skip_reasons(skipped)}")
     if skipped:
         logger.warning(
             "Skipped %d of %d conversations (listed in %s): %s",
             len(skipped),
             len(conversations),
             output_dir / _METADATA,
-            _skip_reasons(skipped),
+            skip_reasons(skipped),
         )
     dataset = _join_shards(output_dir, filled, progress)
     metadata = {
@@ -629,7 +630,7 @@ def build_chat_dataset(
     return datasets.load_from_disk(str(output_dir))
 
 
-def _skip_reasons(skipped: dict[str, str]) -> str:
+def skip_reasons(skipped: dict[str, str]) -> str:
     """The reasons of skipped conversations ({index: reason}), each once with how many it skipped."""
     counts: dict[str, int] = {}
     for reason in skipped.values():

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["chunked_soft_cross_entropy", "feature_loss"]
+__all__ = ["chunked_soft_cross_entropy", "feature_loss", "hard_cross_entropy", "position_losses"]
 
 Head = Callable[[torch.Tensor], torch.Tensor]
 
@@ -163,3 +163,84 @@ def _num_logits(head: Head, hidden: torch.Tensor) -> int:
 def feature_loss(predicted: torch.Tensor, target: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
     """SmoothL1 (beta) per row, averaged over the hidden dimension: [N, d], [N, d] -> [N] float32."""
     return F.smooth_l1_loss(predicted.float(), target.float(), beta=beta, reduction="none").mean(-1)
+
+
+def hard_cross_entropy(
+    head: Head,
+    draft_ids: torch.Tensor | None,
+    vocab_size: int,
+    student: torch.Tensor,
+    labels: torch.Tensor,
+    chunk: int,
+) -> torch.Tensor:
+    """[N] float32 cross-entropy of the drafter's `head` on `student` [N, d] to the target's own next tokens `labels`
+    [N] (full-vocabulary ids); with `draft_ids` (the head's columns, a draft vocabulary), 0 where the label is outside
+    it. `chunk` rows of logits at a time."""
+    target = labels
+    if draft_ids is not None:
+        column = torch.full((vocab_size,), -1, dtype=torch.long, device=labels.device)
+        column[draft_ids.to(labels.device)] = torch.arange(len(draft_ids), device=labels.device)
+        target = column[labels]  # [N]: the label's column of the draft head, -1 outside it
+    parts = [
+        F.cross_entropy(head(student[i : i + chunk]).float(), target[i : i + chunk].clamp(min=0), reduction="none")
+        for i in range(0, student.shape[0], chunk)
+    ]
+    ce = torch.cat(parts) if parts else student.new_zeros(0, dtype=torch.float32)
+    return ce * (target >= 0)
+
+
+def position_losses(
+    args,
+    drafter: nn.Module,
+    student_head: tuple[Head, torch.Tensor | None],
+    teacher_weight: torch.Tensor,
+    student: torch.Tensor,
+    feature: torch.Tensor | None,
+    states,
+    counted: torch.Tensor,
+    labels: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(total, soft CE, feature) loss per counted position, each [N] float32, N = counted.sum(), under the weights of
+    `args` (`MoATrainingArguments`): soft_ce_weight x soft CE to the teacher + hard_ce_weight x CE to the label +
+    feature_weight x SmoothL1 to the target's feature.
+
+    student_head: (head, column ids) of the drafter (its adapter's `student_head`); teacher_weight: [V, d] the target's
+    LM head; student: [B, T, d] the hidden states the drafter's head reads; feature: [B, T, d] the drafter's predicted
+    target feature (None: no feature loss, e.g. an independent LM, trained by soft CE only); states: the batch's
+    `TargetStates`; labels: [B, T] the next tokens, for the hard CE and `mask_outside_draft_vocab` (soft CE 0 where the
+    label is outside the draft vocabulary)."""
+    n = int(counted.sum())
+    head, draft_ids = student_head
+    feat = torch.zeros(n, device=student.device)
+    if args.feature_weight > 0 and feature is not None:
+        feat = feature_loss(feature[counted], states.feature[counted])
+    ce = torch.zeros(n, device=student.device)
+    if args.soft_ce_weight > 0 or feature is None:
+        weight = teacher_weight
+        if draft_ids is not None:
+            weight = weight[draft_ids.to(weight.device)]  # [V', d]: the teacher over the draft vocab
+            head_frozen = False
+        else:  # the (borrowed or own) full-vocabulary output embedding
+            head_frozen = not any(p.requires_grad for p in drafter.get_output_embeddings().parameters())
+
+        def teacher_head(h: torch.Tensor) -> torch.Tensor:
+            return F.linear(h.to(weight.dtype), weight).float()
+
+        ce = chunked_soft_cross_entropy(
+            student[counted],
+            states.final_hidden[counted],
+            lambda h: head(h).float(),
+            teacher_head,
+            chunk_size=args.vocab_chunk_size,
+            head_frozen=head_frozen,
+        )
+        if args.mask_outside_draft_vocab and draft_ids is not None and labels is not None:
+            ce = ce * torch.isin(labels[counted], draft_ids.to(labels.device))  # [N]: 0 where it cannot be right
+    ce_weight = args.soft_ce_weight if feature is not None else 1.0  # an independent LM: soft CE only
+    total = ce_weight * ce + args.feature_weight * feat
+    if args.hard_ce_weight > 0 and labels is not None:
+        vocab = drafter.config.vocab_size
+        total = total + args.hard_ce_weight * hard_cross_entropy(
+            head, draft_ids, vocab, student[counted], labels[counted], args.vocab_chunk_size
+        )
+    return total, ce, feat

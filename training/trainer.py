@@ -34,7 +34,6 @@ from transformers.trainer_callback import ExportableState
 from moa_hf.modeling import (
     CACHE_NAME,
     PRIMARY_TARGET,
-    cycle_starts_from_restarts,
     gather_target_kv,
     held_at_reads,
     held_capacities,
@@ -42,9 +41,10 @@ from moa_hf.modeling import (
 )
 
 from .arguments import MoATrainingArguments
+from .cycles import mix64, read_ends_of_cycles, simulated_cycles
 from .drafters import adapter_for, unwrap_model
 from .evaluation import AcceptanceEvalCallback
-from .losses import chunked_soft_cross_entropy, feature_loss
+from .losses import position_losses
 from .states import TargetStates
 from .throughput import StepProfile
 
@@ -53,18 +53,12 @@ __all__ = [
     "MoADataCollator",
     "MoATrainer",
     "TargetBatchSampler",
-    "draw_cycle_lengths",
-    "on_policy_restarts",
-    "read_ends_of_cycles",
     "run_target",
-    "sa_curriculum_mask",
-    "staircase_restarts",
 ]
 
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-_MASK64 = (1 << 64) - 1
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -211,7 +205,7 @@ class TargetBatchSampler(Sampler[int]):
         self.epoch = int(epoch)
 
     def _blocks(self) -> list[list[int]]:
-        g = torch.Generator().manual_seed(int(_mix(self.seed, self.epoch, 0x7A67) >> 1))
+        g = torch.Generator().manual_seed(int(mix64(self.seed, self.epoch, 0x7A67) >> 1))
         blocks, offset = [], 0
         for n in self.sizes:
             order = (offset + torch.randperm(n, generator=g)).tolist()
@@ -238,88 +232,6 @@ class TargetBatchSampler(Sampler[int]):
 # ---------------------------------------------------------------------------------------------------------------------
 # Simulated drafting cycles
 # ---------------------------------------------------------------------------------------------------------------------
-def _mix(*values: int) -> int:
-    """A 64-bit hash of integers (splitmix64 chain): reproducible randomness without a global RNG."""
-    x = 0x9E3779B97F4A7C15
-    for v in values:
-        x = (x ^ (int(v) & _MASK64)) & _MASK64
-        x = (x + 0x9E3779B97F4A7C15) & _MASK64
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-        x ^= x >> 31
-    return x
-
-
-def draw_cycle_lengths(sample_index: torch.Tensor, step: int, seed: int, low: int, high: int) -> torch.Tensor:
-    """Cycle length U{low..high} per sequence [B], a pure function of (seed, step, sample index): resumable."""
-    span = high - low + 1
-    return torch.tensor([low + _mix(seed, step, int(i), 1) % span for i in sample_index.tolist()], dtype=torch.long)
-
-
-def _draw_uniform(sample_index: torch.Tensor, step: int, seed: int, salt: int) -> torch.Tensor:
-    return torch.tensor([_mix(seed, step, int(i), salt) / 2.0**64 for i in sample_index.tolist()])
-
-
-def staircase_restarts(
-    prompt_lengths: torch.Tensor, cycle_lengths: torch.Tensor, seq_len: int, response_mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Restart points bool [B, T]: every prompt position, and positions p >= prompt_len with
-    (p - prompt_len) % cycle_length == 0 (the token the target produced at the start of each cycle).
-
-    With a `response_mask` [B, T] (conversations: True on assistant tokens), every token outside an assistant turn
-    is a restart (the target reads a user's turn whole) and the cycles count from the start of each assistant turn."""
-    pos = torch.arange(seq_len, device=prompt_lengths.device)[None, :]  # [1, T]
-    if response_mask is None:
-        response = pos >= prompt_lengths[:, None]  # [B, T]
-    else:
-        response = response_mask.to(pos.device).bool()
-    start = torch.cummax(torch.where(response, 0, pos + 1), dim=1).values  # [B, T]: where p's assistant turn starts
-    rel = pos - start  # [B, T]
-    return ~response | (rel % cycle_lengths.to(rel.device)[:, None] == 0)
-
-
-def on_policy_restarts(
-    prompt_lengths: torch.Tensor, cycle_lengths: torch.Tensor, first_hits: torch.Tensor, lengths: torch.Tensor
-) -> torch.Tensor:
-    """Restart points bool [B, T] of decoding-like cycles: every prompt position; from the last one on, a cycle
-    starting at s whose first draft misses (`first_hits[b, s]` False: the drafter's top token at s is not token s+1)
-    is followed by one at s+1, as decoding restarts right after the target's correction; one whose first draft hits
-    runs `cycle_lengths[b]` positions (a staircase step). `lengths`: [B] each row's tokens (no restarts beyond)."""
-    B, T = first_hits.shape
-    restarts = torch.arange(T)[None, :] < prompt_lengths.cpu()[:, None]  # [B, T]
-    hits = first_hits.cpu().tolist()
-    for b in range(B):
-        s, every, end = max(int(prompt_lengths[b]) - 1, 0), int(cycle_lengths[b]), int(lengths[b])
-        while s < end:
-            restarts[b, s] = True
-            s += every if hits[b][s] else 1
-    return restarts.to(first_hits.device)
-
-
-def read_ends_of_cycles(prompt_lengths: torch.Tensor, cycle_starts: torch.Tensor) -> torch.Tensor:
-    """[B, T]: the target's cache length when the drafter reads token j at inference, for simulated cycles.
-
-    The first read covers the whole prompt (the target's cache then holds the prompt: `prompt_length`); a response
-    token is read at the start of the next cycle (T for the last one, which no token of the sequence reads). With
-    `held_at_reads` this gives the tokens a sliding-window layer of the target no longer holds when they are read.
-    """
-    B, T = cycle_starts.shape
-    pos = torch.arange(T, device=cycle_starts.device).expand(B, T)
-    starts = torch.where(cycle_starts == pos, pos, torch.full_like(pos, T))  # restart positions, T elsewhere
-    at_or_after = torch.flip(torch.cummin(torch.flip(starts, [1]), dim=1).values, [1])  # next restart >= j
-    after = torch.cat([at_or_after[:, 1:], torch.full_like(pos[:, :1], T)], dim=1)  # next restart > j
-    return torch.maximum(after, prompt_lengths.to(after.device)[:, None])  # [B, T]
-
-
-def sa_curriculum_mask(cycle_starts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """SA mask bool [B, T, T]: rows marked True see only tokens j >= start(i) (their current cycle); other rows see
-    everything (the drafter intersects the mask with causality)."""
-    B, T = cycle_starts.shape
-    pos = torch.arange(T, device=cycle_starts.device)
-    in_cycle = pos[None, None, :] >= cycle_starts[:, :, None]  # [B, T, T]
-    return in_cycle | ~rows.to(cycle_starts.device)[:, None, None]
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # The target's side
 # ---------------------------------------------------------------------------------------------------------------------
@@ -668,41 +580,9 @@ class MoATrainer(Trainer):
     def simulated_cycles(
         self, inputs: dict[str, torch.Tensor], first_hits: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(cycle_starts [B, T], sa_mask [B, T, T] or None) for the batch: the staircase of simulated drafting cycles
-        (with `first_hits` [B, T], whether the drafter's first draft at each position is right: cycles also start
-        after its misses, `on_policy_restarts`) and, with `sa_curriculum`, the SA mask. Random draws depend on (seed,
-        global step, sample index) only (in evaluation on (seed, sample index): comparable evaluation losses)."""
-        args = self.args
-        step = self.state.global_step if self.model.training else -1  # evaluation: the same cycles every time
-        input_ids = inputs["input_ids"]
-        B, T = input_ids.shape
-        index = inputs.get("sample_index")
-        if index is None or bool((index < 0).any()):
-            index = torch.arange(B) + (1 << 40)  # no dataset index: deterministic per (step, row)
-        index = index.cpu()
-        every = draw_cycle_lengths(index, step, args.seed, args.min_cycle, args.max_cycle)
-        if first_hits is not None:
-            if "response_mask" in inputs:
-                raise ValueError(
-                    "cycle_starts='on_policy' supports single-turn data (prompt + response); this batch holds "
-                    "conversations: use cycle_starts='staircase'."
-                )
-            mask = inputs.get("attention_mask")
-            lengths = mask.sum(1) if mask is not None else torch.full((B,), T)
-            restarts = on_policy_restarts(inputs["prompt_lengths"], every, first_hits, lengths)
-        else:
-            restarts = staircase_restarts(
-                inputs["prompt_lengths"], every.to(input_ids.device), T, inputs.get("response_mask")
-            )
-        cycle_starts = cycle_starts_from_restarts(restarts)  # [B, T]
-        sa_mask = None
-        if args.sa_curriculum and self.model.training:
-            progress = step / max(1, self.state.max_steps)  # = epoch / E
-            prob = max(0.0, 1.0 - 2.0 * progress)
-            rows = _draw_uniform(index, step, args.seed, 2) < prob
-            if bool(rows.any()):
-                sa_mask = sa_curriculum_mask(cycle_starts, rows)
-        return cycle_starts, sa_mask
+        """`cycles.simulated_cycles` of the batch at this step (evaluation: the same cycles every time)."""
+        step = self.state.global_step if self.model.training else -1
+        return simulated_cycles(self.args, inputs, step, self.state.max_steps, self.model.training, first_hits)
 
     def token_losses(
         self,
@@ -713,65 +593,10 @@ class MoATrainer(Trainer):
         target_name: str | None = None,
         labels: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(total, soft CE, feature) loss per counted position, each [N] float32, N = counted.sum().
-
-        student: [B, T, d] the hidden states the drafter's head reads; feature: [B, T, d] the drafter's predicted
-        target feature (None: no feature loss, e.g. an independent LM); target_name: whose head is the teacher (None:
-        `default_target`); labels: [B, T] the next tokens, read by `mask_outside_draft_vocab` (soft CE 0 where the
-        label is outside the draft vocabulary)."""
-        args = self.args
-        drafter = self.drafter
-        n = int(counted.sum())
-        feat = torch.zeros(n, device=student.device)
-        if args.feature_weight > 0 and feature is not None:
-            feat = feature_loss(feature[counted], states.feature[counted])
-        ce = torch.zeros(n, device=student.device)
-        if args.soft_ce_weight > 0 or feature is None:
-            weight = self.targets[target_name or self.default_target].get_output_embeddings().weight  # [V, d]
-            student_head, draft_ids = self.adapter.student_head(drafter)
-            if draft_ids is not None:
-                weight = weight[draft_ids.to(weight.device)]  # [V', d]: the teacher over the draft vocab
-                head_frozen = False
-            else:  # the (borrowed or own) full-vocabulary output embedding
-                head_frozen = not any(p.requires_grad for p in drafter.get_output_embeddings().parameters())
-
-            def teacher_head(h: torch.Tensor) -> torch.Tensor:
-                return torch.nn.functional.linear(h.to(weight.dtype), weight).float()
-
-            ce = chunked_soft_cross_entropy(
-                student[counted],
-                states.final_hidden[counted],
-                lambda h: student_head(h).float(),
-                teacher_head,
-                chunk_size=args.vocab_chunk_size,
-                head_frozen=head_frozen,
-            )
-            if args.mask_outside_draft_vocab and draft_ids is not None and labels is not None:
-                ce = ce * torch.isin(labels[counted], draft_ids.to(labels.device))  # [N]: 0 where it cannot be right
-        ce_weight = args.soft_ce_weight if feature is not None else 1.0  # an independent LM: soft CE only
-        total = ce_weight * ce + args.feature_weight * feat
-        if args.hard_ce_weight > 0 and labels is not None:
-            total = total + args.hard_ce_weight * self._hard_cross_entropy(student[counted], labels[counted])
-        return total, ce, feat
-
-    def _hard_cross_entropy(self, student: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """[N] float32 cross-entropy of the drafter's head on `student` [N, d] to the target's own next tokens
-        `labels` [N] (full-vocabulary ids); over a draft vocabulary, 0 where the label is outside it."""
-        head, draft_ids = self.adapter.student_head(self.drafter)
-        target = labels
-        if draft_ids is not None:
-            column = torch.full((self.drafter.config.vocab_size,), -1, dtype=torch.long, device=labels.device)
-            column[draft_ids.to(labels.device)] = torch.arange(len(draft_ids), device=labels.device)
-            target = column[labels]  # [N]: the label's column of the draft head, -1 outside it
-        chunk = self.args.vocab_chunk_size
-        parts = [
-            torch.nn.functional.cross_entropy(
-                head(student[i : i + chunk]).float(), target[i : i + chunk].clamp(min=0), reduction="none"
-            )
-            for i in range(0, student.shape[0], chunk)
-        ]
-        ce = torch.cat(parts) if parts else student.new_zeros(0, dtype=torch.float32)
-        return ce * (target >= 0)
+        """`losses.position_losses` with the teacher head of target `target_name` (None: `default_target`)."""
+        teacher = self.targets[target_name or self.default_target].get_output_embeddings().weight  # [V, d]
+        head = self.adapter.student_head(self.drafter)
+        return position_losses(self.args, self.drafter, head, teacher, student, feature, states, counted, labels)
 
     # -----------------------------------------------------------------------------------------------------------------
     # Loss
