@@ -64,8 +64,13 @@ def test_default_prompts_are_varied_deterministic_and_split():
     assert sum(len(p) > 1500 for p in docs) >= 20  # long passages the answer draws on
     for task in ("Summarise", "answer the question", "List the rules", "Translate", "Rewrite"):
         assert sum(p.startswith(task) or task in p[:80] for p in docs) >= 4, task
+    test = default_prompts(split="test")  # frozen, reporting only: its own families, none of another split's
+    assert len(test) == len(set(test)) == 200 and default_prompts(split="test") == test
+    everything_else = set(val) | set(docs) | set(default_prompts(5000)) | set(default_prompts(2000, "validation"))
+    assert not set(default_prompts(3000, split="test")) & everything_else
+    assert sum("Explain the difference" in p for p in test) >= 10 and sum("litres" in p for p in test) >= 10
     with pytest.raises(ValueError, match="split"):
-        default_prompts(3, split="test")
+        default_prompts(3, split="heldout")
 
 
 def test_written_briefs_are_distinct_deterministic_and_held_apart():
