@@ -222,3 +222,34 @@ def test_deep_windows_give_the_staircase_tables(loopy_target, monkeypatch, base)
         assert torch.equal(f.confidence[reach], p.confidence[reach])
         deep_hits += int((f.hits & reach)[:, base:].sum())
     assert deep_hits > 0  # windows were drafted and hit
+
+
+def test_moa_replay_command(tmp_path, loopy_target):
+    """`moa replay` on a saved target, drafter and `moa data`-style folder: its rules' figures equal `replay`'s, and
+    `--check` compares with real decoding."""
+    import json
+
+    from moa_hf.cli import main
+
+    loopy_target.save_pretrained(tmp_path / "target")
+    drafter = _drafter(loopy_target)
+    drafter.save_pretrained(tmp_path / "drafter")
+    prompts = _prompts(5, seed=13)
+    rows = [loopy_target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False)[0].tolist() for p in prompts]
+    datasets.Dataset.from_dict({"input_ids": rows, "prompt_length": [len(p) for p in prompts]}).save_to_disk(
+        str(tmp_path / "answers")
+    )
+    (tmp_path / "answers" / "moa_data.json").write_text(json.dumps({"max_new_tokens": 20, "do_sample": False}))
+    out = tmp_path / "replay.json"
+    argv = ["replay", "--data", str(tmp_path / "answers"), "--target", str(tmp_path / "target")]
+    argv += ["--drafter", str(tmp_path / "drafter"), "--dtype", "float32", "--rules", "6:0,3:0.3", "--check", "3"]
+    assert main([*argv, "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    tables = draft_tables(drafter, loopy_target, rows, [len(p) for p in prompts], 20, depth=6)
+    for entry, rule in zip(report["rules"], (ChainRule(6, 0.0), ChainRule(3, 0.3))):
+        assert entry["rule"] == str(rule)
+        assert entry["tokens_per_call"] == pytest.approx(replay(tables, rule).tokens_per_call)
+        lo, hi = entry["interval95"]
+        assert lo <= entry["tokens_per_call"] <= hi
+    assert report["check"]["real_calls"] == report["check"]["replay_calls"]
+    assert report["answers"] == 5 and report["disagreements"] == 0
