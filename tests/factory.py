@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import torch
@@ -160,17 +161,21 @@ _CHAT_TEMPLATE = (
 )
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
+def tiny_tokenizer(whitespace_runs: bool = False) -> PreTrainedTokenizerFast:
     """A character-level tokenizer (printable ASCII + newline, 100 tokens) with a ChatML chat template.
 
-    Ids: 0 <pad>, 1 <|im_end|> (eos), 2 <|im_start|>, then the characters, last <unk>.
+    Ids: 0 <pad>, 1 <|im_end|> (eos), 2 <|im_start|>, then the characters, last <unk>. `whitespace_runs`: 28 more
+    tokens (vocabulary 128), runs of 2 to 4 spaces and newlines, one token each, as a BPE tokenizer merges whitespace:
+    text then no longer maps to ids one to one ("\n" then " " re-encode as "\n ").
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     chars = [chr(i) for i in range(32, 127)] + ["\n"]
-    vocab = {tok: i for i, tok in enumerate([*_SPECIALS, *chars, "<unk>"])}
+    runs = ["".join(r) for n in (2, 3, 4) for r in itertools.product(" \n", repeat=n)] if whitespace_runs else []
+    vocab = {tok: i for i, tok in enumerate([*_SPECIALS, *chars, "<unk>", *runs])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token per character
+    split = r"[ \n]{1,4}|[\s\S]" if whitespace_runs else r"[\s\S]"  # longest whitespace run, else one character
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(split), behavior="isolated")
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,

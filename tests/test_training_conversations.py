@@ -3,13 +3,11 @@ written anew by the target, the loss on assistant tokens only, cycles restarting
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import datasets
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import moa_hf
@@ -258,24 +256,10 @@ _ALTERNATING = (  # a template that refuses a conversation whose roles do not al
 
 
 def _merging_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
-    """`tiny_tokenizer` with 28 more tokens (vocabulary 128): runs of 2 to 4 spaces and newlines, one token each, as a
-    BPE tokenizer merges whitespace. Text no longer maps to ids one to one: "\n" then " " re-encode as "\n ", and the
-    "\n" closing the template's generation prompt merges with an answer that starts with whitespace."""
-    base = tiny_tokenizer()
-    vocab = dict(sorted(base.get_vocab().items(), key=lambda item: item[1]))
-    runs = ["".join(run) for n in (2, 3, 4) for run in itertools.product(" \n", repeat=n)]
-    vocab |= {run: len(vocab) + i for i, run in enumerate(runs)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[ \n]{1,4}|[\s\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<pad>",
-        eos_token="<|im_end|>",
-        unk_token="<unk>",
-        additional_special_tokens=["<|im_start|>"],
-    )
-    tokenizer.chat_template = chat_template or base.chat_template
+    """`tiny_tokenizer` whose whitespace runs merge into one token each: the "\n" closing the template's generation
+    prompt merges with an answer that starts with whitespace."""
+    tokenizer = tiny_tokenizer(whitespace_runs=True)
+    tokenizer.chat_template = chat_template or tokenizer.chat_template
     return tokenizer
 
 

@@ -15,9 +15,31 @@ from moa_hf.modeling import PRIMARY_TARGET
 
 from .drafters import adapter_for, unwrap_model
 
-__all__ = ["AcceptanceEvalCallback", "measure_acceptance", "measure_acceptance_by_exit"]
+__all__ = ["AcceptanceEvalCallback", "assisted_outputs", "measure_acceptance", "measure_acceptance_by_exit"]
 
 logger = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def assisted_outputs(
+    target: PreTrainedModel, drafter, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, pad_token_id=None
+) -> list[tuple[list[int], int]]:
+    """Greedy `target.generate(..., assistant_model=drafter)` on each prompt (batch 1, the drafter as it is set up):
+    (the whole output's token ids, the target's forward calls) per prompt."""
+    runs = []
+    for ids in prompt_ids:
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=target.device)  # [1, P]
+        with count_forward_calls(target) as counter:
+            out = target.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                assistant_model=drafter,
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=pad_token_id,
+            )
+        runs.append((out[0].tolist(), counter.calls))
+    return runs
 
 
 @torch.no_grad()
@@ -46,25 +68,15 @@ def measure_acceptance(
     pad = target.generation_config.pad_token_id
     if pad is None:
         pad = target.config.get_text_config().pad_token_id
-    total, cycles = 0.0, 0.0
     was_training = base.training
     base.eval()
     try:
         with adapter_for(base).generating(base, target, target_name=target_name, exit=exit):
-            for ids in prompt_ids:
-                input_ids = torch.tensor([list(ids)], dtype=torch.long, device=target.device)  # [1, P]
-                with count_forward_calls(target) as counter:
-                    out = target.generate(
-                        input_ids=input_ids,
-                        attention_mask=torch.ones_like(input_ids),
-                        assistant_model=base,
-                        do_sample=False,
-                        max_new_tokens=max_new_tokens,
-                        pad_token_id=pad,
-                    )
-                total, cycles = total + out.shape[1] - input_ids.shape[1], cycles + counter.calls
+            runs = assisted_outputs(target, base, prompt_ids, max_new_tokens, pad)
     finally:
         base.train(was_training)
+    total = float(sum(len(out) - len(ids) for (out, _), ids in zip(runs, prompt_ids)))
+    cycles = float(sum(calls for _, calls in runs))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         sums = torch.tensor([total, cycles], dtype=torch.float64, device=target.device)
         torch.distributed.all_reduce(sums)

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from moa_hf.bench import acceptance_length, count_forward_calls
+from moa_hf.bench import acceptance_length
 from moa_hf.modeling import MoADrafterModel
 
 from .drafters import unwrap_model
+from .evaluation import assisted_outputs
 from .trainer import run_target
 
 __all__ = [
@@ -402,32 +403,20 @@ def check_replay(
     """Real greedy `target.generate(assistant_model=drafter)` (network alone, `rule`'s settings) on each prompt, and
     the replay of the very sequences it wrote: tokens per call of both, pooled, and per prompt."""
     rule = rule or ChainRule.of(drafter)
-    real_tokens, real_calls, outputs = [], [], []
     own, lookup = drafter.generation_config, drafter.config.lookup_num_tokens
     drafter.generation_config = copy.deepcopy(own)
     drafter.generation_config.num_assistant_tokens = rule.max_tokens
     drafter.generation_config.num_assistant_tokens_schedule = "constant"
     drafter.generation_config.assistant_confidence_threshold = rule.threshold
     drafter.config.lookup_num_tokens = 0
-    device = next(target.parameters()).device
     try:
         with drafter.attached(target, allow_other_target=True):
-            for ids in prompt_ids:
-                input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)  # [1, P]
-                with count_forward_calls(target) as counter:
-                    out = target.generate(
-                        input_ids=input_ids,
-                        attention_mask=torch.ones_like(input_ids),
-                        assistant_model=drafter,
-                        do_sample=False,
-                        max_new_tokens=max_new_tokens,
-                        pad_token_id=pad_token_id,
-                    )
-                outputs.append(out[0].tolist())
-                real_tokens.append(out.shape[1] - input_ids.shape[1])
-                real_calls.append(counter.calls)
+            runs = assisted_outputs(target, drafter, prompt_ids, max_new_tokens, pad_token_id)
     finally:
         drafter.generation_config, drafter.config.lookup_num_tokens = own, lookup
+    outputs = [out for out, _ in runs]
+    real_tokens = [len(out) - len(ids) for out, ids in zip(outputs, prompt_ids)]
+    real_calls = [calls for _, calls in runs]
     tables = draft_tables(
         drafter,
         target,
