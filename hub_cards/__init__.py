@@ -1,9 +1,11 @@
-"""Model cards for MoA drafter repos on the Hugging Face Hub (template: `drafter_card.md`)."""
+"""Model cards for drafter repos on the Hugging Face Hub, of every kind the drafter-type registry gives a card
+(template: `drafter_card.md`)."""
 
 from .card import (
     HUB_LICENSES,
     REQUIRED_TAGS,
     TEMPLATE_NAME,
+    card_type,
     load_benchmark,
     load_target_benchmarks,
     load_training_info,
@@ -15,6 +17,7 @@ __all__ = [
     "HUB_LICENSES",
     "REQUIRED_TAGS",
     "TEMPLATE_NAME",
+    "card_type",
     "load_benchmark",
     "load_target_benchmarks",
     "load_training_info",

@@ -1,16 +1,18 @@
-"""Model cards for MoA drafter repos on the Hugging Face Hub.
+"""Model cards for drafter repos on the Hugging Face Hub, of any kind in the drafter-type registry with a card.
 
-The card is rendered from `drafter_card.md` (Jinja, shipped as package data) with `huggingface_hub.ModelCard`. Every
-number in it comes from the drafter's config, a `training_info` dict/JSON and a benchmark JSON written by `moa bench`;
-without a benchmark the card says that no measurement is available.
+The card is rendered from `drafter_card.md` (Jinja, shipped as package data) with `huggingface_hub.ModelCard`. What it
+says of the kind (name, paper, what it reads of the target, tags, citation) is the registry's (`DrafterType.card`,
+`moa_hf.drafter_types`); every number comes from the drafter's config, a `training_info` dict/JSON and a benchmark JSON
+written by `moa bench`; without a benchmark the card says that no measurement is available.
 
 `training_info` (all keys optional, as `moa train` writes it): {"kind": str, "data": str, "datasets": [Hub ids],
 "language": str | [str], "tokens": int, "steps": int, "wall_time_s": float, "hardware": str, "final_train_loss": float,
 "acceptance_length_heldout": float, "cached_target_states": bool or {target: bool}, "learning_curve": [{"step": int,
 "tokens": int, "wall_time_s": float, "acceptance_length": float}, ...]}; other keys are listed as they are.
 
-The benchmark (`moa bench`'s JSON) needs "hardware" and "methods" with "moa"; every other method in it ("vanilla",
-"eagle", "independent", "pld", ...) is compared with it, and its settings ("target", "dtype", "max_new_tokens",
+The benchmark (`moa bench`'s JSON) needs "hardware" and "methods" with the drafter's method (its kind's first
+`bench_methods`: "moa" for a MoA drafter, "eagle" for an EAGLE one); every other method in it ("vanilla", "pld", other
+kinds' ...) is compared with it, and its settings ("target", "dtype", "max_new_tokens",
 "questions_per_category", "date") are quoted. Older files without the newer keys still render.
 
 Sorted and multi-target drafters (`num_blocks` K > 1, `extra_targets`): the card lists every target the drafter serves
@@ -38,13 +40,15 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from ..bench.report import format_exit_setting
-from ..drafter_types import drafter_types
-from ..modeling import PRIMARY_TARGET, MoADrafterConfig, MoADrafterModel
+from ..drafter_types import DrafterType, drafter_type, drafter_types
+from ..embeddings import EMBEDDING_MODULES
+from ..modeling import PRIMARY_TARGET
 
 __all__ = [
     "HUB_LICENSES",
     "REQUIRED_TAGS",
     "TEMPLATE_NAME",
+    "card_type",
     "load_benchmark",
     "load_target_benchmarks",
     "load_training_info",
@@ -53,9 +57,9 @@ __all__ = [
 ]
 
 TEMPLATE_NAME = "drafter_card.md"
-# "custom_generate": the repo carries transformers' custom_generate/ folder (`target.generate(custom_generate=...)`)
-REQUIRED_TAGS = ("speculative-decoding", "mixture-of-attentions", "drafter", "moa-hf", "custom_generate")
-METHOD = "moa"  # the benchmark method whose numbers describe this drafter
+# every card's tags, before its kind's (`DrafterCard.tags`); "custom_generate": the repo carries transformers'
+# custom_generate/ folder (`target.generate(custom_generate=...)`)
+REQUIRED_TAGS = ("speculative-decoding", "drafter", "moa-hf", "custom_generate")
 # License identifiers the Hub accepts in card metadata (https://huggingface.co/docs/hub/repositories-licenses).
 HUB_LICENSES = frozenset(
     """apache-2.0 mit openrail bigscience-openrail-m creativeml-openrail-m bigscience-bloom-rail-1.0 bigcode-openrail-m
@@ -74,16 +78,11 @@ _MODEL_COLUMNS = {"alpha": "α (acceptance rate)", "gamma": "γ (drafted per cyc
 BASELINE = "vanilla"  # the target alone: speedups are relative to it
 _METHOD_LABELS = {
     **{t.kind: t.label for t in drafter_types()},  # a method named after a kind of drafter: "eagle", "independent"
-    METHOD: "this drafter",
     BASELINE: "target alone",
     "pld": "prompt lookup decoding",
 }
 MAX_CURVE_ROWS = 20  # longer learning curves are thinned in the card (the JSON keeps every point)
-_CURVE_KEYS = ("step", "tokens", "wall_time_s", "acceptance_length")
 _YAML_BLOCK = re.compile(r"\A\s*---\s*\n(.*?)\n---\s*\n", re.DOTALL)
-# a sorted drafter's methods in `moa bench`: fixed exits and adaptive depth, through assisted generation or the engine
-_EXIT_METHOD = re.compile(r"^moa(_tree)?_(exit\d+|adaptive)$")
-_HEADLINE_METHODS = ("moa_adaptive", METHOD, "moa_tree_adaptive", "moa_tree")  # a target's numbers: the first found
 _TRAINING_EXIT_KEY = re.compile(r"^acceptance_length_(exit\d+|adaptive)$")
 
 
@@ -105,8 +104,27 @@ def _load_json(source: str | os.PathLike | dict | None, what: str) -> dict | Non
     return data
 
 
-def load_benchmark(benchmark: str | os.PathLike | dict | None) -> dict | None:
-    """Read and check a benchmark JSON written by `moa bench` (path or dict); None stays None."""
+def card_type(drafter_or_config) -> DrafterType:
+    """The registered kind of a drafter (a model, a config or a config.json dict) whose card this builds: a kind with
+    its own classes and card text (`DrafterType.card`), else a ValueError naming those kinds."""
+    record = drafter_type(drafter_or_config)
+    if record.card is None or record.config_class is None or not record.bench_methods:
+        kinds = ", ".join(f"{t.kind!r} ({t.label})" for t in drafter_types() if t.card is not None)
+        raise ValueError(
+            f"Model cards describe drafters of the kind(s) {kinds}, not of kind {record.kind!r} ({record.label}): "
+            "its registry entry (moa_hf/drafter_types.py) has no `card`."
+        )
+    return record
+
+
+def _card_methods() -> tuple[str, ...]:
+    """The `moa bench` method of each kind with a card: its first (`bench_methods[0]`, assisted generation)."""
+    return tuple(t.bench_methods[0] for t in drafter_types() if t.card is not None and t.bench_methods)
+
+
+def load_benchmark(benchmark: str | os.PathLike | dict | None, method: str | None = None) -> dict | None:
+    """Read and check a benchmark JSON written by `moa bench` (path or dict); None stays None. `method`: the one whose
+    numbers describe the drafter (`card_type(drafter).bench_methods[0]`); None: that of any kind with a card."""
     bench = _load_json(benchmark, "benchmark")
     if bench is None:
         return None
@@ -115,14 +133,16 @@ def load_benchmark(benchmark: str | os.PathLike | dict | None) -> dict | None:
     if not isinstance(hardware, dict) or not hardware:
         problems.append("'hardware' must be a non-empty object (cpu, cores, torch, device)")
     methods = bench.get("methods")
-    if not isinstance(methods, dict) or METHOD not in methods:
-        found = sorted(methods) if isinstance(methods, dict) else None
-        problems.append(f"'methods' must contain '{METHOD}' (found {found})")
+    wanted = (method,) if method else _card_methods()
+    found = next((m for m in wanted if m in methods), None) if isinstance(methods, dict) else None
+    if found is None:
+        names = sorted(methods) if isinstance(methods, dict) else None
+        problems.append(f"'methods' must contain {' or '.join(repr(m) for m in wanted)} (found {names})")
     else:
-        overall = (methods[METHOD] or {}).get("overall")
+        overall = (methods[found] or {}).get("overall")
         for key in ("acceptance_length", "speedup"):
             if not isinstance(overall, dict) or not _is_number(overall.get(key)):
-                problems.append(f"methods['{METHOD}']['overall']['{key}'] must be a number")
+                problems.append(f"methods['{found}']['overall']['{key}'] must be a number")
     if problems:
         raise ValueError(
             "The benchmark JSON does not have the format written by `moa bench`: " + "; ".join(problems) + ". "
@@ -131,19 +151,20 @@ def load_benchmark(benchmark: str | os.PathLike | dict | None) -> dict | None:
     return bench
 
 
-def load_target_benchmarks(target_benchmarks: dict | None) -> dict[str, dict]:
+def load_target_benchmarks(target_benchmarks: dict | None, method: str | None = None) -> dict[str, dict]:
     """{target name: benchmark} from {target name: path or dict} (`moa bench` JSONs measured with the drafter's other
-    targets); each must hold "methods" with at least one of the drafter's methods (`moa`, `moa_adaptive`,
-    `moa_exit<k>`, `moa_tree...`)."""
+    targets); each must hold "methods" with at least one of the drafter's methods (`method`, e.g. `moa`, and its
+    variants `moa_adaptive`, `moa_exit<k>`, `moa_tree...`; None: those of any kind with a card)."""
+    wanted = (method,) if method else _card_methods()
     loaded = {}
     for name, source in (target_benchmarks or {}).items():
         bench = _load_json(source, f"benchmark of target {name!r}")
         methods = bench.get("methods") if bench else None
-        if not isinstance(methods, dict) or not any(m == METHOD or m.startswith("moa_") for m in methods):
+        if not isinstance(methods, dict) or not any(m == w or m.startswith(f"{w}_") for m in methods for w in wanted):
             raise ValueError(
-                f"The benchmark of target {name!r} has no MoA drafter method in 'methods' (found "
-                f"{sorted(methods) if isinstance(methods, dict) else None}); pass the JSON that `moa bench --target "
-                "SPEC --moa DRAFTER` wrote."
+                f"The benchmark of target {name!r} has no method of the drafter ({', '.join(wanted)}) in 'methods' "
+                f"(found {sorted(methods) if isinstance(methods, dict) else None}); pass the JSON that `moa bench "
+                "--target SPEC --KIND DRAFTER` wrote."
             )
         loaded[str(name)] = bench
     return loaded
@@ -214,7 +235,13 @@ def _fmt_duration(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
-def _target_list(config: MoADrafterConfig) -> list[dict]:
+def _exit_thresholds(config, target: str):
+    """The exit thresholds a sorted drafter drafts with for `target` (None: none set, or no exits)."""
+    thresholds = getattr(config, "target_exit_thresholds", None)
+    return thresholds(target) if thresholds is not None else None
+
+
+def _target_list(config) -> list[dict]:
     """The targets the drafter serves, the primary one first: name, model (name or path), fingerprint, LoRA rank and
     the exit thresholds it drafts with (its own, else the primary's)."""
     targets = [
@@ -223,7 +250,7 @@ def _target_list(config: MoADrafterConfig) -> list[dict]:
             "name_or_path": config.target_name_or_path,
             "fingerprint": getattr(config, "target_fingerprint", None),
             "lora_rank": 0,
-            "exit_thresholds": config.target_exit_thresholds(PRIMARY_TARGET),
+            "exit_thresholds": _exit_thresholds(config, PRIMARY_TARGET),
         }
     ]
     for name, entry in (getattr(config, "extra_targets", None) or {}).items():
@@ -233,33 +260,26 @@ def _target_list(config: MoADrafterConfig) -> list[dict]:
                 "name_or_path": entry.get("target_name_or_path"),
                 "fingerprint": entry.get("target_fingerprint"),
                 "lora_rank": int(entry.get("lora_rank") or 0),
-                "exit_thresholds": config.target_exit_thresholds(name),
+                "exit_thresholds": _exit_thresholds(config, name),
             }
         )
     return targets
 
 
-def _architecture(drafter_or_config: MoADrafterModel | MoADrafterConfig) -> tuple[MoADrafterConfig, dict]:
+def _architecture(drafter_or_config, record: DrafterType) -> tuple[Any, dict]:
+    """(config, the card's `arch` values) of a drafter or its config, of the kind `record`."""
     if isinstance(drafter_or_config, torch.nn.Module):
         config, model = drafter_or_config.config, drafter_or_config
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    elif getattr(drafter_or_config, "model_type", None) == MoADrafterConfig.model_type:
+    else:
         config = drafter_or_config
         with torch.device("meta"):  # counts parameters without allocating them
-            model = MoADrafterModel(MoADrafterConfig.from_dict(config.to_dict()))
+            model = record.model_class(record.config_class.from_dict(config.to_dict()))
         dtype = str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
-    else:
-        raise TypeError(
-            f"render_card needs a MoA drafter (MoADrafterModel) or its config, got {type(drafter_or_config).__name__}."
-        )
-    if getattr(config, "model_type", None) != MoADrafterConfig.model_type:
-        raise TypeError(f"render_card needs a MoA drafter, got a model of type {config.model_type!r}.")
     total = sum(p.numel() for p in model.parameters())
     own = bool(config.own_embeddings)
     if own:
-        emb = sum(
-            p.numel() for name, p in model.named_parameters() if name.split(".")[0] in ("embed_tokens", "lm_head")
-        )
+        emb = sum(p.numel() for name, p in model.named_parameters() if name.split(".")[0] in EMBEDDING_MODULES)
         parameters = f"{_fmt_count(total)} ({_fmt_count(total - emb)} without its embedding and LM head copies)"
         embeddings_row = "own copies, saved in this repo (usable without the target's weights for those two layers)"
         embeddings_sentence = "keeps its own copy of the target's token embedding and LM head."
@@ -267,7 +287,7 @@ def _architecture(drafter_or_config: MoADrafterModel | MoADrafterConfig) -> tupl
         parameters = f"{_fmt_count(total)} (the embedding and LM head are the target's and not counted)"
         embeddings_row = "borrowed from the target when attached (not stored in this repo)"
         embeddings_sentence = "borrows the target's token embedding and LM head when attached."
-    gen = getattr(drafter_or_config, "generation_config", None) or MoADrafterModel.default_generation_config()
+    gen = getattr(drafter_or_config, "generation_config", None) or record.model_class.default_generation_config()
     arch = {
         "target_model_type": config.target_model_type or "decoder-only",
         "target_layers": config.target_num_hidden_layers,
@@ -277,8 +297,9 @@ def _architecture(drafter_or_config: MoADrafterModel | MoADrafterConfig) -> tupl
         "vocab_size": config.vocab_size,
         "target_fingerprint": getattr(config, "target_fingerprint", None),  # None: drafters that do not record it
         "hidden_size": config.hidden_size,
-        "lsa_hidden_size": config.lsa_hidden_size,
-        "tli": config.target_layer_inference,
+        "layers": getattr(config, "num_hidden_layers", None),  # a drafter of decoder layers (not one of LSA blocks)
+        "lsa_hidden_size": getattr(config, "lsa_hidden_size", None),  # Layer Self-Attention over the target's cache
+        "tli": getattr(config, "target_layer_inference", 0),
         "own_embeddings": own,
         "parameters": parameters,
         "embeddings_row": embeddings_row,
@@ -286,13 +307,27 @@ def _architecture(drafter_or_config: MoADrafterModel | MoADrafterConfig) -> tupl
         "dtype": dtype,
         "num_assistant_tokens": getattr(gen, "num_assistant_tokens", None),
         "confidence_threshold": getattr(gen, "assistant_confidence_threshold", None),
-        "lookup": model.lookup_settings,  # `LookupSettings` from the config's `lookup_*` fields, None when off
+        "lookup": getattr(model, "lookup_settings", None),  # `LookupSettings` from the config's `lookup_*`, None: off
         "num_blocks": int(getattr(config, "num_blocks", 1) or 1),
         "final_hidden": bool(getattr(config, "context_final_hidden", False)),
         "latest_context": bool(getattr(config, "ca_latest_context", False)),
         "targets": _target_list(config),
     }
     return config, arch
+
+
+def _kind_values(record: DrafterType, arch: dict) -> dict:
+    """What the card says of the drafter's kind (`DrafterType.card`), `{target_layers}` filled in."""
+    card = record.card
+    return {
+        "label": record.label,
+        "summary": card.summary,
+        "paper": card.paper,
+        "reads": card.reads.format(target_layers=arch["target_layers"]),
+        "limitation": card.limitation,
+        "citation": card.citation,
+        "method": record.bench_methods[0],
+    }
 
 
 _TRAINING_LABELS = {
@@ -438,16 +473,17 @@ def _bench_rows(method: dict, per_category: bool) -> list[dict]:
     return rows
 
 
-def _method_label(name: str, method: dict) -> str:
+def _method_label(name: str, method: dict, drafter_method: str) -> str:
+    if name == drafter_method:
+        return f"**`{name}` (this drafter)**"
     kind = _METHOD_LABELS.get(name) or (method.get("info") or {}).get("kind")
-    label = f"`{name}` ({kind})" if kind else f"`{name}`"
-    return f"**{label}**" if name == METHOD else label
+    return f"`{name}` ({kind})" if kind else f"`{name}`"
 
 
-def _verdict(methods: dict) -> list[str]:
-    """Plain sentences on how the drafter did, including when it is slower than the target alone."""
-    moa = methods[METHOD]
-    overall = moa["overall"]
+def _verdict(methods: dict, method: str) -> list[str]:
+    """Plain sentences on how the drafter (`method`) did, including when it is slower than the target alone."""
+    drafter = methods[method]
+    overall = drafter["overall"]
     speedup, acceptance = overall["speedup"], overall["acceptance_length"]
     tps = overall.get("tokens_per_s")
     base_tps = ((methods.get(BASELINE) or {}).get("overall") or {}).get("tokens_per_s")
@@ -473,17 +509,17 @@ def _verdict(methods: dict) -> list[str]:
         ]
     slow = [
         f"{cat} ({values['speedup']:.2f}×)"
-        for cat, values in (moa.get("per_category") or {}).items()
+        for cat, values in (drafter.get("per_category") or {}).items()
         if isinstance(values, dict) and _is_number(values.get("speedup")) and values["speedup"] < 1
     ]
     if slow and speedup >= 1:
         sentences.append(f"It is slower than the target alone in: {', '.join(slow)}.")
-    elif slow and len(slow) < len(moa.get("per_category") or {}):
+    elif slow and len(slow) < len(drafter.get("per_category") or {}):
         sentences.append(f"Categories where it is slower than the target alone: {', '.join(slow)}.")
     others = {
         name: m["overall"]["speedup"]
         for name, m in methods.items()
-        if name not in (METHOD, BASELINE)
+        if name not in (method, BASELINE)
         and isinstance(m, dict)
         and isinstance(m.get("overall"), dict)
         and _is_number(m["overall"].get("speedup"))
@@ -500,14 +536,15 @@ def _verdict(methods: dict) -> list[str]:
     return sentences
 
 
-def _category_speedups(methods: dict) -> dict | None:
-    """Per-category speedup of the drafter and the other methods (vanilla is the 1.00× reference); None if absent."""
-    names = [METHOD] + [
+def _category_speedups(methods: dict, method: str) -> dict | None:
+    """Per-category speedup of the drafter (`method`) and the other methods (vanilla is the 1.00× reference); None if
+    absent."""
+    names = [method] + [
         n
         for n, m in methods.items()
-        if n not in (METHOD, BASELINE) and isinstance(m, dict) and isinstance(m.get("per_category"), dict)
+        if n not in (method, BASELINE) and isinstance(m, dict) and isinstance(m.get("per_category"), dict)
     ]
-    if len(names) < 2 or not methods[METHOD].get("per_category"):
+    if len(names) < 2 or not methods[method].get("per_category"):
         return None
     categories = list(dict.fromkeys(c for n in names for c in methods[n].get("per_category") or {}))
     rows = []
@@ -534,7 +571,7 @@ def _check_text(check: Any) -> str | None:
     return "; ".join(parts) or None
 
 
-def _bench_values(bench: dict | None, base_model: str) -> dict | None:
+def _bench_values(bench: dict | None, base_model: str, method: str) -> dict | None:
     if bench is None:
         return None
     measured = bench.get("target")
@@ -544,12 +581,12 @@ def _bench_values(bench: dict | None, base_model: str) -> dict | None:
             "benchmark JSON that `moa bench` wrote for this drafter and its target."
         )
     methods = bench["methods"]
-    moa_rows = _bench_rows(methods[METHOD], per_category=True)
+    drafter_rows = _bench_rows(methods[method], per_category=True)
     compared = {n: m for n, m in methods.items() if isinstance(m, dict) and isinstance(m.get("overall"), dict)}
     model_keys = tuple(k for k in _MODEL_COLUMNS if any(k in m["overall"] for m in compared.values()))
     other_rows = (
         [
-            {**_metric_row(_method_label(n, m), m["overall"], _BENCH_KEYS + model_keys), "is_moa": n == METHOD}
+            {**_metric_row(_method_label(n, m, method), m["overall"], _BENCH_KEYS + model_keys)}
             for n, m in compared.items()
         ]
         if len(compared) > 1
@@ -573,20 +610,21 @@ def _bench_values(bench: dict | None, base_model: str) -> dict | None:
         "max_new_tokens": bench.get("max_new_tokens", "–"),
         "questions_per_category": bench.get("questions_per_category"),
         "settings": settings,
-        "verdict": " ".join(_verdict(methods)),
-        "moa_rows": moa_rows,
+        "verdict": " ".join(_verdict(methods, method)),
+        "method": method,
+        "drafter_rows": drafter_rows,
         "other_rows": other_rows,
         "model_columns": [(k, _MODEL_COLUMNS[k]) for k in model_keys],
-        "category_speedups": _category_speedups(compared),
+        "category_speedups": _category_speedups(compared, method),
         "check": _check_text(bench.get("check")),
     }
 
 
-def _headline(bench: dict | None) -> tuple[str, dict] | None:
-    """(method, overall metrics) describing the drafter in a benchmark: its adaptive depth when measured, else `moa`,
-    else the engine's; None without any."""
+def _headline(bench: dict | None, method: str) -> tuple[str, dict] | None:
+    """(method, overall metrics) describing the drafter in a benchmark: its adaptive depth when measured, else
+    `method` (e.g. `moa`), else the engine's (`moa_tree`); None without any."""
     methods = (bench or {}).get("methods") or {}
-    for name in _HEADLINE_METHODS:
+    for name in (f"{method}_adaptive", method, f"{method}_tree_adaptive", f"{method}_tree"):
         overall = (methods.get(name) or {}).get("overall")
         if isinstance(overall, dict):
             return name, overall
@@ -615,12 +653,14 @@ def _check_measured_target(target: dict, bench: dict) -> None:
         )
 
 
-def _exit_rows(name: str, bench: dict | None) -> list[dict]:
-    """A benchmark's fixed-exit and adaptive methods of the sorted drafter, for target `name`."""
+def _exit_rows(name: str, bench: dict | None, drafter_method: str) -> list[dict]:
+    """A benchmark's fixed-exit and adaptive methods of the sorted drafter (`moa_exit2`, `moa_tree_adaptive`, ... for
+    `drafter_method` "moa": through assisted generation or the engine), for target `name`."""
+    exit_method = re.compile(rf"^{re.escape(drafter_method)}(_tree)?_(exit\d+|adaptive)$")
     rows = []
     for method, m in ((bench or {}).get("methods") or {}).items():
         overall = m.get("overall") if isinstance(m, dict) else None
-        if _EXIT_METHOD.match(method) and isinstance(overall, dict):
+        if exit_method.match(method) and isinstance(overall, dict):
             counts = overall.get("exit_counts") or []
             rows.append(
                 {
@@ -634,7 +674,9 @@ def _exit_rows(name: str, bench: dict | None) -> list[dict]:
     return rows
 
 
-def _targets_values(arch: dict, bench: dict | None, target_benches: dict, info: dict | None) -> dict | None:
+def _targets_values(
+    arch: dict, bench: dict | None, target_benches: dict, info: dict | None, method: str
+) -> dict | None:
     """The targets and exits section of a sorted or multi-target drafter (None for a one-block, one-target one)."""
 
     targets = arch["targets"]
@@ -650,7 +692,7 @@ def _targets_values(arch: dict, bench: dict | None, target_benches: dict, info: 
         measured = benches.get(target["name"])
         if measured:
             _check_measured_target(target, measured)
-        head = _headline(measured)
+        head = _headline(measured, method)
         held = trained.get(target["name"]) if isinstance(trained.get(target["name"]), dict) else {}
         if head:
             numbers = (
@@ -672,7 +714,7 @@ def _targets_values(arch: dict, bench: dict | None, target_benches: dict, info: 
                 "source": source,
             }
         )
-        exit_rows += _exit_rows(target["name"], measured)
+        exit_rows += _exit_rows(target["name"], measured, method)
         for key, value in held.items():
             if (match := _TRAINING_EXIT_KEY.match(key)) and _is_number(value):
                 training_exit_rows.append(
@@ -703,7 +745,7 @@ def _targets_values(arch: dict, bench: dict | None, target_benches: dict, info: 
 # Rendering and validation
 # ---------------------------------------------------------------------------------------------------------------------
 def render_card(
-    drafter_or_config: MoADrafterModel | MoADrafterConfig,
+    drafter_or_config,
     benchmark: str | os.PathLike | dict | None = None,
     training_info: str | os.PathLike | dict | None = None,
     *,
@@ -714,12 +756,15 @@ def render_card(
 ) -> ModelCard:
     """The README.md of a drafter repo, as a `huggingface_hub.ModelCard` (validated with `validate_card_metadata`).
 
-    `base_model` defaults to the drafter's `config.target_name_or_path`; it must be a Hub repo id. `benchmark` is the
-    primary target's measurement; `target_benchmarks` ({target name: path or dict}) those of a multi-target drafter's
-    other targets.
+    `drafter_or_config`: a drafter, or its config, of a kind with a card in the registry (`card_type`). `base_model`
+    defaults to the drafter's `config.target_name_or_path`; it must be a Hub repo id. `benchmark` is the primary
+    target's measurement (its numbers: the kind's first `bench_methods`, e.g. `moa`); `target_benchmarks` ({target
+    name: path or dict}) those of a multi-target drafter's other targets.
     """
     _check_repo_id(repo_id, "repo_id", "Use ORG/NAME, e.g. 'my-org/smollm2-moa-drafter'.")
-    config, arch = _architecture(drafter_or_config)
+    record = card_type(drafter_or_config)
+    method = record.bench_methods[0]  # the `moa bench` method whose numbers describe this drafter
+    config, arch = _architecture(drafter_or_config, record)
     base_model = base_model or config.target_name_or_path
     if not base_model:
         raise ValueError(
@@ -729,14 +774,14 @@ def render_card(
     _check_repo_id(
         base_model, "The target", "Pass base_model='ORG/NAME' with the Hub id of the target model (not a local path)."
     )
-    bench = load_benchmark(benchmark)
+    bench = load_benchmark(benchmark, method)
     info = load_training_info(training_info)
-    targets = _targets_values(arch, bench, load_target_benchmarks(target_benchmarks), info)
+    targets = _targets_values(arch, bench, load_target_benchmarks(target_benchmarks, method), info, method)
     card_data = ModelCardData(
         base_model=base_model,
         library_name="transformers",  # no pipeline_tag: the drafter is not a stand-alone text-generation model
         license=license,
-        tags=list(REQUIRED_TAGS),
+        tags=[*REQUIRED_TAGS, *record.card.tags],
         datasets=list(info["datasets"]) if info and info.get("datasets") else None,
         language=info.get("language") if info else None,
     )
@@ -747,9 +792,10 @@ def render_card(
             title=repo_id.split("/")[-1],
             repo_id=repo_id,
             arch=arch,
+            kind=_kind_values(record, arch),
             training_rows=_training_rows(info),
             curve=_curve_rows(info),
-            bench=_bench_values(bench, base_model),
+            bench=_bench_values(bench, base_model, method),
             targets=targets,
         )
     validate_card_metadata(card)

@@ -11,12 +11,14 @@ Two parts, both measured on this machine:
 
 import argparse
 import time
+from dataclasses import dataclass, field
 
 import torch
+from transformers import HfArgumentParser
 
 from .chat import chat_text, encode_chat
 
-__all__ = ["PROMPTS", "register", "run_demo"]
+__all__ = ["PROMPTS", "CostsArguments", "DemoArguments", "register", "run_demo"]
 
 PROMPTS = [
     "Explain in a few sentences why the sky is blue.",
@@ -139,9 +141,39 @@ def run_demo(
     return result
 
 
-def _main(args: argparse.Namespace) -> int:
+_DRAFTER_HELP = "a saved drafter folder (default: the shipped default drafter)"
+
+
+@dataclass
+class DemoArguments:
+    """`moa demo`'s options."""
+
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "choices": ["auto", "bfloat16", "float32"],
+            "help": "dtype of the speed part (auto: bfloat16 where it is native here, else float32)",
+        },
+    )
+    max_new_tokens: int = 96
+    drafter: str | None = field(default=None, metadata={"help": _DRAFTER_HELP})
+    check: bool = field(default=True, metadata={"help": "check exactness in float32 afterwards"})
+
+
+@dataclass
+class CostsArguments:
+    """`moa costs`' options."""
+
+    dtype: str = field(
+        default="auto", metadata={"choices": ["auto", "bfloat16", "float32"], "help": "auto: `fast_dtype()`"}
+    )
+    drafter: str | None = field(default=None, metadata={"help": _DRAFTER_HELP})
+
+
+def _main(namespace: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
+    (args,) = HfArgumentParser(DemoArguments).parse_dict(vars(namespace), allow_extra_keys=True)
     hf_logging.disable_progress_bar()  # the command's own output only (this process ends after the demo)
     result = run_demo(
         dtype=args.dtype, max_new_tokens=args.max_new_tokens, drafter_path=args.drafter, check=args.check
@@ -149,13 +181,14 @@ def _main(args: argparse.Namespace) -> int:
     return 1 if result.get("differ_float32") else 0
 
 
-def _costs(args: argparse.Namespace) -> int:
+def _costs(namespace: argparse.Namespace) -> int:
     import json
 
     from . import attached
     from .costs import measure_costs
     from .loading import load_drafter, load_target
 
+    (args,) = HfArgumentParser(CostsArguments).parse_dict(vars(namespace), allow_extra_keys=True)
     target, tok = load_target("default", dtype=_dtype(args.dtype))
     drafter = load_drafter(args.drafter or "default", target=target)
     ids = tok(chat_text(tok, PROMPTS[0]) + " The sky looks blue because" * 12, return_tensors="pt").input_ids  # [1, T]
@@ -172,20 +205,14 @@ def _costs(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    c = subparsers.add_parser("costs", help="Drafter cost per token vs a target step, and per-cycle overhead.")
-    c.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="auto: `fast_dtype()`")
-    c.add_argument("--drafter", default=None, help="a saved drafter folder (default: the shipped default drafter)")
-    c.set_defaults(func=_costs)
-    p = subparsers.add_parser("demo", help="Speculative decoding on the embedded SmolLM2 target: speed and exactness.")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "bfloat16", "float32"],
-        help="dtype of the speed part (auto: bfloat16 where it is native here, else float32)",
-    )
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--drafter", default=None, help="a saved drafter folder (default: the shipped default drafter)")
-    p.add_argument(
-        "--check", action=argparse.BooleanOptionalAction, default=True, help="check exactness in float32 afterwards"
-    )
-    p.set_defaults(func=_main)
+    """Add `moa costs` and `moa demo` (their options: the fields of `CostsArguments` and `DemoArguments`)."""
+    subparsers.add_parser(
+        "costs",
+        parents=[HfArgumentParser(CostsArguments, add_help=False)],
+        help="Drafter cost per token vs a target step, and per-cycle overhead.",
+    ).set_defaults(func=_costs)
+    subparsers.add_parser(
+        "demo",
+        parents=[HfArgumentParser(DemoArguments, add_help=False)],
+        help="Speculative decoding on the embedded SmolLM2 target: speed and exactness.",
+    ).set_defaults(func=_main)

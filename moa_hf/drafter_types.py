@@ -16,8 +16,9 @@ Adding an architecture: its modeling files (config and model class), its trainin
 `moa_hf.training.drafters.DrafterAdapter`), and one `register_drafter_type(DrafterType(...))` call below. The
 registry is filled at import by the registrations in this file; a kind registered elsewhere works the same. What
 varies per kind outside its own files is here: the `moa bench` methods that run it and its `--KIND` flag
-(`bench_methods`, `bench_default`), and a Hub repo's remote code and `auto_map` (`remote_code_files`, `auto_map`,
-derived from its classes); `tests/test_layout.py` checks that bench, tune, hub and loading name no kind.
+(`bench_methods`, `bench_default`), a Hub repo's remote code and `auto_map` (`remote_code_files`, `auto_map`,
+derived from its classes) and what its model card says of it (`card`); `tests/test_layout.py` checks that bench,
+tune, hub, the model card and loading name no kind.
 """
 
 from __future__ import annotations
@@ -30,12 +31,30 @@ from pathlib import Path
 from .modeling import EagleDrafterConfig, EagleDrafterModel, MoADrafterConfig, MoADrafterModel
 
 __all__ = [
+    "DrafterCard",
     "DrafterType",
     "drafter_kinds",
     "drafter_type",
     "drafter_types",
     "register_drafter_type",
 ]
+
+
+@dataclass(frozen=True)
+class DrafterCard:
+    """What a Hub model card (`moa_hf.hub_cards`) says of a kind; the rest of the card comes from the drafter's config.
+
+    summary: the kind, with its article ("A **... drafter**"). paper: markdown link(s) to its paper. reads: what it
+    reads of the target, after "It reads" (`{target_layers}`: the target's layer count). limitation: what the target
+    must offer for it. tags: the card's Hub tags for it (besides `hub_cards.REQUIRED_TAGS`). citation: BibTeX.
+    """
+
+    summary: str
+    paper: str
+    reads: str
+    limitation: str
+    tags: tuple[str, ...]
+    citation: str
 
 
 @dataclass(frozen=True)
@@ -51,7 +70,8 @@ class DrafterType:
     bench_methods: the `moa bench` methods that run it, the first through assisted generation (the others are
     `moa_hf.bench.methods`' engine methods or config overrides of it); its folder is `moa bench --KIND`, whose default
     is bench_default (None: the methods need the flag). sorted_exits: a config with `num_blocks` > 1 drafts from
-    several exits (`moa bench` adds per-exit methods of its first assisted and engine methods).
+    several exits (`moa bench` adds per-exit methods of its first assisted and engine methods). card: what its Hub
+    model card says of it (None: no card; a publishable kind needs one), whose numbers are its first bench method's.
     """
 
     kind: str
@@ -67,6 +87,7 @@ class DrafterType:
     bench_methods: tuple[str, ...] = ()
     bench_default: str | None = None
     sorted_exits: bool = False
+    card: DrafterCard | None = None
 
     @property
     def remote_code_files(self) -> tuple[str, ...]:
@@ -170,6 +191,21 @@ register_drafter_type(
         bench_methods=("moa", "moa_nolookup", "moa_tree", "moa_tree_nolookup", "moa_chain"),
         bench_default="default",
         sorted_exits=True,
+        card=DrafterCard(
+            summary="A **Mixture-of-Attentions (MoA) drafter**",
+            paper="[Zimmer et al., ICLR 2025](https://arxiv.org/abs/2410.03804)",
+            reads="the target's key/value cache (Layer Self-Attention across all {target_layers} target layers)",
+            limitation="The target must keep per-token keys/values in every layer (full, sliding-window or chunked "
+            "attention; no linear-attention or state-space layers), as the drafter reads them from its cache.",
+            tags=("mixture-of-attentions",),
+            citation="""@inproceedings{zimmer2025moa,
+  title     = {Mixture of Attentions For Speculative Decoding},
+  author    = {Zimmer, Matthieu and Gritta, Milan and Lampouras, Gerasimos and Bou Ammar, Haitham and Wang, Jun},
+  booktitle = {International Conference on Learning Representations (ICLR)},
+  year      = {2025},
+  url       = {https://arxiv.org/abs/2410.03804}
+}""",
+        ),
     )
 )
 register_drafter_type(
@@ -182,6 +218,22 @@ register_drafter_type(
         build_hint="build one with `moa train --kind eagle ...` and pass --eagle PATH",
         engine_support=True,
         bench_methods=("eagle",),
+        card=DrafterCard(
+            summary="An **EAGLE-style feature drafter**",
+            paper="[Li et al., ICML 2024](https://arxiv.org/abs/2401.15077)",
+            reads="the target's final hidden state (the feature its LM head reads) of every verified token, never "
+            "its key/value cache,",
+            limitation="The target must be a decoder-only model with a standard config (hidden size, layers, "
+            "attention heads, vocabulary), whose final hidden state the drafter reads.",
+            tags=("eagle",),
+            citation="""@inproceedings{li2024eagle,
+  title     = {{EAGLE}: Speculative Sampling Requires Rethinking Feature Uncertainty},
+  author    = {Li, Yuhui and Wei, Fangyun and Zhang, Chao and Zhang, Hongyang},
+  booktitle = {International Conference on Machine Learning (ICML)},
+  year      = {2024},
+  url       = {https://arxiv.org/abs/2401.15077}
+}""",
+        ),
     )
 )
 register_drafter_type(

@@ -26,10 +26,11 @@ import os
 import re
 import shutil
 import tempfile
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from transformers import GenerationConfig
+from transformers import GenerationConfig, HfArgumentParser
 
 from .drafter_types import DrafterType, drafter_type, drafter_types
 from .embeddings import without_own_embeddings
@@ -39,6 +40,7 @@ from .modeling import PRIMARY_TARGET, MoADrafterModel  # the type of what is pub
 
 __all__ = [
     "CUSTOM_GENERATE_FILES",
+    "PublishArguments",
     "build_repo_folder",
     "card_inputs",
     "check_repo_folder",
@@ -435,26 +437,69 @@ def _target_benchmark_args(values: list[str] | None) -> dict[str, str]:
     return pairs
 
 
-def _run(args: argparse.Namespace) -> int:
+@dataclass
+class PublishArguments:
+    """`moa publish DRAFTER`'s options (the positional DRAFTER, a folder or `default`, is no option: argparse's)."""
+
+    repo_id: str = field(metadata={"metavar": "ORG/NAME", "help": "the Hub repo id"})
+    out: str = field(metadata={"metavar": "FOLDER", "help": "where to write the repo folder"})
+    benchmark: str | None = field(
+        default=None,
+        metadata={
+            "metavar": "JSON",
+            "help": "benchmark JSON from `moa bench` (speed numbers of the card; default: DRAFTER/benchmark.json if "
+            "present)",
+        },
+    )
+    target_benchmark: list[str] | None = field(
+        default=None,
+        metadata={
+            "action": "extend",
+            "metavar": "NAME=JSON",
+            "help": "a multi-target drafter: the `moa bench` JSON measured with its target NAME (once per other "
+            "target; default: DRAFTER/benchmark.NAME.json if present)",
+        },
+    )
+    training_info: str | None = field(
+        default=None,
+        metadata={
+            "metavar": "JSON",
+            "help": "training info JSON from `moa train` (data, tokens, wall time, learning curve...; default: "
+            "DRAFTER/training_info.json if present)",
+        },
+    )
+    own_embeddings: bool = field(default=False, metadata={"help": "keep the drafter's own embedding/LM head copies"})
+    base_model: str | None = field(
+        default=None,
+        metadata={"metavar": "ORG/NAME", "help": "Hub id of the target (default: the one the drafter records)"},
+    )
+    license: str = field(default="apache-2.0", metadata={"help": "Hub license id of the card (default: apache-2.0)"})
+    overwrite: bool = field(default=False, metadata={"help": "replace an earlier repo folder at --out"})
+    push: bool = field(default=False, metadata={"help": "upload the folder to the Hub"})
+    private: bool = field(default=False, metadata={"help": "create the repo as private (with --push)"})
+    revision: str | None = field(
+        default=None, metadata={"help": "branch to upload to (created if needed; default: main)"}
+    )
+    commit_message: str | None = field(default=None, metadata={"help": "commit message of the upload"})
+    token: str | None = field(
+        default=None, metadata={"help": "Hub token (default: HF_TOKEN or the token saved by `hf auth login`)"}
+    )
+
+
+def _run(namespace: argparse.Namespace) -> int:
+    (args,) = HfArgumentParser(PublishArguments).parse_dict(vars(namespace), allow_extra_keys=True)
     try:
-        target_benchmarks = _target_benchmark_args(args.target_benchmark)
-        bench, info = card_inputs(args.drafter, args.benchmark, args.training_info)
+        options = asdict(args)
+        target_benchmarks = _target_benchmark_args(options.pop("target_benchmark"))
+        bench, info = card_inputs(namespace.drafter, options.pop("benchmark"), options.pop("training_info"))
         result = publish(
-            args.drafter,
-            args.repo_id,
-            args.out,
+            namespace.drafter,
+            options.pop("repo_id"),
+            options.pop("out"),
             benchmark=bench,
             training_info=info,
-            own_embeddings=args.own_embeddings,
-            base_model=args.base_model,
-            license=args.license,
-            overwrite=args.overwrite,
-            push=args.push,
-            private=args.private,
-            revision=args.revision,
-            commit_message=args.commit_message,
-            token=args.token,
             target_benchmarks=target_benchmarks,
+            **options,
         )
     except (RuntimeError, ValueError, FileNotFoundError, FileExistsError) as err:
         raise SystemExit(f"moa publish: error: {err}") from err
@@ -468,45 +513,16 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `moa publish`."""
+    """Add `moa publish` (its options: the fields of `PublishArguments`, after the positional DRAFTER)."""
     p = subparsers.add_parser(
         "publish",
+        parents=[HfArgumentParser(PublishArguments, add_help=False)],
         help="build (and upload) a Hugging Face Hub repo for a drafter",
         description="Build a Hub repo folder for a MoA drafter (weights, remote code, config, model card) and "
         "optionally upload it. The card quotes --benchmark and --training-info; without them it uses the "
         "benchmark.json (a `moa bench` result) and training_info.json (written by `moa train`) found in the "
-        "DRAFTER folder -- for `default`, the shipped default drafter's folder -- when they exist.",
+        "DRAFTER folder -- for `default`, the shipped default drafter's folder -- when they exist. Options: the "
+        "fields of PublishArguments, each spelled with hyphens or underscores.",
     )
     p.add_argument("drafter", metavar="DRAFTER", help="a saved drafter folder, or `default`")
-    p.add_argument("--repo-id", required=True, metavar="ORG/NAME", help="the Hub repo id")
-    p.add_argument("--out", required=True, metavar="FOLDER", help="where to write the repo folder")
-    p.add_argument(
-        "--benchmark",
-        metavar="JSON",
-        help="benchmark JSON from `moa bench` (speed numbers of the card; default: DRAFTER/benchmark.json if present)",
-    )
-    p.add_argument(
-        "--target-benchmark",
-        action="append",
-        metavar="NAME=JSON",
-        help="a multi-target drafter: the `moa bench` JSON measured with its target NAME (once per other target; "
-        "default: DRAFTER/benchmark.NAME.json if present)",
-    )
-    p.add_argument(
-        "--training-info",
-        metavar="JSON",
-        help="training info JSON from `moa train` (data, tokens, wall time, learning curve...; default: "
-        "DRAFTER/training_info.json if present)",
-    )
-    p.add_argument("--own-embeddings", action="store_true", help="keep the drafter's own embedding/LM head copies")
-    p.add_argument(
-        "--base-model", metavar="ORG/NAME", help="Hub id of the target (default: the one the drafter records)"
-    )
-    p.add_argument("--license", default="apache-2.0", help="Hub license id of the card (default: apache-2.0)")
-    p.add_argument("--overwrite", action="store_true", help="replace an earlier repo folder at --out")
-    p.add_argument("--push", action="store_true", help="upload the folder to the Hub")
-    p.add_argument("--private", action="store_true", help="create the repo as private (with --push)")
-    p.add_argument("--revision", help="branch to upload to (created if needed; default: main)")
-    p.add_argument("--commit-message", help="commit message of the upload")
-    p.add_argument("--token", help="Hub token (default: HF_TOKEN or the token saved by `hf auth login`)")
     p.set_defaults(func=_run)

@@ -23,7 +23,6 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
-import itertools
 import pkgutil
 import random
 import re
@@ -43,7 +42,6 @@ __all__ = [
     "pydoc_question",
     "pydoc_split",
     "read_source",
-    "stdlib_entries",
     "written_briefs",
 ]
 
@@ -157,19 +155,6 @@ def _entries_of(module: str, source: str) -> list[tuple[str, str, str, str]]:
                     doc = ast.get_docstring(item)
                     if doc and len(doc) >= 30:
                         entries.append((module, f"{node.name}.{item.name}", "method", _first_paragraphs(doc)))
-    return entries
-
-
-def stdlib_entries() -> list[tuple[str, str, str, str]]:
-    """(module, object name or "", kind, docstring) for the documented public parts of the installed stdlib.
-
-    `kind` is "module", "function", "class" or "method". Read with `ast` from the source files: nothing is imported.
-    """
-    entries: list[tuple[str, str, str, str]] = []
-    for module, path in stdlib_modules():
-        source = read_source(path)
-        if source is not None:
-            entries.extend(_entries_of(module, source))
     return entries
 
 
@@ -1050,9 +1035,3 @@ def pydoc_prompts(num_prompts: int | None = None, split: str = "train", seed: in
     rounds = min(len(_PYDOC_TEMPLATES), -(-n // max(1, len(entries))))
     prompts = [pydoc_question(entry, variant) for variant in range(rounds) for entry in entries]
     return prompts[:n]
-
-
-def _preview(n: int = 10) -> None:  # pragma: no cover - manual inspection helper
-    for split in SPLITS:
-        for p in itertools.islice(default_prompts(n, split), n):
-            print(f"[{split}] {p[:200]!r}")

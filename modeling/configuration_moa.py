@@ -357,11 +357,6 @@ class MoADrafterConfig(PreTrainedConfig):
                 f"num_blocks={self.num_blocks} (sorted exits) needs target_layer_inference=0, got "
                 f"{self.target_layer_inference}: every exit feeds the LM head directly. Use one of the two."
             )
-        if self.num_blocks > 1 and self.ca_latest_context:
-            raise ValueError(
-                f"ca_latest_context=True needs num_blocks=1 (got {self.num_blocks}): sorted exits do not feed the "
-                "newest context to their deeper blocks. Use one of the two."
-            )
         if self.exit_thresholds is not None:
             self.exit_thresholds = check_exit_thresholds(self.exit_thresholds, self.num_blocks)
         for name, spec in ((self.extra_targets if extra_targets is None else extra_targets) or {}).items():

@@ -245,7 +245,7 @@ class LayerKV:
 
 @dataclass
 class TreeState:
-    """A drafter's state during the engine's tree drafting (`DrafterMixin.tree_start` to the end of the call), B rows.
+    """A drafter's state during the engine's tree drafting (a drafter's `tree_start` to the end of the call), B rows.
 
     The self-attention caches (`layers`, one `LayerKV` per drafter layer) hold per row S = V + K slots: V verified
     slots, appended by each `tree_catch_up` (its [B, n] right-aligned tokens, so a row's left padding leaves slots
@@ -811,7 +811,7 @@ class DrafterMixin:
     # ----------------------------------------------------------------------------------------------------------------
     # Session statistics
     # -----------------------------------------------------------------------------------------------------------------
-    records_exits = False  # True: the drafter calls `record_exits` per drafted token itself (MoA: `_decode`)
+    records_exits = False  # True: the drafter calls `record_exits` per drafted token itself (MoA: `draft_step`)
 
     @property
     def num_exits(self) -> int:

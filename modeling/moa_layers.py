@@ -137,7 +137,7 @@ def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
 class MoADecoderLayer(GradientCheckpointingLayer):
     """Pre-norm decoder layer (attention + gated MLP). Used for SA (causal) and LSA (across target layers).
     Recomputed in the backward after `drafter.activation_checkpointing_enable()` (training only). `cache`: where the
-    keys/values of earlier positions are (anything with `append_self(k, v)`: `MoADrafterCache`, `LayerKV`)."""
+    keys/values of earlier positions are (anything with `append_self(k, v)`: `LayerKV`)."""
 
     def __init__(self, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, eps, act, short=False):
         super().__init__()

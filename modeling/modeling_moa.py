@@ -12,6 +12,10 @@ Sorted drafters (S2D, arXiv 2407.01955), `num_blocks` K > 1: K stacked SA + CA b
 `self_attention` + `cross_attention`, then `blocks`), every CA reading the same context vectors, with an exit after
 each block into the shared head; training takes the loss at every exit (`forward(exits="all")`).
 
+One forward, `MoADrafterModel.step`, serves every route under its own masks: training (`forward`: whole sequences,
+staircase masks, an empty state), chains (`draft_step`: assisted generation, the serving client) and trees
+(`tree_catch_up`, `tree_step`: the engine, vLLM). A chain is a tree of top-k 1.
+
 Where the rest lives (sibling files, every one shipped with this one as remote code). The drafter holds its parts as
 objects with public methods (no modules of their own: the layers stay this model's attributes, so the state-dict keys
 `blocks.<i>.…` and `target_parts.<name>.…` are those of every saved drafter), and keeps a thin method per public one:
@@ -21,10 +25,8 @@ objects with public methods (no modules of their own: the layers stay this model
   selecting, adding, recognising a target by its fingerprint) and what attaching borrows (`Attachment`);
 - moa_layers.py: the building blocks (RMSNorm, RoPE, attention, the SA / LSA and CA layers, `MoABlock`);
 - target_cache.py: reading the target's cache (`gather_target_kv`, `gather_target_kv_at`, `held_*`);
-- moa_chain.py: chain drafting (`MoADrafterCache`; `MoAChainDrafting`, `drafter.chain`, behind `extend_context`,
-  `draft_step` and assisted generation's drafting calls);
-- moa_tree.py: the tree drafting protocol (`MoATreeDrafting`, `drafter.tree`, behind `tree_start`, `tree_catch_up`,
-  `tree_step`);
+- moa_state.py: the drafting state every route keeps (`MoADraftState`: SA keys/values, memory, tree nodes, rows)
+  and the masks of the one forward (`memory_mask`, `newest_context`);
 - drafting.py: the runtime shared with the EAGLE drafter (target hooks, `generate`, statistics); lookup.py: prompt
   lookup.
 
@@ -32,12 +34,9 @@ This file ships inside every Hub repo as remote code: it imports only torch, tra
 """
 
 import contextlib
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
@@ -45,7 +44,6 @@ from transformers.modeling_outputs import ModelOutput
 
 from .configuration_moa import PRIMARY_TARGET, MoADrafterConfig
 from .drafting import DrafterMixin, DraftingSession, FeatureTap, TargetTap
-from .moa_chain import MoAChainDrafting, MoADrafterCache
 from .moa_layers import (
     MoAAttention,
     MoABlock,
@@ -55,10 +53,21 @@ from .moa_layers import (
     MoARMSNorm,
     MoARotaryEmbedding,
 )
-from .moa_tree import MoATreeDrafting, MoATreeState
-from .sorted_exits import MoASortedExits
-from .target_cache import gather_target_kv, gather_target_kv_at, lsa_view, oldest_held_position
+from .moa_routes import MoADraftingRoutes
+from .moa_state import MoADraftState, memory_mask, newest_context
+from .sorted_exits import MoASortedExits, PendingSlots
+from .target_cache import (
+    CONTEXT_CHUNK,
+    context_in_chunks,
+    gather_target_kv,
+    gather_target_kv_at,
+    lsa_view,
+    oldest_held_position,
+)
 from .target_parts import Attachment, MoALinear, MoALoRA, MoATargetParts, MoATargets
+
+MoADrafterCache = MoADraftState  # the chain's name for it (assisted generation's `assistant` cache, the client)
+MoATreeState = MoADraftState  # the tree's
 
 __all__ = [
     "CONTEXT_CHUNK",
@@ -66,6 +75,7 @@ __all__ = [
     "MoADrafterModel",
     "MoAPreTrainedModel",
     "MoADrafterCache",
+    "MoADraftState",
     "MoADrafterOutput",
     # defined in sibling files, importable from here as before the split
     "MoAAttention",
@@ -85,7 +95,6 @@ __all__ = [
 # -------------------------------------------------------------------------------------------------------------------
 # Target states, cache, output
 # ---------------------------------------------------------------------------------------------------------------------
-CONTEXT_CHUNK = 64  # most target positions per LSA call at inference (see `MoADrafterModel.read_context`)
 
 
 @dataclass
@@ -98,7 +107,8 @@ class MoADrafterOutput(ModelOutput):
     logits: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     final_hidden_states: torch.Tensor | None = None
-    past_key_values: MoADrafterCache | None = None
+    past_key_values: MoADraftState | None = None
+    exits: torch.Tensor | None = None  # [B, m] the exit (1-based) each returned position left at (None: one block)
     exit_logits: tuple[torch.Tensor, ...] | None = None  # sorted drafters: [B, T, V] per exit, exit 1 first
     exit_hidden_states: tuple[torch.Tensor, ...] | None = None  # [B, T, d] per block
 
@@ -122,38 +132,6 @@ def draft_vocab_ids(token_ids, config: MoADrafterConfig) -> torch.Tensor:
 # -------------------------------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------------------------------
-def context_in_chunks(
-    compute_context: Callable[..., torch.Tensor],
-    gather: Callable[[int, int], torch.Tensor],
-    n: int,
-    config: MoADrafterConfig,
-    first: int | None = None,
-    target_hidden: torch.Tensor | None = None,
-) -> list[torch.Tensor]:
-    """Context vectors of n tokens in chunks [B, <= CONTEXT_CHUNK, d], from `gather(s, e)`: their target keys/values
-    [B, e-s, L, W] of tokens s..e-1, each chunk zero-padded to a power of two (then cut off again). The LSA treats
-    every token on its own (attention runs across layers, never across tokens), so it only ever sees a handful of
-    shapes (a long prompt costs no new kernel set-up on a CPU), a cycle's few new tokens stay cheap, and memory stays
-    bounded.
-    first: the position of token 0 (None: unknown, e.g. slots of a tree). target_hidden: [B, n, D] the target's final
-    hidden states of the n tokens (`context_final_hidden`)."""
-    out = []
-    for s in range(0, n, CONTEXT_CHUNK):
-        kv = gather(s, min(n, s + CONTEXT_CHUNK))  # [B, m, L, W]
-        m = kv.shape[1]
-        size = min(CONTEXT_CHUNK, 1 << (m - 1).bit_length())  # m rounded up to a power of two
-        hidden = None if target_hidden is None else target_hidden[:, s : s + m]  # [B, m, D]
-        if m < size:
-            kv = torch.cat([kv, kv.new_zeros(kv.shape[0], size - m, *kv.shape[2:])], dim=1)  # [B, size, L, W]
-            if hidden is not None:
-                hidden = F.pad(hidden, (0, 0, 0, size - m))  # [B, size, D]
-        pos = None  # positions matter only to un-rotated keys: no tensor built per cycle otherwise
-        if first is not None and config.lsa_keys == "unrotated":
-            pos = torch.arange(first + s, first + s + size, device=kv.device)  # [size]
-        out.append(compute_context(kv, positions=pos, target_hidden=hidden)[:, :m])  # [B, m, d]
-    return out
-
-
 class MoAPreTrainedModel(PreTrainedModel):
     config_class = MoADrafterConfig
     config: MoADrafterConfig
@@ -190,7 +168,7 @@ class MoAPreTrainedModel(PreTrainedModel):
             init.zeros_(module.B)
 
 
-class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
+class MoADrafterModel(MoADraftingRoutes, DrafterMixin, MoAPreTrainedModel, GenerationMixin):
     """The MoA drafter. Attach it to its target, then pass it as `assistant_model` to `target.generate`.
 
     ```python
@@ -201,7 +179,7 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
     """
 
     supports_prompt_lookup = True  # verified context is read from the target's cache, so skipped cycles cost nothing
-    records_exits = True  # `_decode` records the exit of every token it drafts (`record_exits`)
+    records_exits = True  # `draft_step` records the exit of every token it drafts (`record_exits`)
 
     def __init__(self, config: MoADrafterConfig):
         super().__init__(config)
@@ -245,11 +223,6 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         for name, spec in (c.extra_targets or {}).items():
             self.target_parts[name] = self.targets.new_parts(int(spec.get("lora_rank", 0)))
         self.sorted_exits = MoASortedExits(c, self.block_layers, self._exit_logits, self.targets)
-        chunks = functools.partial(context_in_chunks, self.compute_context, config=c)  # (gather, n, ...)
-        parts = (self.embed, self.rotary_emb, self.block_layers, chunks, self.head, self.sorted_exits)
-        self.tree = MoATreeDrafting(c, *parts)
-        parts = (self.embed, self.rotary_emb, self.block_layers, self.head, self.sorted_exits, self._tli)
-        self.chain = MoAChainDrafting(c, *parts)
         self._attachment: Attachment | None = None
         self._session: DraftingSession | None = None
         self.post_init()
@@ -439,6 +412,8 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         attention_mask=None,
         target_hidden=None,
     ) -> MoADrafterOutput:
+        """Training's forward: every drafting cycle of whole sequences at once, as `step` over an empty state whose
+        memory is every token's context, under the staircase masks (position i reads the context of j < start(i))."""
         B, T = input_ids.shape
         device = input_ids.device
         pos = torch.arange(T, device=device)
@@ -451,24 +426,14 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
             if target_kv_held is not None:
                 read = target_kv_held if read is None else read & target_kv_held
             context = self.compute_context(target_kv, where=read, positions=pos, target_hidden=target_hidden)
-        h = self.embed(input_ids)  # [B, T, d]
-        cos, sin = self.rotary_emb(pos, h.dtype)
+        state = MoADraftState.empty(self.config, B, self.dtype, device)
+        state.layers = [None]  # no SA keys kept: the whole sequence is one forward
+        held = torch.ones(B, T, dtype=torch.bool, device=device) if target_kv_held is None else target_kv_held
+        self.extend(state, context, pos, held)
         needs_causal = sa_mask is not None or self.config.target_layer_inference > 0
         causal = pos[None, :] <= pos[:, None] if needs_causal else None  # [T, T], built only where a mask reads it
         mask = None if sa_mask is None else (sa_mask & causal)[:, None]  # None: SDPA's causal kernel, no [T, T] mask
-        verified = pos[None, None, :] < cycle_starts[:, :, None]  # [B, T, T]: j < start(i)
-        ca_mask = verified if target_kv_held is None else verified & target_kv_held[:, None, :]
-        latest = None  # [B, T, d]: the context of token start(i)-1, the newest one position i reads (zeros: none)
-        if self.config.ca_latest_context:
-            newest = (cycle_starts - 1).clamp(min=0)[..., None].expand(-1, -1, context.shape[-1])  # [B, T, d]
-            latest = context.gather(1, newest) * (cycle_starts > 0)[..., None].to(context.dtype)
-        outputs = []  # the output of every block: one exit each
-        for sa, ca in self.block_layers():
-            h = sa(h, cos, sin, mask=mask, causal=mask is None)
-            ctx_k, ctx_v = ca.context_keys_values(context.to(h.dtype), cos, sin)
-            h = ca(h, cos, sin, ctx_k, ctx_v, mask=ca_mask[:, None], latest=latest)
-            outputs.append(h)
-        final = None
+        tli = None
         if self.config.target_layer_inference > 0:
             if target_tli_kv is None:
                 raise ValueError("target_layer_inference > 0: pass `target_tli_kv` (the last N layers' keys/values).")
@@ -477,95 +442,129 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
             for i, (k, v) in enumerate(target_tli_kv):
                 tli.update(k, v, first + i)
             # keys: [target j < start(i) | drafted start(i) <= j <= i]
-            drafted = causal[None] & (pos[None, None, :] >= cycle_starts[:, :, None])  # [B, T, T]
+            verified = pos[None, None, :] < cycle_starts[:, :, None]  # [B, T, T]
+            drafted = causal[None] & ~verified  # [B, T, T]
             visible = torch.cat([verified, drafted], dim=-1)[:, None]  # [B, 1, T, 2T]
-            dtype = self._attachment.tli_layers[0].parameters().__next__().dtype
-            additive = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(
-                ~visible, torch.finfo(dtype).min
-            )
-            final = self._tli(h, pos[None], tli, mask=additive)
+            tli = (tli, visible)
+        return self.step(
+            state, input_ids, pos, mask, cycle_starts, last=None, exits=exits, causal=mask is None, tli=tli,
+            return_logits=return_logits,
+        )  # fmt: skip
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # The one forward: training, chains and trees all run it, under their own masks
+    # -----------------------------------------------------------------------------------------------------------------
+    def extend(self, state: MoADraftState, context: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
+        """Append context vectors [B, n, d] (read at `positions` [n] or [B, n]; `valid` [B, n], False: no context
+        there) to the memory of `state`: every block's CA keys/values of them."""
+        context = context.to(self.dtype)
+        cos, sin = self.rotary_emb(positions, context.dtype)
+        state.append_memory(
+            [ca.context_keys_values(context, cos, sin) for _, ca in self.block_layers()], valid, context
+        )
+
+    def step(
+        self,
+        state: MoADraftState,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        sa_mask: torch.Tensor | None,
+        ca_limit: torch.Tensor | None,
+        last: int | None = 1,
+        exits: str = "adaptive",
+        causal: bool = False,
+        tli: tuple | None = None,
+        return_logits: bool = True,
+    ) -> MoADrafterOutput:
+        """The drafter's one forward: `tokens` [B, T] at `positions` ([T] or [B, T]) through embedding -> SA -> CA
+        (-> the sorted blocks and exits) (-> TLI) -> head, on `state`.
+
+        SA: over the state's slots (block 1's keys/values of these tokens are appended to `state.layers[0]` unless it
+        is None) under `sa_mask` [B or 1, 1, T, S] (None: SDPA's `causal` kernel, or every slot). CA: over the memory
+        slots m < `ca_limit` [B or 1, T] that hold a context (None: every one; `memory_mask`), each position reading,
+        with `ca_latest_context`, the newest of them too (`newest_context`). `last`: return the last `last`
+        positions only (None: all). `exits`: "adaptive" (a sorted drafter's token leaves at the first confident
+        exit; deeper blocks run lazily, `MoASortedExits.adaptive_exits`) or "all"/"last" (every block on every
+        position; "all" returns every exit's logits). `tli`: (cache, bool mask [B, 1, T, S'] or None) for Target
+        Layer Inference: the target's last N layers run on the returned positions with that cache.
+        """
+        c = self.config
+        h = self.embed(tokens)  # [B, T, d]
+        cos, sin = self.rotary_emb(positions, h.dtype)  # [(B,) T, hd]
+        layers = self.block_layers()
+        valid = state.ca_valid
+        every_valid = ca_limit is None and bool(valid.all())
+        ca_mask = None if every_valid else memory_mask(valid, ca_limit)[:, None]  # [B, 1, T or 1, M]
+        latest = None  # [B, T or 1, d]
+        if c.ca_latest_context:
+            latest = state.latest[:, None] if ca_limit is None else newest_context(state.contexts, valid, ca_limit)
+        sa, ca = layers[0]
+        h = sa(h, cos, sin, mask=sa_mask, cache=state.layers[0], causal=causal)
+        exit_of = exit_logits = outputs = None
+        if exits != "adaptive":  # every block on every position (training)
+            outputs = []
+            for k, (sa, ca) in enumerate(layers):
+                if k:
+                    h = sa(h, cos, sin, mask=sa_mask, causal=causal)
+                memory = (
+                    (state.ca_keys, state.ca_values)
+                    if k == 0
+                    else (state.deep[k - 1].ca_keys, state.deep[k - 1].ca_values)
+                )
+                h = ca(h, cos, sin, *memory, mask=ca_mask, latest=latest)
+                outputs.append(h)
+            h = h if last is None else h[:, -last:]
+        elif len(layers) > 1:  # S2D: each position leaves at its first confident exit
+            T = tokens.shape[1]
+            m = T if last is None else last
+            S = state.num_verified + state.num_nodes if state.layers[0] is not None else T
+            if sa_mask is None:  # the slots' causal mask, explicit for the blocks that run these positions later
+                slots = torch.arange(S, device=h.device)
+                sa_mask = (slots[None, :] <= slots[S - T :, None])[None, None]  # [1, 1, T, S]
+            if ca_mask is None:
+                ca_mask = valid[:, None, None, :].expand(-1, -1, T, -1)  # [B, 1, T, M]
+            ca_mask = ca_mask.expand(-1, -1, T, -1)
+            if latest is not None:
+                latest = latest.expand(-1, T, -1)
+            h = ca(h, cos, sin, state.ca_keys, state.ca_values, mask=ca_mask, latest=latest)
+            tops = [] if self.sorted_exits.tops is not None and last == 1 else None
+            pending = PendingSlots(h, sa_mask, cos, sin, ca_mask, latest)
+            logits, exit_of = self.sorted_exits.adaptive_exits(pending, state.deep, m=m, record=tops)
+            if tops is not None:
+                cycle = len(self._session.calls) if self._session is not None else None
+                self.sorted_exits.record(tops, exit_of, int(positions.flatten()[-1]) + 1, cycle)
+            return MoADrafterOutput(logits=logits, exits=exit_of)
+        else:  # one block: only the returned positions need the CA
+            if last is not None:
+                h, cos, sin = h[:, -last:], cos[..., -last:, :], sin[..., -last:, :]
+                ca_mask = None if ca_mask is None else ca_mask[..., -last:, :]
+                latest = latest if latest is None or latest.shape[1] == 1 else latest[:, -last:]
+            h = ca(h, cos, sin, state.ca_keys, state.ca_values, mask=ca_mask, latest=latest)
+        final = None
+        if c.target_layer_inference > 0:
+            cache, visible = tli if tli is not None else (None, None)
+            additive = None
+            if visible is not None:
+                dtype = self._attachment.tli_layers[0].parameters().__next__().dtype
+                additive = torch.zeros(visible.shape, dtype=dtype, device=h.device).masked_fill(
+                    ~visible, torch.finfo(dtype).min
+                )
+            tli_positions = positions if positions.ndim == 2 else positions[None]  # [1 or B, T]
+            final = self._tli(h, tli_positions[:, -h.shape[1] :], cache, mask=additive)
         logits = self.head(final if final is not None else h) if return_logits else None
-        exit_logits = None
-        if return_logits and exits == "all":
+        if return_logits and exits == "all" and outputs is not None:
             exit_logits = (*(self.head(x) for x in outputs[:-1]), logits)
         return MoADrafterOutput(
             logits=logits,
             hidden_states=h,
             final_hidden_states=final,
             exit_logits=exit_logits,
-            exit_hidden_states=tuple(outputs),
+            exit_hidden_states=None if outputs is None else tuple(outputs),
+            exits=exit_of,
         )
 
     # ----------------------------------------------------------------------------------------------------------------
-    # Inference: one drafting call of assisted generation
-    # -----------------------------------------------------------------------------------------------------------------
-    def _sync(self, cache: MoADrafterCache, num_verified: int) -> None:
-        """Append CA memory (and the TLI cache) for target positions that are verified and not yet read."""
-        att = self._attachment
-        target_cache = att.tap.cache if att is not None else None
-        if target_cache is None or target_cache.get_seq_length() == 0:
-            return
-        end = min(target_cache.get_seq_length(), num_verified)
-        start = cache.context_length
-        if end > start:
-            held = oldest_held_position(target_cache)  # 0 unless a sliding-window layer dropped older positions
-            valid = None if start >= held else torch.arange(start, end) >= held  # [T] held by every layer
-            hidden = att.final_hidden(start, end) if self.config.context_final_hidden else None  # [B, T, D]
-            self.extend_context(cache, self.read_context(target_cache, start, end, hidden), valid=valid)
-            if self._session is not None:
-                self._session.context_reads.append((start, end))
-        if self.config.target_layer_inference > 0:
-            last = self.config.target_num_hidden_layers
-            cache.sync_tli(target_cache, range(last - self.config.target_layer_inference, last), end)
-
-    def extend_context(self, cache: MoADrafterCache, context: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Append context vectors [B, T, d] of the next verified positions to the CA memory of `cache`.
-
-        valid: optional bool [T], False for positions without context (older than `oldest_held_position` when they
-        were read; `read_context` gives them zero vectors), which the CA then never attends to. None: all valid.
-        (A client that receives context vectors from a server, see `moa_hf.serving`, calls this directly.)
-        """
-        self.chain.extend(cache, context.to(self.dtype), valid=valid)
-
-    def draft_step(self, new_ids: torch.Tensor, cache: MoADrafterCache) -> torch.Tensor:
-        """Public form of one drafting step: feed `new_ids` [B, T] (tokens not yet in the SA cache), get the
-        logits [B, V] for the next token given the CA memory in `cache` (a sorted drafter's from the exit each row
-        leaves at, see `config.exit_thresholds`)."""
-        return self._decode(new_ids, cache)
-
-    def _decode(self, new_ids: torch.Tensor, cache: MoADrafterCache) -> torch.Tensor:
-        """Feed the tokens not yet in the SA cache; logits [B, V] for the token after the last one (`MoAChainDrafting.
-        decode`), with the exit it left at recorded."""
-        cycle = len(self._session.calls) if self._session is not None else None
-        logits, exit_of = self.chain.decode(new_ids, cache, cycle=cycle)  # [B, V], [B, 1] or None (one block)
-        if exit_of is None:
-            self.record_exits([new_ids.shape[0]])
-        elif self._session is not None:
-            self.record_exits(torch.bincount(exit_of.flatten() - 1, minlength=self.config.num_blocks).tolist())
-        return logits
-
-    def new_cache(self) -> MoADrafterCache:
-        return self.chain.new_cache()
-
-    def _prepare_draft(
-        self, input_ids: torch.Tensor, cache: MoADrafterCache, max_new_tokens: int, min_new_tokens: int
-    ):
-        """Roll the SA cache back to the tokens it was computed from (never the last one: its output drafts), read
-        the context of newly verified tokens (LSA), and draft with SA + CA per token (see `DrafterMixin.generate`).
-        """
-        num_verified = input_ids.shape[1]
-        # the CA memory holds verified tokens only, which stay verified (after lookup cycles SA lags behind it)
-        cache.crop_self(min(cache.common_prefix(input_ids), num_verified - 1))
-        self._sync(cache, num_verified)
-        pending = input_ids[:, cache.get_seq_length() :]  # [1, P] verified tokens not yet in the SA cache
-
-        def next_logits(token: torch.Tensor | None) -> torch.Tensor:
-            return self._decode(pending if token is None else token, cache)  # [1, V]
-
-        return next_logits, max_new_tokens
-
-    # ----------------------------------------------------------------------------------------------------------------
-    # Its parts: the targets (`self.targets`), the sorted exits (`self.sorted_exits`), tree drafting (`self.tree`).
+    # Its parts: the targets (`self.targets`), the sorted exits (`self.sorted_exits`).
     # The public methods below hand over to them (see their docstrings)
     # -----------------------------------------------------------------------------------------------------------------
     def shared_linears(self) -> dict[str, MoALinear]:
@@ -661,30 +660,6 @@ class MoADrafterModel(DrafterMixin, MoAPreTrainedModel, GenerationMixin):
         """`with drafter.recording_exit_tops() as records:` every exit's top of every chain drafting step
         (`MoASortedExits.recording_tops`)."""
         return self.sorted_exits.recording_tops()
-
-    def tree_unsupported_reason(self) -> str | None:
-        return self.tree.unsupported_reason()
-
-    def tree_start(self, batch_size: int) -> MoATreeState:
-        """A fresh tree drafting state for `batch_size` rows (`MoATreeDrafting.start`)."""
-        self._check_tree()
-        return self.tree.start(batch_size, dtype=self.dtype, device=self.device)
-
-    @property
-    def needs_target_hidden(self) -> bool:
-        """Whether `tree_catch_up` reads `prev_hidden`, the target's final hidden states (`context_final_hidden`)."""
-        return bool(self.config.context_final_hidden)
-
-    def tree_catch_up(
-        self, state, tokens, positions, valid, prev_slots, target_cache, prev_hidden=None
-    ) -> torch.Tensor:
-        """Feed newly verified tokens; float32 logits [B, V] of the tree roots' children (`MoATreeDrafting.catch_up`;
-        `prev_hidden` [B, n, D], the target's final hidden states at `prev_slots`, for `context_final_hidden`)."""
-        return self.tree.catch_up(state, tokens, positions, valid, prev_slots, target_cache, prev_hidden)
-
-    def tree_step(self, state, tokens, positions, parents) -> torch.Tensor:
-        """Feed one depth of tree nodes; float32 logits [B, k, V] of their next tokens (`MoATreeDrafting.step`)."""
-        return self.tree.step(state, tokens, positions, parents)
 
 
 MoADrafterConfig.register_for_auto_class()

@@ -27,13 +27,15 @@ __all__ = ["DeepBlock", "MoASortedExits", "PendingSlots", "crop_deep", "fit_mask
 class PendingSlots:
     """Inputs of slots a deeper block has not run on yet, with what that block needs to run them: x [B, n, d] (the
     previous block's outputs), the SA mask [B or 1, 1, n, S] over slots (columns beyond a block's length are never
-    visible to these rows), RoPE cos/sin [(B,) n, hd], and the CA mask [B or 1, 1, n, M] over the context they saw."""
+    visible to these rows), RoPE cos/sin [(B,) n, hd], the CA mask [B or 1, 1, n, M] over the context they saw, and
+    (`ca_latest_context`) the newest context vector each read, [B, n, d]."""
 
     x: torch.Tensor
     sa_mask: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
     ca_mask: torch.Tensor
+    latest: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -41,10 +43,13 @@ class PendingSlots:
 
     def first(self, n: int) -> "PendingSlots":
         cut = (self.sa_mask[..., :n, :], self.cos[..., :n, :], self.sin[..., :n, :], self.ca_mask[..., :n, :])
-        return PendingSlots(self.x[:, :n], *cut)
+        return PendingSlots(self.x[:, :n], *cut, None if self.latest is None else self.latest[:, :n])
 
     def rows(self, rows: torch.Tensor) -> "PendingSlots":
-        return PendingSlots(self.x[rows], self.sa_mask[rows], self.cos[rows], self.sin[rows], self.ca_mask[rows])
+        latest = None if self.latest is None else self.latest[rows]
+        return PendingSlots(
+            self.x[rows], self.sa_mask[rows], self.cos[rows], self.sin[rows], self.ca_mask[rows], latest
+        )
 
 
 def fit_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
@@ -98,7 +103,8 @@ def crop_deep(deep: list[DeepBlock], first_length: int, length: int) -> None:
 
 class MoASortedExits:
     """The sorted blocks and adaptive exits of a `MoADrafterModel` (the drafter's `sorted_exits`): drafting a chain
-    token (`draft`) or tree nodes (`tree_exits`) through the blocks, each leaving at its exit, and the exit
+    token or tree nodes through the blocks after block 1 (`adaptive_exits`, called by `MoADrafterModel.step`), each
+    leaving at its exit, and the exit
     thresholds (per target, an override, recording every exit's top for analysis).
 
     It holds no modules: `layers()` gives the (SA, CA) layers of blocks 1..K (the drafter's `self_attention` +
@@ -137,42 +143,17 @@ class MoASortedExits:
     # ----------------------------------------------------------------------------------------------------------------
     # Drafting through the blocks
     # -----------------------------------------------------------------------------------------------------------------
-    def draft(self, h, past: int, cos, sin, cache, cycle: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chain drafting: block 1's CA on the T new positions past.. (SA output h [B, T, d]) and the adaptive exits
-        of the last one: its logits [B, V] and exit [B, 1] (1-based). Every position keeps its block-1 output for the
-        deeper blocks. `cycle`: the drafting cycle, recorded while `recording_tops`."""
-        T, M = h.shape[1], cache.context_length
-        starts = torch.arange(past, past + T, device=h.device).clamp(max=M)  # [T] as `cache.cycle_starts`
-        ca_mask = torch.arange(M, device=h.device)[None, :] < starts[:, None]  # [T, M]
-        if cache.ca_valid is not None:
-            ca_mask = ca_mask & cache.ca_valid[None, :]
-        ca_mask = ca_mask[None, None]  # [1, 1, T, M]
-        every = T == 1 and past >= M and cache.ca_valid is None  # one drafted token sees all context: no mask
-        cross_attention = self.layers()[0][1]
-        h = cross_attention(h, cos, sin, cache.ca_keys, cache.ca_values, mask=None if every else ca_mask)
-        slots = torch.arange(past + T, device=h.device)  # [past+T]
-        sa_mask = slots[None, :] <= slots[past:, None]  # [T, past+T] causal
-        first = PendingSlots(h, sa_mask[None, None], cos, sin, ca_mask)
-        tops = None if self.tops is None else []
-        logits, exit_of = self.adaptive_exits(first, self.deep_blocks(cache), record=tops)  # [B, 1, V], [B, 1]
-        if tops is not None:
-            self.tops.append(
-                {
-                    "position": past + T,
-                    "cycle": cycle,
-                    "top1": torch.cat([top1 for top1, _ in tops], dim=-1),  # [B, K]
-                    "confidence": torch.cat([conf for _, conf in tops], dim=-1),  # [B, K]
-                    "exit": exit_of[:, -1],  # [B]
-                }
-            )
-        return logits[:, -1], exit_of  # [B, V], [B, 1]
-
-    def tree_exits(self, state, first: PendingSlots, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tree drafting (`state` a `MoATreeState`): block 1's CA on the new slots (SA output `first.x`), then
-        `adaptive_exits` for the last m: their float32 logits [B, m, V] and exits [B, m]."""
-        cross_attention = self.layers()[0][1]
-        first.x = cross_attention(first.x, first.cos, first.sin, state.ca_keys, state.ca_values, first.ca_mask)
-        return self.adaptive_exits(first, state.deep, m=m)
+    def record(self, tops: list, exit_of: torch.Tensor, position: int, cycle: int | None) -> None:
+        """Append one chain drafting step's exits (`recording_tops`): `tops` as `adaptive_exits` filled it."""
+        self.tops.append(
+            {
+                "position": position,
+                "cycle": cycle,
+                "top1": torch.cat([top1 for top1, _ in tops], dim=-1),  # [B, K]
+                "confidence": torch.cat([conf for _, conf in tops], dim=-1),  # [B, K]
+                "exit": exit_of[:, -1],  # [B]
+            }
+        )
 
     def adaptive_exits(
         self, x: PendingSlots, deep: list[DeepBlock], m: int = 1, record: list | None = None
@@ -224,13 +205,14 @@ class MoASortedExits:
         sa_mask = torch.cat([fit_mask(p.sa_mask, width) for p in todo], dim=-2)  # [B|1, 1, n, width]
         ca_mask = torch.cat([fit_mask(p.ca_mask, M) for p in todo], dim=-2)  # [B|1, 1, n, M]
         cos, sin = torch.cat([p.cos for p in todo], dim=-2), torch.cat([p.sin for p in todo], dim=-2)
+        latest = None if todo[0].latest is None else torch.cat([p.latest for p in todo], dim=1)  # [B, n, d]
         if block.ca_keys is None:
             block.ca_keys = block.ca_values = x.new_zeros(
                 x.shape[0], self.config.num_key_value_heads, 0, self.config.head_dim
             )
         x = sa(x, cos, sin, mask=sa_mask, cache=block.kv)
-        x = ca(x, cos, sin, block.ca_keys, block.ca_values, mask=ca_mask)
-        return PendingSlots(x, sa_mask, cos, sin, ca_mask)
+        x = ca(x, cos, sin, block.ca_keys, block.ca_values, mask=ca_mask, latest=latest)
+        return PendingSlots(x, sa_mask, cos, sin, ca_mask, latest)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Thresholds
@@ -288,9 +270,9 @@ class MoASortedExits:
 
     @contextlib.contextmanager
     def recording_tops(self):
-        """Inside the block, every chain drafting step (`draft`) runs all K exits and appends to the yielded list
-        {"position": p, "cycle": c, "top1": [B, K], "confidence": [B, K], "exit": [B]}: for the token drafted at
-        sequence position p (0-based) in drafting cycle c, each exit's top-1 (full-vocabulary id) and top
+        """Inside the block, every chain drafting step (`MoADrafterModel.step`) runs all K exits and appends to the
+        yielded list {"position": p, "cycle": c, "top1": [B, K], "confidence": [B, K], "exit": [B]}: for the token
+        drafted at sequence position p (0-based) in drafting cycle c, each exit's top-1 (full-vocabulary id) and top
         probability, and the exit the token left at. The drafted tokens stay the same; every step costs the full
         depth. For analysis (`moa tune`'s exit agreement), not for serving."""
         if self.config.num_blocks < 2:

@@ -7,10 +7,15 @@ This file ships inside every Hub repo as remote code (a sibling of modeling_moa.
 transformers.
 """
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
 __all__ = [
+    "CONTEXT_CHUNK",
+    "context_in_chunks",
     "cycle_starts_from_restarts",
     "first_held",
     "gather_target_kv",
@@ -150,3 +155,38 @@ def lsa_view(config, target_kv: torch.Tensor, positions: torch.Tensor | None, ta
     cos, sin = cos[:, :, None, None], sin[:, :, None, None]  # [B, T, 1, 1, hd]
     keys = (keys.float() * cos - rotate_half(keys.float()) * sin).to(values.dtype)  # rotation by -position
     return torch.stack([keys, values], dim=-2).flatten(-3)  # [B, T, L', Hkv*2*hd]
+
+
+CONTEXT_CHUNK = 64  # most target positions per LSA call at inference (see `MoADrafterModel.read_context`)
+
+
+def context_in_chunks(
+    compute_context: Callable[..., torch.Tensor],
+    gather: Callable[[int, int], torch.Tensor],
+    n: int,
+    config,
+    first: int | None = None,
+    target_hidden: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """Context vectors of n tokens in chunks [B, <= CONTEXT_CHUNK, d], from `gather(s, e)`: their target keys/values
+    [B, e-s, L, W] of tokens s..e-1, each chunk zero-padded to a power of two (then cut off again). The LSA treats
+    every token on its own (attention runs across layers, never across tokens), so it only ever sees a handful of
+    shapes (a long prompt costs no new kernel set-up on a CPU), a cycle's few new tokens stay cheap, and memory stays
+    bounded.
+    first: the position of token 0 (None: unknown, e.g. slots of a tree). target_hidden: [B, n, D] the target's final
+    hidden states of the n tokens (`context_final_hidden`)."""
+    out = []
+    for s in range(0, n, CONTEXT_CHUNK):
+        kv = gather(s, min(n, s + CONTEXT_CHUNK))  # [B, m, L, W]
+        m = kv.shape[1]
+        size = min(CONTEXT_CHUNK, 1 << (m - 1).bit_length())  # m rounded up to a power of two
+        hidden = None if target_hidden is None else target_hidden[:, s : s + m]  # [B, m, D]
+        if m < size:
+            kv = torch.cat([kv, kv.new_zeros(kv.shape[0], size - m, *kv.shape[2:])], dim=1)  # [B, size, L, W]
+            if hidden is not None:
+                hidden = F.pad(hidden, (0, 0, 0, size - m))  # [B, size, D]
+        pos = None  # positions matter only to un-rotated keys: no tensor built per cycle otherwise
+        if first is not None and config.lsa_keys == "unrotated":
+            pos = torch.arange(first + s, first + s + size, device=kv.device)  # [size]
+        out.append(compute_context(kv, positions=pos, target_hidden=hidden)[:, :m])  # [B, m, d]
+    return out

@@ -126,8 +126,8 @@ class OracleDrafter(MoADrafterModel):
     p_right: float = 0.8
     rng: random.Random = random.Random(0)
 
-    def _decode(self, new_ids, cache):
-        logits = super()._decode(new_ids, cache)
+    def draft_step(self, new_ids, cache):
+        logits = super().draft_step(new_ids, cache)
         pos = cache.get_seq_length()  # the drafted token goes to this position
         if pos < len(self.reference):
             right = self.reference[pos]

@@ -570,11 +570,11 @@ def test_moa_costs_reports_the_engines_measured_costs(hidden):
     assert all(v > 0 for v in [*engine["target_verify_ms"].values(), *engine["drafter_depth_ms"].values()])
     # 8 new tokens over the prefill's target call and one per cycle (no EOS in 8 tokens of this target)
     assert engine["cycles"] >= 1 and engine["mean_accepted_length"] == pytest.approx(8 / (engine["cycles"] + 1))
-    assert engine["loop_per_cycle_ms"] >= 0 and set(engine["shape_policy"]["arm_cycles"]) == {
-        "none/tree",
-        "none/chain",
-        "plain",
-    }
+    # the cycles' time outside the two models' forwards: some (tree building, acceptance, bookkeeping), and part of
+    # the measured generation's wall time (per cycle: draft + verify + the rest)
+    wall_per_cycle = sum(engine[f"{k}_per_cycle_ms"] for k in ("draft_time", "verify_time", "overhead"))
+    assert 0 < engine["loop_per_cycle_ms"] < wall_per_cycle
+    assert set(engine["shape_policy"]["arm_cycles"]) == {"none/tree", "none/chain", "plain"}
     json.dumps(result)  # `moa costs` prints it as JSON
 
 

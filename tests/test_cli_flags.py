@@ -2,6 +2,7 @@
 `moa client`): the Makefile's commands parse into them with the values they spell, and the defaults are the ones the
 docs give."""
 
+import dataclasses
 import re
 import shlex
 from pathlib import Path
@@ -101,3 +102,112 @@ def test_the_makefile_shipped_recipe_parses_into_train_arguments():
     assert (final_data.data, final_data.states) == (last_data.data, last_data.states)
     assert (final.max_steps, final.learning_rate, final.target_lora_rank) == (1500, 4e-4, 8)
     assert len(parsed) == 4
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Every command: its options are the fields of its dataclasses
+# ---------------------------------------------------------------------------------------------------------------------
+def command_arguments() -> dict[str, tuple]:
+    """{`moa` subcommand: the dataclasses its options are the fields of}."""
+    from moa_hf.demo import CostsArguments, DemoArguments
+    from moa_hf.hub import PublishArguments
+    from moa_hf.serving.cli import ClientCommandArguments, ServeArguments, ServeBenchArguments
+    from moa_hf.serving.client_types import ClientSettings
+    from moa_hf.serving.loadtest import LoadTestArguments
+    from moa_hf.serving.state import ServerLimits
+    from moa_hf.training.cli import DATA_ARGUMENTS, TRAIN_ARGUMENTS
+    from moa_hf.training.replay_cli import ReplayArguments
+    from moa_hf.training.target_finetune import FinetuneTargetArguments
+    from moa_hf.vllm.bench import BenchVllmArguments
+
+    return {
+        "bench": BENCH_ARGUMENTS,
+        "bench-vllm": (BenchVllmArguments,),
+        "client": (ClientCommandArguments, ClientSettings),
+        "costs": (CostsArguments,),
+        "data": DATA_ARGUMENTS,
+        "demo": (DemoArguments,),
+        "finetune-target": (FinetuneTargetArguments,),
+        "publish": (PublishArguments,),
+        "replay": (ReplayArguments,),
+        "serve": (ServeArguments, ServerLimits),
+        "serve-bench": (ServeBenchArguments,),
+        "serve-load": (LoadTestArguments,),
+        "train": TRAIN_ARGUMENTS,
+        "tune": (TuneArguments,),
+    }
+
+
+def _subcommands() -> dict:
+    parser = build_parser()
+    (subparsers,) = [a for a in parser._actions if a.dest == "command"]
+    return subparsers.choices
+
+
+def test_every_command_takes_its_options_from_dataclasses():
+    """Each `moa` subcommand's options are exactly the fields of its dataclasses (`HfArgumentParser`: each spelled
+    with hyphens and underscores, a bool defaulting to True also as --no-NAME); an option added by hand (argparse's
+    `add_argument`) fails here. `moa publish`'s positional DRAFTER is no option."""
+    commands = command_arguments()
+    subcommands = _subcommands()
+    assert sorted(subcommands) == sorted(commands)
+    for name, types in commands.items():
+        options = [a for a in subcommands[name]._actions if a.option_strings and a.dest != "help"]
+        fields = {f.name: f for t in types for f in dataclasses.fields(t) if f.init}
+        assert {a.dest for a in options} == set(fields), name
+        for action in options:
+            spellings = {f"--{action.dest}", f"--{action.dest.replace('_', '-')}"}
+            if action.const is False:  # the --no-NAME of a bool defaulting to True (store_false)
+                spellings = {f"--no_{action.dest}", f"--no-{action.dest.replace('_', '-')}"}
+            else:  # and the field's own other names
+                aliases = fields[action.dest].metadata.get("aliases", [])
+                spellings |= {aliases} if isinstance(aliases, str) else set(aliases)
+            assert set(action.option_strings) == spellings, (name, action.option_strings)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["demo"], {"dtype": "auto", "max_new_tokens": 96, "drafter": None, "check": True}),
+        (["demo", "--no-check", "--max_new_tokens", "8", "--drafter", "d"], {"check": False, "max_new_tokens": 8}),
+        (["costs", "--dtype", "float32"], {"dtype": "float32", "drafter": None}),
+        (
+            ["publish", "d", "--repo-id", "o/n", "--out", "x", "--target-benchmark", "a=a.json", "--own-embeddings"],
+            {"repo_id": "o/n", "out": "x", "target_benchmark": ["a=a.json"], "own_embeddings": True, "push": False},
+        ),
+        (["serve-bench"], {"dtype": "float32", "profiles": "lan,4g,3g,satellite", "prompts": 3, "outage_after": 8}),
+        (
+            ["serve-load", "--clients", "2", "--serve-args=--max-batch 8"],
+            {"clients": "2", "serve_args": "--max-batch 8", "max_seconds": 1800.0, "max_new_tokens": 64},
+        ),
+        (["bench-vllm"], {"methods": ("vllm", "ngram", "moa"), "batches": (1, 4, 16), "num_speculative_tokens": 3}),
+        (["bench-vllm", "--methods", "vllm,moa", "--batches", "1,8"], {"methods": ("vllm", "moa"), "batches": (1, 8)}),
+        (["replay", "--data", "d"], {"data": "d", "drafter": "default", "check": 0, "batch_size": 4}),
+    ],
+)
+def test_converted_commands_keep_their_flags_and_defaults(argv, expected):
+    """The commands once built with argparse by hand parse their old spellings into the values they had."""
+    (args,) = _parse(argv, command_arguments()[argv[0]])
+    assert {key: getattr(args, key) for key in expected} == expected
+    if argv[0] == "publish":
+        assert build_parser().parse_args(argv).drafter == "d"  # the positional DRAFTER
+
+
+def test_the_makefile_publish_demo_and_vllm_bench_commands_parse():
+    from moa_hf.demo import DemoArguments
+    from moa_hf.hub import PublishArguments
+    from moa_hf.vllm.bench import BenchVllmArguments
+
+    ((publish, paths),) = [(_parse(argv, (PublishArguments,))[0], argv) for argv in makefile_commands("publish")]
+    assert (publish.repo_id, publish.out, publish.overwrite, publish.push) == (
+        "moa-hf/moa-smollm2-135m-instruct-drafter", "runs/hub", True, False
+    )  # fmt: skip
+    assert build_parser().parse_args(paths).drafter == "default"
+    assert re.search(r"moa_hf\.cli demo$", (ROOT / "Makefile").read_text(), re.M)  # `make demo`: the defaults
+    assert _parse(["demo"], (DemoArguments,)) == (DemoArguments(),)
+    text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    for pattern, value in MAKE_VARIABLES:
+        text = re.sub(pattern, value, text)
+    (argv,) = [shlex.split(m) for m in re.findall(r"moa_hf\.vllm\.bench ([^;\n]*)", text)]
+    (args,) = HfArgumentParser(BenchVllmArguments).parse_args_into_dataclasses(args=argv)
+    assert (args.questions, args.output, args.batches) == ("q.jsonl", "runs/bench_vllm", (1, 4, 16))

@@ -15,6 +15,9 @@ def test_the_registered_kinds():
     assert moa.engine_support and moa.vllm_support and moa.publishable and moa.tunable
     assert eagle.model_class is EagleDrafterModel and eagle.engine_support and not eagle.vllm_support
     assert independent.is_fallback and independent.model_type is None and not independent.engine_support
+    # a model card (`moa_hf.hub_cards`) for every kind with classes of its own; a publishable kind needs one
+    assert [t.kind for t in drafter_types() if t.card is not None] == ["moa", "eagle"]
+    assert all(t.card is not None for t in drafter_types() if t.publishable)
 
 
 @pytest.mark.parametrize(

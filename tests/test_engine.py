@@ -590,9 +590,9 @@ def test_shape_policy_probes_a_losing_arm_less_and_less():
     assert gaps[-1] == gaps[-2]  # up to 2^MAX_BACKOFF x
     assert policy.learned()["losses"]["none/tree"] >= ShapePolicy.MAX_BACKOFF
     carried = ShapePolicy(TreeSettings(), FLAT_COSTS, batch=1, lookup=True, carried=policy.learned())
-    assert carried.backoff.losses["none", "tree"] == policy.backoff.losses["none", "tree"] - 1
+    assert carried.probes.losses["none", "tree"] == policy.probes.losses["none", "tree"] - 1
     played = drive_engine(carried, World(arm_s={"tree": 0.005, "chain": 0.020, "plain": 0.010}), 400)  # tree fastest
-    assert played[-100:].count("tree") >= 85 and carried.backoff.losses.get(("none", "tree"), 0) == 0
+    assert played[-100:].count("tree") >= 85 and carried.probes.losses.get(("none", "tree"), 0) == 0
 
 
 def test_shape_policy_counts_an_arms_interval_across_calls():

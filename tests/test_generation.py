@@ -224,8 +224,8 @@ class NoisyCopyDrafter(MoADrafterModel):
 
     # `oracle`: an unhooked copy of the target, set by the test
 
-    def _decode(self, new_ids, cache):
-        super()._decode(new_ids, cache)
+    def draft_step(self, new_ids, cache):
+        super().draft_step(new_ids, cache)
         with torch.no_grad():
             logits = self.oracle(cache.tokens).logits[:, -1].float()
         third = logits.topk(3, dim=-1).indices[0, 2]  # strongly prefer the target's third choice: q far from p
@@ -437,8 +437,8 @@ def test_fully_accepted_cycles_keep_the_drafter_cache(p_right):
     assert torch.equal(out, ref) and max(stats.accepted_lengths) == 5
     assert all(a[1] == b[0] for a, b in zip(reads, reads[1:])), reads  # every position read once, in order
     cache = moa_hf.MoADrafterCache()
-    cache.append_self(torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8))
-    cache.tokens = torch.zeros(1, 6, dtype=torch.long)
+    with moa_hf.attached(drafter, target):
+        drafter.draft_step(torch.arange(3, 9)[None], cache)  # six slots
     cache.crop(-0)
     assert cache.get_seq_length() == 6
     cache.crop(-2)

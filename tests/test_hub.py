@@ -190,9 +190,9 @@ def test_build_repo_folder_contents(drafter, drafter_dir, target, tmp_path):
         "drafting.py",
         "chain.py",
         "lookup.py",
-        "moa_chain.py",
         "moa_layers.py",
-        "moa_tree.py",
+        "moa_routes.py",
+        "moa_state.py",
         "sorted_exits.py",
         "target_cache.py",
         "target_parts.py",
@@ -265,6 +265,54 @@ def test_build_own_embeddings(target, drafter, tmp_path):
         build_repo_folder(drafter, REPO_ID, tmp_path / "none", own_embeddings=True)
 
 
+def test_an_eagle_drafter_gets_a_card_and_repo_of_its_kind(target, tmp_path, monkeypatch):
+    """The card comes from the drafter-type registry: an EAGLE drafter, made publishable here (the registry does not
+    publish EAGLE yet), gets a repo whose card describes EAGLE with the `eagle` method's numbers and nothing of MoA."""
+    from dataclasses import replace
+
+    from moa_hf import hub
+    from moa_hf.modeling import EagleDrafterConfig, EagleDrafterModel
+
+    eagle = drafter_type("eagle")
+    publishable = replace(eagle, publishable=True)
+    monkeypatch.setattr(
+        hub, "drafter_type", lambda obj: publishable if drafter_type(obj) is eagle else drafter_type(obj)
+    )
+    torch.manual_seed(0)
+    drafter = EagleDrafterModel(EagleDrafterConfig.from_target_config(target.config)).eval()
+    bench = _full_benchmark(seed=7, moa_speedup=1.5)  # methods vanilla, moa, eagle, independent, pld
+    out = build_repo_folder(drafter, "moa-test/tiny-eagle-drafter", tmp_path / "repo", benchmark=bench)
+    assert set(eagle.remote_code_files) <= set(check_repo_folder(out))
+    assert json.loads((out / "config.json").read_text())["auto_map"] == eagle.auto_map
+    text = (out / "README.md").read_text()
+    meta = validate_card_metadata(text)
+    assert meta["base_model"] == TARGET_ID and "eagle" in meta["tags"] and "mixture-of-attentions" not in meta["tags"]
+    assert text.count("EAGLE") >= 3 and "li2024eagle" in text and "final hidden state" in text  # kind, paper, reads
+    assert not re.search("Mixture-of-Attentions|Layer Self-Attention|zimmer2025", text)  # nothing of MoA's
+    assert "| Drafter | EAGLE drafter: 1 decoder layer (width 64) |" in text
+    overall = bench["methods"]["eagle"]["overall"]
+    drafter_rows = _table(_section(text, "## Speed").split("This drafter (`eagle`)", 1)[1], "| Category |")
+    assert drafter_rows[1] == [
+        "**overall**",
+        f"{overall['acceptance_length']:.2f}",
+        f"{overall['tokens_per_s']:.1f}",
+        f"{overall['speedup']:.2f}×",
+        f"{overall['theoretical_speedup']:.2f}×",
+    ]
+    assert [row[0] for row in _table(text, "| Method |")[1:]] == [
+        "`vanilla` (target alone)",
+        "`moa` (MoA drafter)",
+        "**`eagle` (this drafter)**",
+        "`independent` (independent draft model)",
+        "`pld` (prompt lookup decoding)",
+    ]
+    moa_only = {k: v for k, v in bench["methods"].items() if k != "eagle"}
+    with pytest.raises(ValueError, match="must contain 'eagle'"):
+        render_card(drafter, {**bench, "methods": moa_only}, repo_id=REPO_ID)
+    with pytest.raises(ValueError, match="not of kind 'independent'.*no `card`"):  # any other causal LM: no card
+        render_card(target, repo_id=REPO_ID)
+
+
 def test_build_refuses_to_clobber(drafter, drafter_dir, tmp_path):
     other = tmp_path / "precious"
     other.mkdir()
@@ -283,11 +331,18 @@ def test_build_refuses_to_clobber(drafter, drafter_dir, tmp_path):
         build_repo_folder(drafter_dir, REPO_ID, drafter_dir, overwrite=True)
 
 
-def test_default_drafter_missing_is_clear():
-    if hasattr(moa_hf, "load_default_drafter"):
-        pytest.skip("moa_hf ships a default drafter")
-    with pytest.raises(RuntimeError, match="no default drafter"):
-        load_drafter("default")
+def test_default_drafter_missing_is_clear(tmp_path, monkeypatch):
+    """Without a drafter in the default drafter's folder, `default` fails naming the folder and the fix (the loader
+    looks the folder up when called: `moa_hf.default_drafter_path` may be replaced)."""
+    empty = tmp_path / "default_drafter"
+    empty.mkdir()
+    monkeypatch.setattr(moa_hf, "default_drafter_path", lambda: empty)
+    assert drafter_folder("default") == empty
+    for load in (lambda: load_drafter("default"), moa_hf.load_default_drafter):
+        with pytest.raises(
+            FileNotFoundError, match=f"No trained default drafter at {re.escape(str(empty))}.*moa train"
+        ):
+            load()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

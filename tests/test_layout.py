@@ -257,8 +257,15 @@ def test_no_class_is_over_the_size_limit(path):
 
 # The drafter-type registry (moa_hf/drafter_types.py) is the one place outside a kind's own files (modeling/ and its
 # training adapter) that names kinds of drafter; these files read it instead (`drafter_type(...)`, `bench_methods`,
-# `remote_code_files`, `auto_map`). moa_hf/serving and moa_hf/vllm serve the kinds with `vllm_support` only.
-KIND_FREE = ("moa_hf/bench", "moa_hf/hub.py", "moa_hf/tune.py", "moa_hf/tune_settings.py", "moa_hf/loading.py")
+# `remote_code_files`, `auto_map`, `card`). moa_hf/serving and moa_hf/vllm serve the kinds with `vllm_support` only.
+KIND_FREE = (
+    "moa_hf/bench",
+    "moa_hf/hub.py",
+    "hub_cards",
+    "moa_hf/tune.py",
+    "moa_hf/tune_settings.py",
+    "moa_hf/loading.py",
+)
 
 
 def kind_names(source: str, kinds: set[str]) -> list[tuple[int, str]]:

@@ -67,11 +67,23 @@ def test_readme_engine_example_runs(tmp_path):
     """The engine example (second block) runs after the quickstart, as a reader would run them."""
     blocks = python_blocks(README.read_text(encoding="utf-8"))
     assert len(blocks) >= 2 and "moa_hf.generate(" in blocks[1]
-    result = run_offline(blocks[0] + blocks[1], tmp_path)
+    # then, counted here from the output: each row's new tokens (up to its first end-of-sequence token) and its
+    # target calls (the prompt's forward and one per cycle)
+    count = (
+        "\nnew = out.sequences[:, batch['input_ids'].shape[1] :].tolist()\n"
+        "eos = target.generation_config.eos_token_id\n"
+        "eos = {eos} if isinstance(eos, int) else set(eos)\n"
+        "ends = [next((i + 1 for i, t in enumerate(row) if t in eos), len(row)) for row in new]\n"
+        "print(ends, [1 + len(s.tree_sizes) for s in out.speculation_stats])\n"
+    )
+    result = run_offline(blocks[0] + blocks[1] + count, tmp_path)
     assert result.returncode == 0, f"README engine example failed:\n{result.stdout}\n{result.stderr}"
-    lengths = re.findall(r"\d+\.\d+", result.stdout.strip().splitlines()[-1])
-    # per row: 64 new tokens over the prefill and at least one more target call (a CPU may decode plainly: 1.0)
-    assert len(lengths) == 2 and all(1.0 <= float(x) <= 64 / 2 for x in lengths)
+    *_, printed, counted = result.stdout.strip().splitlines()
+    lengths = [float(x) for x in re.findall(r"\d+\.\d+", printed)]
+    new_tokens, calls = ast.literal_eval(counted.replace("] [", "], ["))
+    assert len(lengths) == len(new_tokens) == len(calls) == 2 and all(1 <= n <= 64 for n in new_tokens)
+    # the printed acceptance length of each row is its new tokens over its target calls (a CPU may decode plainly)
+    assert lengths == [pytest.approx(n / c) for n, c in zip(new_tokens, calls)], (new_tokens, calls)
 
 
 @pytest.mark.slow

@@ -689,6 +689,41 @@ class _Recording(httpx.HTTPTransport):
         return super().handle_request(request)
 
 
+def test_the_servers_request_models_are_the_protocols_with_ids_below_the_vocabulary():
+    """One declaration of each request field (`protocol`): the server's models are the protocol's, field for field and
+    constraint for constraint, but for the vocabulary bound on every token id (and only there)."""
+    from moa_hf.serving.protocol import CreateSessionRequest, VerifyRequest, bounded_request_models
+
+    vocab = 12345
+
+    def bound_paths(schema, path=()):
+        """The paths where `schema` bounds a value below `vocab`, and `schema` without those bounds."""
+        if isinstance(schema, list):
+            found = [bound_paths(item, (*path, i)) for i, item in enumerate(schema)]
+            return [p for paths, _ in found for p in paths], [rest for _, rest in found]
+        if not isinstance(schema, dict):
+            return [], schema
+        paths = [path] if schema.get("exclusiveMaximum") == vocab else []
+        rest = {}
+        for key, value in schema.items():
+            if key == "exclusiveMaximum" and value == vocab:
+                continue
+            inner, rest[key] = bound_paths(value, (*path, key))
+            paths += inner
+        return paths, rest
+
+    ids = ("items",)
+    expected = {
+        "CreateSessionRequest": {("properties", "input_ids", *ids), ("properties", "draft_ids", *ids)},
+        "VerifyRequest": {("properties", "draft_ids", *ids), ("properties", "last_token")},
+    }
+    for protocol_model, server_model in zip((CreateSessionRequest, VerifyRequest), bounded_request_models(vocab)):
+        paths, rest = bound_paths(server_model.model_json_schema())
+        assert rest == protocol_model.model_json_schema()
+        sparse = ("$defs", "SparseDistribution", "properties", "ids", *ids)  # the drafted tokens' distributions
+        assert set(paths) == expected[protocol_model.__name__] | {sparse}
+
+
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_client_requests_are_the_protocol_models(tiny, server, do_sample):
     """The client builds its create / verify bodies as the protocol's models (a misspelt or out-of-range field

@@ -135,18 +135,22 @@ def _simulate_chain(drafter, target, seed, T=28):
     target_kv = gather_target_kv(target(ids, past_key_values=DynamicCache()).past_key_values, 0, T)
     context = drafter.compute_context(target_kv)  # [1, T, d]: the target's states of the real tokens
     cache, records, n = drafter.new_cache(), [], 3  # n: verified tokens
+    starts = []  # per SA slot p: its CA reads the context of positions < this (what a chain's step must show it)
     drafter._start_session()
 
     def step(new_ids):
         before = list(drafter._session.exit_counts)
+        past, M = cache.get_seq_length(), cache.context_length
+        starts.extend(min(p, M) for p in range(past, past + new_ids.shape[1]))
         logits = drafter.draft_step(new_ids, cache)
         counted = [a - b for a, b in zip(drafter._session.exit_counts, before)]
         assert sum(counted) == 1, counted
         p = cache.get_seq_length() - 1
-        records.append((p, logits, cache.tokens.clone(), list(cache.cycle_starts), counted.index(1) + 1))
+        records.append((p, logits, cache.tokens.clone(), list(starts), counted.index(1) + 1))
 
     while n < T - 1:
         cache.crop(min(cache.common_prefix(ids[:, :n]), n - 1))
+        del starts[cache.get_seq_length() :]
         drafter.extend_context(cache, context[:, cache.context_length : n - 1])
         step(ids[:, cache.get_seq_length() : n])
         drafts = min(rng.randint(1, 4), T - 1 - n)

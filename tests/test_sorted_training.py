@@ -14,7 +14,7 @@ import moa_hf
 from moa_hf.modeling import PRIMARY_TARGET
 from moa_hf.training import MoATrainer, format_prompts, measure_acceptance
 from moa_hf.training.evaluation import measure_acceptance_by_exit
-from moa_hf.training.trainer import TargetBatchSampler
+from moa_hf.training.sampling import TargetBatchSampler
 
 from factory import random_dataset, tiny_target, tiny_tokenizer, tiny_training_args
 

@@ -29,7 +29,7 @@ from moa_hf.training import (
     sa_curriculum_mask,
     staircase_restarts,
 )
-from moa_hf.training.trainer import _Indexed
+from moa_hf.training.sampling import IndexedDataset
 
 from factory import random_dataset, tiny_target, tiny_tokenizer, tiny_training_args
 from tolerance import assert_close
@@ -440,7 +440,7 @@ def test_acceptance_eval_callback_logs(tmp_path, target):
     metrics = trainer.evaluate(eval_data)
     hits = total = hits_first = total_first = 0
     with torch.no_grad():
-        for batch in trainer.get_eval_dataloader(_Indexed(eval_data)):  # as `evaluate` indexes it
+        for batch in trainer.get_eval_dataloader(IndexedDataset(eval_data)):  # as `evaluate` indexes it
             logits, out = logits_and_cycles(batch)
             counted = (batch["labels"] != -100) & batch["attention_mask"].bool()
             hit = (logits.argmax(-1) == batch["labels"])[counted]

@@ -372,3 +372,69 @@ def test_answer_layout_matches_the_templates_own_for_text_answers():
     assert layout.ids([a[:-1] for a in answers]) == format_conversation(tok, turns, [1])  # cut short: closed by it
     assert layout.prompt([]) == conversation_ids(tok, turns[:1])
     assert layout.prompt(answers[:1]) == conversation_ids(tok, turns[:3])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parts and shard budgets, as for prompt data (one shard writer for both)
+# ---------------------------------------------------------------------------------------------------------------------
+def _numbered(n: int, long_at: int | None = None) -> list[list[dict[str, str]]]:
+    """n distinct one-turn conversations; the one at `long_at` has a user turn too long for `max_tokens=120`."""
+    return [
+        conversation_of({"prompt": "x " * 100 if i == long_at else f"Question {i}", "response": f"Answer {i}."})
+        for i in range(n)
+    ]
+
+
+def test_chat_data_parts_take_every_nth_conversation(tmp_path, target):
+    """`part=(k, n)` (`moa data --part K/N`) takes conversations k, k+n, ...: the rows are the full run's, with their
+    index in the full list (skipped ones too), and a bad part is refused."""
+    tok, chats = tiny_tokenizer(), _numbered(7, long_at=3)
+    kw = dict(responses="keep", max_tokens=120, shard_size=2, progress=False)
+    full = build_chat_dataset(target, tok, chats, tmp_path / "full", **kw)
+    assert full["conversation_index"] == [0, 1, 2, 4, 5, 6]
+    rows = {i: ids for i, ids in zip(full["conversation_index"], full["input_ids"])}
+    for k, want in ((0, [0, 2, 4, 6]), (1, [1, 5])):
+        part = build_chat_dataset(target, tok, chats, tmp_path / f"part{k}", part=(k, 2), **kw)
+        assert part["conversation_index"] == want
+        assert part["input_ids"] == [rows[i] for i in want]
+    skipped = json.loads((tmp_path / "part1" / "moa_data.json").read_text())["skipped"]
+    assert list(skipped) == ["3"] and "max_tokens=120" in skipped["3"]  # its index in the full list
+    with pytest.raises(ValueError, match="part must be"):
+        build_chat_dataset(target, tok, chats, tmp_path / "bad", part=(2, 2), **kw)
+
+
+def test_chat_data_max_shards_writes_the_first_shards_then_the_rest(tmp_path, target):
+    """`max_shards` (`moa data --max-shards K`) on conversations: the dataset holds the first K shards (the full
+    run's rows); a later run with a larger K keeps them and lays out the rest."""
+    tok, chats = tiny_tokenizer(), _numbered(5)
+    kw = dict(responses="keep", shard_size=2, progress=False)
+    full = build_chat_dataset(target, tok, chats, tmp_path / "full", **kw)
+    out = tmp_path / "budget"
+    first = build_chat_dataset(target, tok, chats, out, max_shards=2, **kw)
+    assert first["conversation_index"] == [0, 1, 2, 3] and first["input_ids"] == full["input_ids"][:4]
+    assert sorted(p.name for p in (out / "shards").iterdir() if p.is_dir()) == ["shard-000000", "shard-000001"]
+    meta = json.loads((out / "moa_data.json").read_text())
+    assert (meta["shards_answered"], meta["shards_in_list"], meta["num_examples"]) == (2, 3, 4)
+    stamps = {p.parent.name: p.stat().st_mtime_ns for p in (out / "shards").glob("shard-*/state.json")}
+    more = build_chat_dataset(target, tok, chats, out, **kw)  # no budget: the rest
+    assert more["input_ids"] == full["input_ids"]
+    assert {n: (out / "shards" / n / "state.json").stat().st_mtime_ns for n in stamps} == stamps
+    with pytest.raises(ValueError, match="max_shards"):
+        build_chat_dataset(target, tok, chats, out, max_shards=0, **kw)
+
+
+def test_cli_data_splits_conversations_with_part_and_max_shards(tmp_path, target, capsys):
+    """`moa data --part K/N --max-shards M` on a conversation file: every N-th conversation from K, the first M
+    shards of them."""
+    from moa_hf.cli import main as moa_main
+
+    folder = tmp_path / "target"
+    target.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    records = [{"prompt": f"Question {i}", "response": f"Answer {i}."} for i in range(7)]
+    chat = _write(tmp_path / "chat.jsonl", records)
+    args = ["data", "--target", str(folder), "--prompts", str(chat), "--responses", "keep", "--quiet"]
+    args += ["--part", "1/2", "--shard-size", "1", "--max-shards", "2", "--output", str(tmp_path / "data")]
+    assert moa_main(args) == 0
+    assert "saved 2 conversations" in capsys.readouterr().out
+    assert datasets.load_from_disk(str(tmp_path / "data"))["conversation_index"] == [1, 3]

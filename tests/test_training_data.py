@@ -23,6 +23,7 @@ from moa_hf.training import (
     written_briefs,
 )
 from moa_hf.training.data import _tidy_material
+from moa_hf.training.shards import join_shards, take_part, write_shards
 
 from factory import tiny_target, tiny_tokenizer
 
@@ -247,6 +248,39 @@ def test_build_dataset_max_shards_answers_the_first_shards_then_the_rest(tmp_pat
     assert {n: os.stat(out / "shards" / n / "state.json").st_mtime_ns for n in stamps} == stamps
     with pytest.raises(ValueError, match="max_shards"):
         build_dataset(target, tokenizer, prompts, out, max_shards=0, **kw)
+
+
+def test_shard_writer_writes_only_missing_shards_and_enters_the_engine_for_them(tmp_path):
+    """`shards.write_shards`, the one writer of prompt data and conversations: shard k holds items [k*size, (k+1)*size)
+    as `make_shard` gives them, only the first `max_shards`; a finished shard is never made again, and the engine is
+    entered once, around the missing shards only; other inputs (fingerprint) are refused."""
+    calls, entered = [], []
+
+    class Engine:
+        def __enter__(self):
+            entered.append(True)
+            return "answerer"
+
+        def __exit__(self, *exc):
+            return False
+
+    def make_shard(k, lo, hi, answerer, advance):
+        calls.append((k, lo, hi, answerer))
+        advance(hi - lo)
+        return {"input_ids": [[i, i + 1] for i in range(lo, hi)], "prompt_length": [1] * (hi - lo)}
+
+    kw = dict(max_shards=2, engine=Engine(), progress=False)
+    assert write_shards(tmp_path, "fp", 7, 3, make_shard, **kw) == (2, 3)
+    assert calls == [(0, 0, 3, "answerer"), (1, 3, 6, "answerer")] and len(entered) == 1
+    assert write_shards(tmp_path, "fp", 7, 3, make_shard, **kw) == (2, 3)  # all there: nothing made, no engine
+    assert len(calls) == 2 and len(entered) == 1
+    assert write_shards(tmp_path, "fp", 7, 3, make_shard, engine=Engine(), progress=False) == (3, 3)
+    assert calls[2:] == [(2, 6, 7, "answerer")] and len(entered) == 2
+    assert join_shards(tmp_path, 3, progress=False)["input_ids"] == [[i, i + 1] for i in range(7)]
+    with pytest.raises(ValueError, match="other prompts"):
+        write_shards(tmp_path, "other", 7, 3, make_shard, progress=False)
+    assert take_part(list("abcdefg"), (1, 3)) == (["b", "e"], 1, 3)
+    assert take_part(list("ab"), None) == (["a", "b"], 0, 1)
 
 
 def test_build_dataset_sampling_is_seeded(tmp_path, target, tokenizer):

@@ -14,7 +14,7 @@ import moa_hf
 from moa_hf.hardware import cpu_flags, hardware_summary, keep_freed_memory
 from moa_hf.modeling.moa_layers import _explicit_attention
 from moa_hf.training import MoATrainer
-from moa_hf.training.trainer import TargetBatchSampler, _example_lengths, _Indexed
+from moa_hf.training.sampling import IndexedDataset, TargetBatchSampler, example_lengths
 
 from factory import random_dataset, tiny_target, tiny_training_args
 from tolerance import assert_close
@@ -52,11 +52,11 @@ def test_length_grouped_batches_cover_every_example_and_pad_less():
 def test_example_lengths_read_through_wrappers():
     data = random_dataset(10, seed=1)
     want = [len(ids) for ids in data["input_ids"]]
-    assert _example_lengths(_Indexed(data)) == want
-    assert _example_lengths(_Indexed(data), max_length=12) == [min(n, 12) for n in want]
-    assert _example_lengths([{"input_ids": [1, 2]}]) is None  # not a datasets.Dataset: no grouping
+    assert example_lengths(IndexedDataset(data)) == want
+    assert example_lengths(IndexedDataset(data), max_length=12) == [min(n, 12) for n in want]
+    assert example_lengths([{"input_ids": [1, 2]}]) is None  # not a datasets.Dataset: no grouping
     view = data.shuffle(seed=3).select([4, 0, 7])  # an index mapping over the table
-    assert _example_lengths(view) == [len(ids) for ids in view["input_ids"]]
+    assert example_lengths(view) == [len(ids) for ids in view["input_ids"]]
 
 
 def test_trainer_groups_lengths_by_default(tmp_path, target):

@@ -22,7 +22,7 @@ from tolerance import assert_close
 TREE = [[-1, -1], [0, 0, 1], [2, 4]]  # parents per depth: root -> a, b; a -> c, d; b -> e; c -> f; e -> g
 
 
-@pytest.fixture(params=["moa", "moa-hidden", "moa-latest", "eagle"])
+@pytest.fixture(params=["moa", "moa-hidden", "moa-latest", "moa-sorted-latest", "eagle"])
 def setup(request):
     """A tiny target and an attached drafter of each kind with weights large enough that every masked-out entry (a
     sibling, another row's padding, a dropped node) would change the logits."""
@@ -30,8 +30,9 @@ def setup(request):
     torch.manual_seed(0)
     if request.param.startswith("moa"):  # hidden: the context reads the final hidden states; latest: the CA's input
         # adds the newest verified context (`context_final_hidden`, `ca_latest_context`)
-        hidden, latest = request.param == "moa-hidden", request.param == "moa-latest"
-        drafter = moa_hf.build_drafter(target, context_final_hidden=hidden, ca_latest_context=latest)
+        hidden, latest = request.param == "moa-hidden", request.param.endswith("latest")
+        sorted_blocks = {"num_blocks": 2, "exit_thresholds": [0.1]} if "sorted" in request.param else {}
+        drafter = moa_hf.build_drafter(target, context_final_hidden=hidden, ca_latest_context=latest, **sorted_blocks)
     else:
         drafter = EagleDrafterModel(EagleDrafterConfig.from_target_config(target.config, num_hidden_layers=2))
     with torch.no_grad():

@@ -87,7 +87,7 @@ def test_oracle_acceptance_grows_with_draft_length():
 
 
 class _Broken(OracleDrafter):
-    def _decode(self, new_ids, cache):
+    def draft_step(self, new_ids, cache):
         raise RuntimeError("drafter failure")
 
 

@@ -18,7 +18,6 @@ from transformers import DynamicCache
 
 import moa_hf
 import moa_hf.vllm
-from moa_hf.modeling.custom_generate.policy_core import OutputLengths, batch_bucket
 from moa_hf.modeling.drafting import CACHE_NAME
 from moa_hf.modeling.modeling_moa import MoATreeState, gather_target_kv_at
 from moa_hf.vllm.kv_cache import (
@@ -30,6 +29,7 @@ from moa_hf.vllm.kv_cache import (
     slots_of,
 )
 from moa_hf.vllm.policy import VllmDraftPolicy
+from moa_hf.vllm.pricing import CatchUpPrice, OutputLengths, batch_bucket
 
 from factory import make_independent, make_target, sorted_drafter
 from policy_sim import World, drive_vllm
@@ -847,6 +847,14 @@ def test_only_kinds_registered_for_vllm_draft_there():
 
 
 # -- a row's one-off catch-up against the tokens it has left ---------------------------------------------------------
+def test_catch_up_price_spreads_over_the_steps_left():
+    price = CatchUpPrice()
+    assert price.per_step(100, remaining=50, gained=2) == 0.0  # nothing measured yet
+    price.record(100, 0.1)
+    assert price.per_step(100, remaining=50, gained=2) == pytest.approx(0.1 / 25)  # spread over 25 steps
+    assert price.per_step(100, remaining=1, gained=2) == pytest.approx(0.1)  # at least one step pays it all
+
+
 def test_output_lengths_remaining():
     lengths = OutputLengths(prior=50.0)
     assert lengths.remaining(10) == 50.0  # nothing finished yet: the prior

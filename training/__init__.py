@@ -12,10 +12,10 @@ _EXPORTS = {
     # arguments / trainer
     "MoATrainingArguments": "arguments",
     "MoATrainer": "trainer",
-    "MoADataCollator": "trainer",
+    "MoADataCollator": "collate",
     "TargetStates": "states",
-    "IGNORE_INDEX": "trainer",
-    "run_target": "trainer",
+    "IGNORE_INDEX": "collate",
+    "run_target": "targets",
     "staircase_restarts": "cycles",
     "draw_cycle_lengths": "cycles",
     "sa_curriculum_mask": "cycles",
@@ -114,6 +114,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs
 
     from .arguments import MoATrainingArguments
     from .builders import build_independent, frequent_tokens, init_from_target_layer
+    from .collate import IGNORE_INDEX, MoADataCollator
     from .convert import with_own_embeddings
     from .cycles import draw_cycle_lengths, sa_curriculum_mask, staircase_restarts
     from .data import SpecBenchPromptsError, build_dataset, check_not_spec_bench, format_prompts, load_prompts
@@ -122,4 +123,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs
     from .losses import chunked_soft_cross_entropy, feature_loss
     from .peft_utils import DEFAULT_LORA_TARGETS, apply_lora, merge_lora
     from .states import TargetStates, TargetStatesDataset, cache_target_states, load_target_states
-    from .trainer import IGNORE_INDEX, MoADataCollator, MoATrainer, run_target
+    from .targets import run_target
+    from .trainer import MoATrainer

@@ -367,21 +367,23 @@ class DataArguments:
             "repository's .venv-vllm, `make vllm-setup`, or this Python's vLLM), at --batch-size sequences at once.",
         },
     )
-    shard_size: int = field(default=512, metadata={"help": "Prompts per saved shard (resume granularity)."})
+    shard_size: int = field(
+        default=512, metadata={"help": "Prompts (or conversations) per saved shard (resume granularity)."}
+    )
     part: str | None = field(
         default=None,
         metadata={
             "metavar": "K/N",
-            "help": "Answer only every N-th prompt starting at K (run N of these, e.g. one per GPU, then "
-            "`moa train --data PART0 ... PARTN-1`).",
+            "help": "Answer only every N-th prompt (or conversation) starting at K (run N of these, e.g. one per "
+            "GPU, then `moa train --data PART0 ... PARTN-1`).",
         },
     )
     max_shards: int | None = field(
         default=None,
         metadata={
             "metavar": "K",
-            "help": "Answer only the first K shards of --shard-size prompts (a budget on a long prompt list); run "
-            "again with a larger K, or without, to answer the rest.",
+            "help": "Answer only the first K shards of --shard-size prompts or conversations (a budget on a long "
+            "list); run again with a larger K, or without, to answer the rest.",
         },
     )
     device: str | None = field(default=None, metadata={"help": "Device of the target (default: cuda if available)."})

@@ -91,8 +91,6 @@ def run_data(args: argparse.Namespace) -> int:
     torch.manual_seed(data_args.seed)
     target, tokenizer = load_target(target_args.target, dtype=target_args.dtype, device=data_args.device)
     if data_args.responses is not None or is_conversation_source(data_args.prompts):
-        if part is not None:
-            raise SystemExit("moa data: error: --part splits prompts; split a conversation file into parts instead.")
         dataset = build_chat_dataset(
             target,
             tokenizer,
@@ -108,6 +106,8 @@ def run_data(args: argparse.Namespace) -> int:
             top_p=data_args.top_p,
             top_k=data_args.top_k,
             shard_size=data_args.shard_size,
+            part=part,
+            max_shards=data_args.max_shards,
             seed=data_args.seed,
             progress=not data_args.quiet,
             engine=data_args.engine,

@@ -3,8 +3,9 @@
 Each example holds `input_ids` (chat-formatted prompt followed by the target's response, no padding) and
 `prompt_length`; `prompt_index` records which prompt it came from. Conversations (`build_chat_dataset`: ShareGPT,
 OpenAI `messages`, prompt/response records) also hold a `response_mask` over every assistant turn, kept as given or
-written anew by the target. Generation runs in left-padded batches, is
-written in shards and resumes after an interruption (finished shards are kept, their prompts skipped).
+written anew by the target. Generation runs in left-padded batches, is written in shards and resumes after an
+interruption (finished shards are kept, their prompts skipped: `shards.write_shards`, for both); `part` and
+`max_shards` take every N-th prompt or conversation and the first shards.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import json
 import logging
 import os
 import re
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,6 +26,16 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from moa_hf.chat import ChatTemplateError, eos_token_ids
 from moa_hf.offline_prompts import default_prompts, written_briefs
 from moa_hf.prompts import WRITTEN, SpecBenchPromptsError, check_not_spec_bench, format_prompts, load_prompts
+
+from .shards import (
+    datasets_progress,
+    inputs_fingerprint,
+    join_shards,
+    shard_folder,
+    shard_seed,
+    take_part,
+    write_shards,
+)
 
 __all__ = [
     "SpecBenchPromptsError",
@@ -43,8 +53,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_SHARDS = "shards"
-_MANIFEST = "manifest.json"
 _METADATA = "moa_data.json"
 
 
@@ -212,7 +220,7 @@ def written_prompts(
     ids = format_prompts(tokenizer, [b.brief for b in briefs])
     with tqdm(total=len(briefs), desc="target writes material", unit="brief", disable=not progress) as bar:
         material = _answer_all(
-            target, ids, range(len(briefs)), config, eos, batch_size, _shard_seed(seed, -1), on_batch=bar.update
+            target, ids, range(len(briefs)), config, eos, batch_size, shard_seed(seed, -1), on_batch=bar.update
         )
     prompts = []
     for i, brief in enumerate(briefs):
@@ -220,64 +228,6 @@ def written_prompts(
         if len(text) >= 40:
             prompts.append(text if brief.task is None else brief.task.format(text=text))
     return prompts
-
-
-@contextlib.contextmanager
-def _datasets_progress(enabled: bool):
-    """Silence `datasets`' own progress bars for the block when `enabled` is False (restored afterwards)."""
-    from datasets.utils import logging as ds_logging
-
-    was_enabled = ds_logging.is_progress_bar_enabled()
-    if was_enabled and not enabled:
-        ds_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled and not enabled:
-            ds_logging.enable_progress_bar()
-
-
-def _fingerprint(**parts) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _shard_seed(seed: int, shard: int) -> int:
-    return int(hashlib.sha256(f"{seed}-{shard}".encode()).hexdigest()[:15], 16)
-
-
-def _check_manifest(shard_dir: Path, fingerprint: str, num_items: int) -> None:
-    """Refuse to resume into a folder whose shards were made from other inputs; start its manifest otherwise."""
-    manifest = shard_dir / _MANIFEST
-    if manifest.exists():
-        if json.loads(manifest.read_text()).get("fingerprint") != fingerprint:
-            raise ValueError(
-                f"{shard_dir.parent} holds shards generated with other prompts, target or settings. Use a new output "
-                "folder, or delete it to start over."
-            )
-    else:
-        manifest.write_text(json.dumps({"fingerprint": fingerprint, "num_prompts": num_items}, indent=1))
-
-
-_COLUMN_TYPES = {"prompt_length": "int32", "prompt_index": "int64", "conversation_index": "int64"}
-
-
-def _save_shard(shard_dir: Path, k: int, columns: dict[str, list], progress: bool) -> None:
-    """Shard k of a dataset being built, written atomically (its folder exists only once complete)."""
-    import datasets
-
-    features = {
-        name: datasets.Sequence(datasets.Value("int8" if name == "response_mask" else "int32"))
-        if name in ("input_ids", "response_mask")
-        else datasets.Value(_COLUMN_TYPES[name])
-        for name in columns
-    }
-    shard = datasets.Dataset.from_dict(columns, features=datasets.Features(features))
-    tmp = shard_dir / f".tmp-shard-{k:06d}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    with _datasets_progress(progress):
-        shard.save_to_disk(str(tmp))
-    os.replace(tmp, shard_dir / f"shard-{k:06d}")
 
 
 def with_response_masks(parts: list) -> list:
@@ -300,25 +250,10 @@ def with_response_masks(parts: list) -> list:
         if "response_mask" not in part.column_names:
             features = part.features.copy()
             features["response_mask"] = datasets.Sequence(datasets.Value("int8"))
-            with _datasets_progress(False):
+            with datasets_progress(False):
                 part = part.map(mask, features=features, keep_in_memory=True)
         out.append(part)
     return out
-
-
-def _join_shards(output_dir: Path, num_shards: int | list[int], progress: bool):
-    """All shards (or those listed) as one dataset, saved in `output_dir` itself."""
-    import datasets
-
-    shard_dir = output_dir / _SHARDS
-    shards = range(num_shards) if isinstance(num_shards, int) else num_shards
-    dataset = datasets.concatenate_datasets(
-        [datasets.load_from_disk(str(shard_dir / f"shard-{k:06d}")) for k in shards]
-    )
-    if len(dataset):
-        with _datasets_progress(progress):
-            dataset.save_to_disk(str(output_dir))
-    return dataset
 
 
 def build_dataset(
@@ -373,7 +308,6 @@ def build_dataset(
     Returns the saved `datasets.Dataset` with columns ``input_ids``, ``prompt_length``, ``prompt_index``.
     """
     import datasets
-    from tqdm.auto import tqdm
 
     if max_new_tokens < 1 or batch_size < 1 or shard_size < 1 or (max_shards is not None and max_shards < 1):
         raise ValueError("max_new_tokens, batch_size, shard_size and max_shards must be positive.")
@@ -398,22 +332,15 @@ def build_dataset(
         prompts = list(prompts)[: num_prompts if num_prompts is not None else None]
     if not prompts:
         raise ValueError("No prompts to answer.")
-    first, stride = 0, 1
-    if part is not None:
-        first, stride = int(part[0]), int(part[1])
-        if not 0 <= first < stride:
-            raise ValueError(f"part must be (k, n) with 0 <= k < n, got {part}.")
-        prompts = prompts[first::stride]
+    prompts, first, stride = take_part(prompts, part)
     output_dir = Path(output_dir)
-    shard_dir = output_dir / _SHARDS
-    shard_dir.mkdir(parents=True, exist_ok=True)
 
     eos, gen_config = _generation(target, tokenizer, max_new_tokens, do_sample, temperature, top_p, top_k)
     context = getattr(target.config.get_text_config(), "max_position_embeddings", None)
     if max_prompt_tokens is None and context is not None:
         max_prompt_tokens = max(1, context - max_new_tokens)
 
-    fingerprint = _fingerprint(
+    fingerprint = inputs_fingerprint(
         prompts=hashlib.sha256("\x00".join(prompts).encode()).hexdigest(),
         target=getattr(target.config, "name_or_path", ""),
         target_config=target.config.to_diff_dict(),
@@ -426,42 +353,37 @@ def build_dataset(
         part=[first, stride],
         seed=seed,
     )
-    _check_manifest(shard_dir, fingerprint, len(prompts))
-
-    shards_in_list = (len(prompts) + shard_size - 1) // shard_size
-    num_shards = min(shards_in_list, max_shards or shards_in_list)  # the first ones; the fingerprint covers all
-    done = [k for k in range(num_shards) if (shard_dir / f"shard-{k:06d}").is_dir()]
     skipped_long = 0
-    bar = tqdm(
-        total=min(len(prompts), num_shards * shard_size),
-        initial=sum(min(shard_size, len(prompts) - k * shard_size) for k in done),
-        desc="target answers",
-        unit="prompt",
-        disable=not progress,
-    )
-    todo = [k for k in range(num_shards) if k not in done]
+
+    def answer_shard(k: int, lo: int, hi: int, answerer, advance) -> dict[str, list]:
+        nonlocal skipped_long
+        ids = format_prompts(tokenizer, prompts[lo:hi], chat_template=chat_template, system_prompt=system_prompt)
+        keep = [i for i in range(hi - lo) if max_prompt_tokens is None or len(ids[i]) <= max_prompt_tokens]
+        skipped_long += hi - lo - len(keep)
+        rows = _answer_all(target, ids, keep, gen_config, eos, batch_size, shard_seed(seed, k), advance, answerer)
+        advance(hi - lo - len(keep))
+        kept = sorted(rows)
+        return {
+            "input_ids": [ids[i] + rows[i] for i in kept],
+            "prompt_length": [len(ids[i]) for i in kept],
+            "prompt_index": [first + stride * (lo + i) for i in kept],
+        }
+
     engine_context = _answer_engine(engine, target, gen_config, eos, batch_size, output_dir / "vllm.log", engine_model)
-    with engine_context if todo else contextlib.nullcontext() as answerer:
-        for k in todo:
-            lo, hi = k * shard_size, min(len(prompts), (k + 1) * shard_size)
-            ids = format_prompts(tokenizer, prompts[lo:hi], chat_template=chat_template, system_prompt=system_prompt)
-            keep = [i for i in range(hi - lo) if max_prompt_tokens is None or len(ids[i]) <= max_prompt_tokens]
-            skipped_long += hi - lo - len(keep)
-            seed_k = _shard_seed(seed, k)
-            rows = _answer_all(target, ids, keep, gen_config, eos, batch_size, seed_k, bar.update, answerer)
-            bar.update(hi - lo - len(keep))
-            kept = sorted(rows)
-            columns = {
-                "input_ids": [ids[i] + rows[i] for i in kept],
-                "prompt_length": [len(ids[i]) for i in kept],
-                "prompt_index": [first + stride * (lo + i) for i in kept],
-            }
-            _save_shard(shard_dir, k, columns, progress)
-    bar.close()
+    num_shards, shards_in_list = write_shards(
+        output_dir,
+        fingerprint,
+        len(prompts),
+        shard_size,
+        answer_shard,
+        max_shards=max_shards,
+        engine=engine_context,
+        progress=progress,
+    )
     if skipped_long:
         logger.warning("Skipped %d prompts longer than %d tokens.", skipped_long, max_prompt_tokens)
 
-    dataset = _join_shards(output_dir, num_shards, progress)
+    dataset = join_shards(output_dir, num_shards, progress)
     if len(dataset) == 0:
         raise ValueError(f"Every prompt was longer than max_prompt_tokens={max_prompt_tokens}; nothing to save.")
     lengths = dataset["input_ids"]
@@ -510,6 +432,8 @@ def build_chat_dataset(
     top_k: int | None = None,
     max_tokens: int | None = None,
     shard_size: int = 512,
+    part: tuple[int, int] | None = None,
+    max_shards: int | None = None,
     seed: int = 0,
     progress: bool = True,
     engine: str = "transformers",
@@ -532,12 +456,13 @@ def build_chat_dataset(
             goes on, and ``moa_data.json`` lists them under ``skipped`` (conversation index: reason).
         max_tokens: conversations longer than this many tokens are cut after the last assistant turn that fits
             (default: the target's context).
+        shard_size, part, max_shards: as `build_dataset`'s, over conversations: `part` (k, n) takes conversations
+            k, k+n, k+2n, ... (``conversation_index`` and ``skipped`` keep the index in the full list), `max_shards`
+            the first shards of `shard_size` conversations.
         engine, engine_model: what writes regenerated turns: ``transformers`` or ``vllm`` (see `build_dataset`).
     Returns the saved dataset: ``input_ids``, ``response_mask``, ``prompt_length`` (where the first assistant turn
     starts) and ``conversation_index``.
     """
-    from tqdm.auto import tqdm
-
     from moa_hf.conversations import load_conversations
 
     if responses not in RESPONSES:
@@ -548,14 +473,13 @@ def build_chat_dataset(
         conversations = load_conversations(conversations, split=split, num_conversations=num_conversations)
     else:
         conversations = list(conversations)[:num_conversations]
+    conversations, first, stride = take_part(conversations, part)
     eos, gen_config = _generation(target, tokenizer, max_new_tokens, do_sample, temperature, top_p, top_k)
     regenerate = responses == "regenerate"
     if max_tokens is None:
         max_tokens = getattr(target.config.get_text_config(), "max_position_embeddings", None)
     output_dir = Path(output_dir)
-    shard_dir = output_dir / _SHARDS
-    shard_dir.mkdir(parents=True, exist_ok=True)
-    fingerprint = _fingerprint(
+    fingerprint = inputs_fingerprint(
         conversations=hashlib.sha256(json.dumps(conversations).encode()).hexdigest(),
         target=getattr(target.config, "name_or_path", ""),
         target_config=target.config.to_diff_dict(),
@@ -566,34 +490,43 @@ def build_chat_dataset(
         **({"answers": "generated ids"} if regenerate else {}),  # not the decoded text of earlier versions
         max_tokens=max_tokens,
         shard_size=shard_size,
+        **({"part": [first, stride]} if stride > 1 else {}),  # folders written before `part` keep their manifest
         seed=seed,
     )
-    _check_manifest(shard_dir, fingerprint, len(conversations))
-    num_shards = (len(conversations) + shard_size - 1) // shard_size
-    turns_total = sum(t["role"] == "assistant" for c in conversations for t in c)
-    bar = tqdm(total=turns_total, desc="assistant turns", unit="turn", disable=not progress)
-    todo = [k for k in range(num_shards) if not (shard_dir / f"shard-{k:06d}").is_dir()]
+
+    def turns(lo: int, hi: int) -> int:
+        return sum(t["role"] == "assistant" for c in conversations[lo:hi] for t in c)
+
+    def lay_out_shard(k: int, lo: int, hi: int, answerer, advance) -> dict[str, list]:
+        shard = conversations[lo:hi]
+        if regenerate:
+            seed_k = shard_seed(seed, k)
+            laid_out = _regenerate_turns(
+                target, tokenizer, shard, gen_config, eos, batch_size, seed_k, advance, answerer
+            )
+        else:
+            laid_out = _kept_turns(tokenizer, shard, eos)
+            advance(turns(lo, hi))
+        indices = [first + stride * i for i in range(lo, hi)]  # in the full list
+        return _conversation_rows(laid_out, indices, max_tokens, shard_folder(output_dir) / f"skipped-{k:06d}.json")
+
     engine_context = _answer_engine(engine, target, gen_config, eos, batch_size, output_dir / "vllm.log", engine_model)
-    with engine_context if regenerate and todo else contextlib.nullcontext() as answerer:
-        for k in range(num_shards):
-            lo, hi = k * shard_size, min(len(conversations), (k + 1) * shard_size)
-            if k not in todo:
-                bar.update(sum(t["role"] == "assistant" for c in conversations[lo:hi] for t in c))
-                continue
-            shard = conversations[lo:hi]
-            if regenerate:
-                seed_k = _shard_seed(seed, k)
-                laid_out = _regenerate_turns(
-                    target, tokenizer, shard, gen_config, eos, batch_size, seed_k, bar, answerer
-                )
-            else:
-                laid_out = _kept_turns(tokenizer, shard, eos)
-                bar.update(sum(t["role"] == "assistant" for c in shard for t in c))
-            _save_conversations(laid_out, lo, max_tokens, shard_dir, k, progress)
-    bar.close()
+    num_shards, shards_in_list = write_shards(
+        output_dir,
+        fingerprint,
+        len(conversations),
+        shard_size,
+        lay_out_shard,
+        max_shards=max_shards,
+        engine=engine_context if regenerate else None,
+        units=turns,
+        desc="assistant turns",
+        unit="turn",
+        progress=progress,
+    )
     skipped, filled = {}, []  # filled: the shards with rows (an empty saved dataset cannot be loaded back)
     for k in range(num_shards):
-        listed = shard_dir / f"skipped-{k:06d}.json"  # absent from shards written before skipping was recorded
+        listed = shard_folder(output_dir) / f"skipped-{k:06d}.json"  # absent from shards written before skipping
         skipped_k = json.loads(listed.read_text()) if listed.is_file() else {}
         skipped |= skipped_k
         if len(skipped_k) < min(len(conversations), (k + 1) * shard_size) - k * shard_size:
@@ -608,10 +541,12 @@ def build_chat_dataset(
             output_dir / _METADATA,
             skip_reasons(skipped),
         )
-    dataset = _join_shards(output_dir, filled, progress)
+    dataset = join_shards(output_dir, filled, progress)
     metadata = {
         "target": getattr(target.config, "name_or_path", ""),
         "num_conversations": len(conversations),
+        "shards_answered": num_shards,
+        "shards_in_list": shards_in_list,
         "num_examples": len(dataset),
         "num_skipped": len(skipped),
         "skipped": skipped,
@@ -638,29 +573,30 @@ def skip_reasons(skipped: dict[str, str]) -> str:
     return " ".join(f"{n} x {reason}" for reason, n in counts.items())
 
 
-def _save_conversations(laid_out, lo, max_tokens, shard_dir, k, progress) -> None:
-    """Shard k of conversations as training rows (token ids and assistant-turn mask, each cut after the last assistant
-    token within `max_tokens`), from `laid_out`: one (ids, mask) or the reason it could not be laid out per
-    conversation, the first being conversation `lo`. The skipped ones go to ``skipped-k.json`` (index: reason)."""
+def _conversation_rows(laid_out, indices: list[int], max_tokens: int | None, skipped_file: Path) -> dict[str, list]:
+    """A shard of conversations as training rows (token ids and assistant-turn mask, each cut after the last
+    assistant token within `max_tokens`), from `laid_out`: one (ids, mask) or the reason it could not be laid out per
+    conversation, conversation `indices[i]` of the list. The skipped ones go to `skipped_file` (index: reason),
+    written before the shard itself (resumable)."""
     columns = {"input_ids": [], "response_mask": [], "prompt_length": [], "conversation_index": []}
     skipped = {}
-    for i, row in enumerate(laid_out):
+    for index, row in zip(indices, laid_out):
         if isinstance(row, str):
-            skipped[str(lo + i)] = row
+            skipped[str(index)] = row
             continue
         ids, mask = row
         if max_tokens is not None and len(ids) > max_tokens:  # cut after the last assistant token that fits
             ends = [j + 1 for j in range(max_tokens) if mask[j]]
             if not ends:
-                skipped[str(lo + i)] = f"Its first answer starts beyond max_tokens={max_tokens}."
+                skipped[str(index)] = f"Its first answer starts beyond max_tokens={max_tokens}."
                 continue
             ids, mask = ids[: ends[-1]], mask[: ends[-1]]
         columns["input_ids"].append(ids)
         columns["response_mask"].append(mask)
         columns["prompt_length"].append(mask.index(1))
-        columns["conversation_index"].append(lo + i)
-    (shard_dir / f"skipped-{k:06d}.json").write_text(json.dumps(skipped, indent=1))  # before the shard: resumable
-    _save_shard(shard_dir, k, columns, progress)
+        columns["conversation_index"].append(index)
+    skipped_file.write_text(json.dumps(skipped, indent=1))
+    return columns
 
 
 # What cannot be laid out: a ValueError (the template is not prefix-stable) or the template's own refusal.
@@ -749,7 +685,7 @@ class _AnswerLayout:
         return ids, mask
 
 
-def _regenerate_turns(target, tokenizer, conversations, gen_config, eos, batch_size, seed, bar, answerer=None) -> list:
+def _regenerate_turns(target, tokenizer, conversations, gen_config, eos, batch_size, seed, advance, answerer=None):
     """The target's answers to every assistant turn of `conversations`, each to the conversation before it with its
     own earlier answers (turn k of every conversation in one batched pass), laid out with them as generated
     (`_AnswerLayout`): (ids, mask) per conversation, or why it cannot be laid out (the file's answers unused)."""
@@ -760,13 +696,13 @@ def _regenerate_turns(target, tokenizer, conversations, gen_config, eos, batch_s
             layouts[c] = _AnswerLayout(tokenizer, conversation, eos)
         except _LAYOUT_ERRORS as err:
             out[c] = f"{type(err).__name__}: {err}"
-            bar.update(sum(t["role"] == "assistant" for t in conversation))
+            advance(sum(t["role"] == "assistant" for t in conversation))
     answers: dict[int, list[list[int]]] = {c: [] for c in layouts}
     for k in range(max((len(layout) for layout in layouts.values()), default=0)):
         order = [c for c, layout in layouts.items() if k < len(layout)]
         prompt_ids = [layouts[c].prompt(answers[c]) for c in order]
         rows = _answer_all(
-            target, prompt_ids, range(len(order)), gen_config, eos, batch_size, seed + k, bar.update, answerer
+            target, prompt_ids, range(len(order)), gen_config, eos, batch_size, seed + k, advance, answerer
         )
         for i, c in enumerate(order):
             answers[c].append(list(rows[i]))

@@ -156,6 +156,14 @@ class DrafterAdapter:
         full-vocabulary ids of those logits' columns (None: the full vocabulary itself)."""
         raise NotImplementedError
 
+    @torch.no_grad()
+    def top1(self, drafter: torch.nn.Module, hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+        """The drafter's most likely next token (full-vocabulary ids) [n] for the hidden states [n, d] its head
+        (`student_head`) reads, `chunk` rows at a time."""
+        head, draft_ids = self.student_head(drafter)
+        top = torch.cat([head(hidden[i : i + chunk]).argmax(-1) for i in range(0, max(len(hidden), 1), chunk)])
+        return top if draft_ids is None else draft_ids.to(top.device)[top]
+
     @contextlib.contextmanager
     def generating(
         self,

@@ -9,7 +9,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["chunked_soft_cross_entropy", "feature_loss", "hard_cross_entropy", "position_losses"]
+__all__ = [
+    "batch_loss",
+    "chunked_soft_cross_entropy",
+    "depth_weighted",
+    "exits_weighted",
+    "feature_loss",
+    "hard_cross_entropy",
+    "position_losses",
+]
 
 Head = Callable[[torch.Tensor], torch.Tensor]
 
@@ -244,3 +252,37 @@ def position_losses(
             head, draft_ids, vocab, student[counted], labels[counted], args.vocab_chunk_size
         )
     return total, ce, feat
+
+
+def exits_weighted(
+    exit_weights: list[float], per_exit: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(total, soft CE, feature) [N] of a drafter with several exits: each exit's `position_losses` weighted by
+    `exit_weights` (exits of weight 0 left out)."""
+    weighted = [(w, part) for w, part in zip(exit_weights, per_exit) if w > 0]
+    total, ce, feat = (sum(w * part[i] for w, part in weighted) for i in range(3))
+    return total, ce, feat
+
+
+def depth_weighted(
+    total: torch.Tensor, counted: torch.Tensor, cycle_starts: torch.Tensor | None, depth_decay: float
+) -> torch.Tensor:
+    """`total` [N] (per counted position of `counted` [B, T]) times `depth_decay ** depth`, the position's depth in its
+    simulated cycle (`cycle_starts` [B, T]; 0 for a cycle's first draft); unchanged without decay or cycles."""
+    if depth_decay >= 1.0 or cycle_starts is None:
+        return total
+    pos = torch.arange(counted.shape[1], device=counted.device)
+    depth = (pos[None, :] - cycle_starts)[counted]  # [N]
+    return total * depth_decay ** depth.to(total.dtype)
+
+
+def batch_loss(total: torch.Tensor, counted: torch.Tensor, num_items_in_batch, args) -> torch.Tensor:
+    """The loss of a micro-batch: the sum of `total` [N] over `num_items_in_batch` (the counted positions of the whole
+    accumulated batch on all devices; None: this batch's `counted` ones), so that gradient accumulation and DDP match
+    one large batch. `args`: `MoATrainingArguments`."""
+    if num_items_in_batch is None:
+        return total.sum() / counted.sum().clamp(min=1)
+    loss = total.sum() / torch.as_tensor(num_items_in_batch, device=total.device).clamp(min=1)
+    if args.average_tokens_across_devices and args.world_size > 1:
+        loss = loss * args.world_size  # DDP averages gradients over processes; undo it
+    return loss

@@ -34,7 +34,7 @@ from moa_hf.modeling import MoADrafterModel
 
 from .drafters import unwrap_model
 from .evaluation import assisted_outputs
-from .trainer import run_target
+from .targets import run_target
 
 __all__ = [
     "ChainRule",

@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from transformers import HfArgumentParser
+
 from moa_hf.hardware import fast_dtype, hardware_summary
 from moa_hf.loading import load_drafter, load_target
 
@@ -67,7 +69,7 @@ def run_replay(namespace: argparse.Namespace) -> int:
 
     from .replay import check_replay, draft_tables, replay
 
-    args = ReplayArguments(**{k: getattr(namespace, k) for k in ReplayArguments.__dataclass_fields__})
+    (args,) = HfArgumentParser(ReplayArguments).parse_dict(vars(namespace), allow_extra_keys=True)
     dtype = args.dtype or fast_dtype()
     target, _ = load_target(args.target, dtype=dtype, require_tokenizer=False)
     drafter = load_drafter(args.drafter, target=target)

@@ -16,293 +16,45 @@ last window-1 positions; the older ones have no context and stay out of the CA m
 A sorted drafter (K > 1 blocks, an exit after each) is scored at every exit: the loss is the weighted mean of the
 exits' losses above (`exit_loss_weights`). A drafter serving several targets trains on each target's own data, every
 batch from one target (`TargetBatchSampler`), with that target's parts, states and teacher head.
+
+The trainer's parts live by job: `collate.py` (the batch and its labels), `sampling.py` (each target's data, one-target
+batches), `targets.py` (the frozen targets: their states, what inference still holds), `cycles.py` (the staircase),
+`losses.py` (per-position losses and their sum), `tallies.py` (tokens per target, logged loss parts, top-1 agreement).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
-from torch.utils.data import ConcatDataset, Dataset, Sampler
-from transformers import DynamicCache, PreTrainedModel, Trainer, TrainerCallback
-from transformers.trainer_callback import ExportableState
+from transformers import PreTrainedModel, Trainer
 
-from moa_hf.modeling import (
-    CACHE_NAME,
-    PRIMARY_TARGET,
-    gather_target_kv,
-    held_at_reads,
-    held_capacities,
-    split_target_kv,
-)
+from moa_hf.modeling import PRIMARY_TARGET
 
 from .arguments import MoATrainingArguments
-from .cycles import mix64, read_ends_of_cycles, simulated_cycles
+from .collate import IGNORE_INDEX, MoADataCollator
+from .cycles import simulated_cycles
 from .drafters import adapter_for, unwrap_model
 from .evaluation import AcceptanceEvalCallback
-from .losses import position_losses
+from .losses import batch_loss, depth_weighted, exits_weighted, position_losses
+from .sampling import (
+    IndexedDataset,
+    TargetBatchSampler,
+    datasets_by_target,
+    default_target,
+    example_lengths,
+    training_dataset,
+)
 from .states import TargetStates
+from .tallies import LossParts, TopOneAgreement, TrainingTally
+from .targets import batch_target_states, freeze_targets, held_target_kv, prepare_targets
 from .throughput import StepProfile
 
-__all__ = [
-    "IGNORE_INDEX",
-    "MoADataCollator",
-    "MoATrainer",
-    "TargetBatchSampler",
-    "run_target",
-]
+__all__ = ["MoATrainer"]
 
 logger = logging.getLogger(__name__)
-
-IGNORE_INDEX = -100
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Data
-# ---------------------------------------------------------------------------------------------------------------------
-@dataclass
-class MoADataCollator:
-    """Right-pads examples ``{"input_ids", "prompt_length"[, "response_mask", "sample_index", "target_kv",
-    "final_hidden", "tli_hidden"]}`` into a training batch (cached target states are padded with zeros to [B, T, ...]).
-
-    Returns ``input_ids`` and ``attention_mask`` [B, T], ``labels`` [B, T] (position i is counted, with label
-    input_ids[i+1], when token i+1 is a response token: every token from `prompt_length` on, or, for a conversation
-    with a ``response_mask``, every token of an assistant turn; else -100), ``response_mask`` [B, T] (bool) for
-    conversations, ``prompt_lengths`` [B] and ``sample_index`` [B]
-    (the example's index in the dataset: the seed of its random cycle lengths), and ``target_index`` [B] when the
-    examples carry one (which of the trainer's targets produced them).
-    """
-
-    pad_token_id: int = 0
-    max_length: int | None = None
-    pad_to_multiple_of: int | None = None
-
-    def __call__(self, features: Sequence[dict]) -> dict[str, torch.Tensor]:
-        seqs = [list(f["input_ids"])[: self.max_length] if self.max_length else list(f["input_ids"]) for f in features]
-        width = max(len(s) for s in seqs)
-        if self.pad_to_multiple_of:
-            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        B = len(seqs)
-        input_ids = torch.full((B, width), self.pad_token_id, dtype=torch.long)  # [B, T]
-        attention_mask = torch.zeros((B, width), dtype=torch.long)
-        labels = torch.full((B, width), IGNORE_INDEX, dtype=torch.long)
-        prompt_lengths = torch.zeros(B, dtype=torch.long)
-        conversations = "response_mask" in features[0]
-        response = torch.zeros((B, width), dtype=torch.bool) if conversations else None  # [B, T]
-        for b, (seq, f) in enumerate(zip(seqs, features)):
-            n = len(seq)
-            p = min(int(f["prompt_length"]), n)
-            input_ids[b, :n] = torch.tensor(seq, dtype=torch.long)
-            attention_mask[b, :n] = 1
-            if conversations:  # position i is counted when token i+1 is an assistant's
-                response[b, :n] = torch.tensor(list(f["response_mask"])[:n], dtype=torch.bool)
-                labels[b, : n - 1] = input_ids[b, 1:n].masked_fill(~response[b, 1:n], IGNORE_INDEX)
-            else:
-                first = max(p - 1, 0)  # position p-1 predicts the first response token
-                if n - 1 > first:
-                    labels[b, first : n - 1] = input_ids[b, first + 1 : n]
-            prompt_lengths[b] = p
-        sample_index = torch.tensor([int(f.get("sample_index", -1)) for f in features], dtype=torch.long)
-        batch = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "labels": labels,
-            "prompt_lengths": prompt_lengths,
-            "sample_index": sample_index,
-        }
-        if conversations:
-            batch["response_mask"] = response
-        if "target_index" in features[0]:
-            batch["target_index"] = torch.tensor([int(f["target_index"]) for f in features], dtype=torch.long)
-        for key in ("target_kv", "final_hidden", "tli_hidden"):  # cached target states (`states.TargetStatesDataset`)
-            if key in features[0]:
-                first = features[0][key]
-                padded = first.new_zeros(B, width, *first.shape[1:])  # [B, T, ...]
-                for b, (seq, f) in enumerate(zip(seqs, features)):
-                    padded[b, : len(seq)] = f[key][: len(seq)]
-                batch[key] = padded
-        return batch
-
-
-def _example_lengths(dataset, max_length: int | None = None) -> list[int] | None:
-    """Token counts of a training dataset's examples (through `_Indexed`, `_Tagged`, `ConcatDataset` and cached-states
-    wrappers down to `datasets.Dataset`s), read from their `input_ids` column without loading cached states; None
-    when a part is not such a dataset."""
-    if isinstance(dataset, ConcatDataset):
-        parts = [_example_lengths(d, max_length) for d in dataset.datasets]
-        return None if any(p is None for p in parts) else [n for p in parts for n in p]
-    inner = getattr(dataset, "dataset", None)
-    if inner is not None and not hasattr(dataset, "column_names"):
-        return _example_lengths(inner, max_length)
-    if "input_ids" not in (getattr(dataset, "column_names", None) or []):
-        return None
-    import pyarrow.compute as pc
-
-    column = dataset.with_format("arrow")["input_ids"]  # the lengths without reading the token ids into Python
-    lengths = pc.list_value_length(column).to_pylist()
-    return [min(n, max_length) for n in lengths] if max_length else lengths
-
-
-class _Indexed(Dataset):
-    """A map-style dataset whose items also carry their index (`sample_index`)."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, idx: int) -> dict:
-        return {**self.dataset[idx], "sample_index": int(idx)}
-
-
-class _Tagged(Dataset):
-    """A map-style dataset whose items also carry the index of the target that produced them (`target_index`)."""
-
-    def __init__(self, dataset, target_index: int):
-        self.dataset = dataset
-        self.target_index = target_index
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, idx: int) -> dict:
-        return {**self.dataset[idx], "target_index": self.target_index}
-
-
-class TargetBatchSampler(Sampler[int]):
-    """Indices into the concatenation of several targets' datasets (sizes `sizes`, in that order) such that every
-    consecutive block of `batch_size` indices comes from one target: each epoch, every dataset is shuffled and cut
-    into blocks (its last block filled up with its own first examples of the epoch), and all blocks are shuffled
-    together, so targets are mixed in proportion to their dataset sizes. A pure function of (seed, epoch).
-
-    With `lengths` (the examples' token counts, in the same concatenated order), each dataset's shuffled order is cut
-    into groups of `GROUP_BATCHES` blocks and each group sorted by length before it is cut into blocks: a block holds
-    examples of similar lengths, so a right-padded batch computes little padding (the blocks are still shuffled).
-
-    A DataLoader with this sampler and the same `batch_size` yields one-target batches (Accelerate hands whole
-    batches to processes: the same holds per process under DDP).
-    """
-
-    GROUP_BATCHES = 16
-
-    def __init__(self, sizes: Sequence[int], batch_size: int, seed: int = 0, lengths: Sequence[int] | None = None):
-        if batch_size < 1 or not sizes or min(sizes) < 1:
-            raise ValueError(f"Need a positive batch size and non-empty datasets, got {batch_size} and {list(sizes)}.")
-        self.sizes = [int(n) for n in sizes]
-        self.batch_size = int(batch_size)
-        self.seed = int(seed)
-        self.epoch = 0
-        if lengths is not None and len(lengths) != sum(self.sizes):
-            raise ValueError(f"{len(lengths)} lengths for {sum(self.sizes)} examples.")
-        self.lengths = None if lengths is None else [int(n) for n in lengths]
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    def _blocks(self) -> list[list[int]]:
-        g = torch.Generator().manual_seed(int(mix64(self.seed, self.epoch, 0x7A67) >> 1))
-        blocks, offset = [], 0
-        for n in self.sizes:
-            order = (offset + torch.randperm(n, generator=g)).tolist()
-            if self.lengths is not None:  # sort groups of GROUP_BATCHES blocks by length, longest first
-                group = self.GROUP_BATCHES * self.batch_size
-                order = [i for s in range(0, n, group) for i in sorted(order[s : s + group], key=self._length)]
-            width = -(-n // self.batch_size) * self.batch_size
-            order = (order * -(-width // n))[:width]  # filled up with the first ones again
-            blocks += [order[i : i + self.batch_size] for i in range(0, width, self.batch_size)]
-            offset += n
-        return [blocks[i] for i in torch.randperm(len(blocks), generator=g).tolist()]
-
-    def _length(self, i: int) -> int:
-        return -self.lengths[i]
-
-    def __iter__(self):
-        for block in self._blocks():
-            yield from block
-
-    def __len__(self) -> int:
-        return sum(-(-n // self.batch_size) for n in self.sizes) * self.batch_size
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Simulated drafting cycles
-# ---------------------------------------------------------------------------------------------------------------------
-# ---------------------------------------------------------------------------------------------------------------------
-# The target's side
-# ---------------------------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def run_target(
-    target: PreTrainedModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    target_layer_inference: int = 0,
-) -> TargetStates:
-    """One no-grad forward of the target with its cache and hidden states; the [B, T, V] logits are not computed
-    (only the last position's, where the model supports `logits_to_keep`).
-
-    The cache is a full one (every layer keeps every position, sliding-window layers included: the same outputs);
-    which keys/values inference could still read is marked by `MoATrainer.held_target_kv`."""
-    kwargs = {"logits_to_keep": 1} if _accepts(target, "logits_to_keep") else {}
-    out = target(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        use_cache=True,
-        output_hidden_states=True,
-        **{CACHE_NAME: DynamicCache()},
-        **kwargs,
-    )
-    cache, hidden = getattr(out, CACHE_NAME), out.hidden_states  # hidden: L+1 x [B, T, d]
-    T = input_ids.shape[1]
-    n = target_layer_inference
-    num_layers = len(hidden) - 1
-    tli_kv = None
-    if n > 0:
-        tli_kv = [(cache.layers[i].keys, cache.layers[i].values) for i in range(num_layers - n, num_layers)]
-    return TargetStates(
-        target_kv=gather_target_kv(cache, 0, T),
-        feature=hidden[num_layers - n] if n > 0 else hidden[-1],
-        final_hidden=hidden[-1],
-        tli_kv=tli_kv,
-    )
-
-
-def _accepts(model: torch.nn.Module, name: str) -> bool:
-    import inspect
-
-    try:
-        return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The trainer
-# ---------------------------------------------------------------------------------------------------------------------
-class TrainingTally(TrainerCallback, ExportableState):
-    """What a run has trained that transformers' `TrainerState` does not keep: the non-padding tokens per target
-    (summed over processes) and the wall time, saved in every checkpoint (`stateful_callbacks`) and restored when the
-    run resumes from one (`restore_callback_states_from_checkpoint`, on by default in `MoATrainingArguments`). The
-    wall time counts the segments that led to the checkpoint, then this one."""
-
-    def __init__(self):
-        self.tokens: dict[str, float] = {}
-        self.wall_time_s = 0.0  # the earlier segments' (restored from a checkpoint)
-        self._started = time.perf_counter()  # a restored tally is made as the resumed loop starts
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._started = time.perf_counter()
-
-    def elapsed(self) -> float:
-        """Wall time of the run: the earlier segments and this one so far (seconds)."""
-        return self.wall_time_s + time.perf_counter() - self._started
-
-    def state(self) -> dict:
-        return {"args": {}, "attributes": {"tokens": dict(self.tokens), "wall_time_s": self.elapsed()}}
 
 
 class MoATrainer(Trainer):
@@ -359,37 +111,22 @@ class MoATrainer(Trainer):
         if not self.targets:
             raise ValueError("MoATrainer needs a target model.")
         self.target_names = list(self.targets)
-        by_target = self._datasets_by_target(train_dataset)
-        # the target of untagged batches (evaluation data): the one trained on, else the primary one
-        self.default_target = (
-            next(iter(by_target))
-            if by_target and len(by_target) == 1
-            else (PRIMARY_TARGET if PRIMARY_TARGET in self.targets else self.target_names[0])
-        )
+        by_target = datasets_by_target(train_dataset, self.target_names)
+        self.default_target = default_target(by_target, self.target_names)  # the target of untagged batches
         self.target = self.targets[self.default_target]
-        self.capacities_by_target = {  # positions each layer of each target keeps
-            name: held_capacities(DynamicCache(config=t.config)) for name, t in self.targets.items()
-        }
+        self.capacities_by_target = freeze_targets(self.targets, args.device)  # positions each layer of each keeps
         self.target_capacities = self.capacities_by_target[self.default_target]  # the default target's
-        for t in self.targets.values():
-            t.eval()
-            t.requires_grad_(False)
-            if getattr(t, "hf_device_map", None) is None and t.device != args.device:
-                t.to(args.device)
         drafter = unwrap_model(model)
         self.adapter.prepare(drafter, self.target)
-        self._prepare_targets(model, drafter, args, by_target)
+        prepare_targets(self.adapter, model, drafter, self.targets, args, by_target)
         self.exit_weights = args.exit_weights(self.adapter.num_exits(drafter))
         if data_collator is None:
             pad = self.target.config.get_text_config().pad_token_id
             data_collator = MoADataCollator(pad_token_id=pad if pad is not None else 0, max_length=args.max_length)
         self._target_sizes = [len(d) for d in by_target.values()] if by_target else []
-        if by_target and len(by_target) > 1:
-            tagged = [_Tagged(d, self.target_names.index(name)) for name, d in by_target.items()]
-            train_dataset = _Indexed(ConcatDataset(tagged))
-        elif by_target:
-            train_dataset = _Indexed(next(iter(by_target.values())))
-        eval_dataset = _Indexed(eval_dataset) if eval_dataset is not None else None
+        if by_target:
+            train_dataset = training_dataset(by_target, self.target_names)
+        eval_dataset = IndexedDataset(eval_dataset) if eval_dataset is not None else None
         super().__init__(
             model=model,
             args=args,
@@ -404,9 +141,8 @@ class MoATrainer(Trainer):
         self.profile = StepProfile(args.profile_steps, args.device)  # sections cost nothing unless profiling
         if args.profile_steps > 0:
             self.add_callback(self.profile)
-        K = len(self.exit_weights)
-        self._parts = torch.zeros(3 + K, dtype=torch.float64)  # soft CE, feature loss, tokens since last log, exits
-        self._agreement = torch.zeros(4, dtype=torch.float64)  # evaluation: top-1 hits, positions, first-of-cycle ones
+        self.loss_parts = LossParts(len(self.exit_weights))  # the loss components of the training logs
+        self.agreement = TopOneAgreement()  # evaluation: the drafter's top-1 token against the target's
         self.add_callback(TrainingTally())  # tokens per target and wall time, kept across a resume
         if eval_prompts is not None and args.eval_num_prompts > 0:
             if isinstance(eval_prompts, Mapping):
@@ -432,64 +168,6 @@ class MoATrainer(Trainer):
 
             self._replay_rules = parse_rules(args.eval_replay_rules)
 
-    def _datasets_by_target(self, train_dataset) -> dict[str, Dataset] | None:
-        """{target name: dataset} from `train_dataset` (a plain one is the main target's, or the only target's)."""
-        if train_dataset is None:
-            return None
-        if not isinstance(train_dataset, Mapping):
-            if PRIMARY_TARGET not in self.targets and len(self.targets) > 1:
-                raise ValueError(
-                    f"Pass the training data of several targets as {{target name: dataset}} (targets: "
-                    f"{self.target_names})."
-                )
-            name = PRIMARY_TARGET if PRIMARY_TARGET in self.targets else self.target_names[0]
-            return {name: train_dataset}
-        unknown = sorted(set(train_dataset) - set(self.targets))
-        if unknown:
-            raise ValueError(f"Training data for {unknown}, which are not among the targets {self.target_names}.")
-        empty = [name for name, d in train_dataset.items() if len(d) == 0]
-        if empty:
-            raise ValueError(f"The training data of target(s) {empty} is empty.")
-        return {name: d for name, d in train_dataset.items()}
-
-    def _prepare_targets(self, model, drafter, args: MoATrainingArguments, by_target) -> None:
-        """Parts for every target the drafter lacks; with `train_target_parts` (or `freeze_blocks`), everything else
-        (the first blocks and what they read) frozen."""
-        missing = [n for n in self.targets if n != PRIMARY_TARGET and n not in getattr(drafter, "target_names", [n])]
-        if missing and model is not drafter and hasattr(model, "get_base_model"):
-            raise ValueError(
-                f"Add the targets {missing} to the drafter (`drafter.add_target`) before wrapping it with PEFT; or "
-                "train without --lora-r."
-            )
-        added = self.adapter.add_targets(drafter, self.targets, lora_rank=args.target_lora_rank)
-        if added:
-            logger.info("Added parts for target(s) %s (LoRA rank %d).", added, args.target_lora_rank)
-        if args.freeze_blocks:
-            if args.train_target_parts is not None:
-                raise ValueError("freeze_blocks and train_target_parts both choose what trains: give one of them.")
-            others = [n for n in self.targets if n != PRIMARY_TARGET]
-            params = self.adapter.train_deeper_blocks(drafter, args.freeze_blocks, others)
-            logger.info(
-                "Blocks 1..%d frozen; training the deeper blocks and the parts of %s: %d parameters.",
-                args.freeze_blocks,
-                others,
-                sum(p.numel() for p in params),
-            )
-        name = args.train_target_parts
-        if name is None:
-            return
-        if name not in self.targets:
-            raise ValueError(f"train_target_parts={name!r} is not among the targets {self.target_names}.")
-        others = sorted(set(by_target or {}) - {name})
-        if others:
-            raise ValueError(
-                f"Training only the parts of target {name!r} takes that target's data only, not that of {others}."
-            )
-        if model is not drafter and hasattr(model, "get_base_model"):
-            raise ValueError("train_target_parts trains the drafter's own per-target parts: do not wrap it in PEFT.")
-        params = self.adapter.train_only_target_parts(drafter, name)
-        logger.info("Training only target %r's parts: %d parameters.", name, sum(p.numel() for p in params))
-
     @property
     def drafter(self) -> torch.nn.Module:
         """The drafter being trained (under any PEFT / DDP wrapper): MoA, EAGLE-style or an independent LM."""
@@ -500,7 +178,7 @@ class MoATrainer(Trainer):
         "group_by_length"`) for several targets or grouped lengths; else the Trainer's own sampler."""
         grouped = self.args.train_sampling_strategy == "group_by_length"
         if (len(self._target_sizes) > 1 or grouped) and (train_dataset is None or train_dataset is self.train_dataset):
-            lengths = _example_lengths(self.train_dataset, self.args.max_length) if grouped else None
+            lengths = example_lengths(self.train_dataset, self.args.max_length) if grouped else None
             # blocks of one optimizer step's examples on all processes: accumulated micro-batches and DDP processes
             # (Accelerate deals consecutive batches out to them) see what one large batch would
             step_batch = self._train_batch_size * self.args.gradient_accumulation_steps * max(1, self.args.world_size)
@@ -532,36 +210,10 @@ class MoATrainer(Trainer):
         return self.target_names[int(index[0])]
 
     def target_states(self, inputs: dict[str, torch.Tensor], target_name: str | None = None) -> TargetStates:
-        """The frozen target's states for the batch (of target `target_name`; None: the batch's): cached ones
-        (`states.TargetStatesDataset`) when the batch has them, else one no-grad forward of the target."""
+        """The frozen target's states for the batch (of target `target_name`; None: the batch's): cached ones when the
+        batch has them, else one no-grad forward of the target (`targets.batch_target_states`)."""
         target = self.targets[target_name or self.batch_target(inputs)]
-        tli = self.adapter.target_layer_inference(self.drafter)
-        if "final_hidden" not in inputs:
-            return run_target(target, inputs["input_ids"], inputs.get("attention_mask"), target_layer_inference=tli)
-        hidden = inputs["final_hidden"]
-        kv = inputs.get("target_kv")
-        if self.adapter.needs_target_kv and kv is None:
-            raise ValueError(
-                f"{type(self.drafter).__name__} reads the target's keys/values but the cached target states have no "
-                "`target_kv`; cache the states with them (`cache_target_states`)."
-            )
-        if tli == 0:
-            return TargetStates(target_kv=kv, feature=hidden, final_hidden=hidden)
-        before_last = inputs.get("tli_hidden")  # [B, T, M, d]: hidden_states[L-n] for n = 1..M
-        if before_last is None or before_last.shape[2] < tli:
-            have = 0 if before_last is None else before_last.shape[2]
-            raise ValueError(
-                f"This drafter runs the target's last {tli} layers (target_layer_inference={tli}) but the cached "
-                f"target states hold the inputs of the last {have}; cache them with `tli_layers={tli}` "
-                f"(`moa train --states` does it for a new folder)."
-            )
-        num_layers, dtype = kv.shape[2], next(target.parameters()).dtype
-        heads = self.drafter.config.target_num_key_value_heads
-        tli_kv = [  # the last N layers' (keys, values) [B, Hkv, T, hd], as the target's cache holds them
-            tuple(t.to(dtype) for t in split_target_kv(kv, layer, heads))
-            for layer in range(num_layers - tli, num_layers)
-        ]
-        return TargetStates(target_kv=kv, feature=before_last[:, :, tli - 1], final_hidden=hidden, tli_kv=tli_kv)
+        return batch_target_states(inputs, target, self.drafter, self.adapter)
 
     def held_target_kv(
         self, prompt_lengths: torch.Tensor, cycle_starts: torch.Tensor, target_name: str | None = None
@@ -572,10 +224,7 @@ class MoATrainer(Trainer):
         every position of the batch."""
         name = target_name or self.default_target
         capacities = self.target_capacities if name == self.default_target else self.capacities_by_target[name]
-        T = cycle_starts.shape[1]
-        if all(c is None or c >= T for c in capacities):
-            return None
-        return held_at_reads(read_ends_of_cycles(prompt_lengths, cycle_starts), capacities)
+        return held_target_kv(capacities, prompt_lengths, cycle_starts)
 
     def simulated_cycles(
         self, inputs: dict[str, torch.Tensor], first_hits: torch.Tensor | None = None
@@ -646,37 +295,15 @@ class MoATrainer(Trainer):
                 contextlib.nullcontext() if weight > 0 else torch.no_grad(),
             ):
                 per_exit.append(self.token_losses(student, feature, states, counted, name, inputs["labels"]))
-        weighted = [(w, part) for w, part in zip(self.exit_weights, per_exit) if w > 0]
-        total, ce, feat = (sum(w * part[i] for w, part in weighted) for i in range(3))  # each [N]
-        if self.args.depth_decay < 1.0 and cycle_starts is not None:
-            pos = torch.arange(counted.shape[1], device=counted.device)
-            depth = (pos[None, :] - cycle_starts)[counted]  # [N]: 0 for a cycle's first draft
-            total = total * self.args.depth_decay ** depth.to(total.dtype)
+        total, ce, feat = exits_weighted(self.exit_weights, per_exit)  # each [N]
+        total = depth_weighted(total, counted, cycle_starts, self.args.depth_decay)
         if not model.training:
-            self._count_agreement(exits[-1][0], inputs["labels"], counted, cycle_starts)
-        if num_items_in_batch is None:
-            loss = total.sum() / counted.sum().clamp(min=1)
-        else:
-            loss = total.sum() / torch.as_tensor(num_items_in_batch, device=total.device).clamp(min=1)
-            if self.args.average_tokens_across_devices and self.args.world_size > 1:
-                loss = loss * self.args.world_size  # DDP averages gradients over processes; undo it
+            top = self.adapter.top1(self.drafter, exits[-1][0][counted])  # [N]
+            self.agreement.add(top, inputs["labels"], counted, cycle_starts)
+        loss = batch_loss(total, counted, num_items_in_batch, self.args)
         if model.training:
-            exit_sums = [float(part[0].detach().sum()) for part in per_exit]
-            self._parts += torch.tensor(
-                [float(ce.detach().sum()), float(feat.detach().sum()), float(counted.sum()), *exit_sums],
-                dtype=torch.float64,
-            )
-            mask = inputs.get("attention_mask")
-            tokens = torch.zeros(len(self.target_names), dtype=torch.float64)  # [targets] this batch's, this process
-            tokens[self.target_names.index(name)] = float(
-                mask.sum() if mask is not None else inputs["input_ids"].numel()
-            )
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                tokens = tokens.to(self.args.device)
-                torch.distributed.all_reduce(tokens)  # every process computes a loss for each micro-batch
-            tally = self.tally.tokens
-            for target_name, n in zip(self.target_names, tokens.tolist()):
-                tally[target_name] = tally.get(target_name, 0.0) + n
+            self.loss_parts.add(ce, feat, counted, per_exit)
+            self.tally.count_batch(inputs, name, self.target_names, self.args.device)
         if return_outputs:
             token_loss = torch.zeros(counted.shape, device=total.device)
             token_loss[counted] = total.detach()
@@ -689,8 +316,7 @@ class MoATrainer(Trainer):
         verified) is the next token: one no-grad pass, every position the start of its own cycle."""
         exits = self.adapter.training_forward(model, inputs, states, cycle_starts=None, target_name=name)
         student = exits[-1][0]  # [B, T, d]
-        flat = student.reshape(-1, student.shape[-1])
-        top = torch.cat([self._student_top1(flat[i : i + 1024]) for i in range(0, flat.shape[0], 1024)])
+        top = self.adapter.top1(self.drafter, student.reshape(-1, student.shape[-1]))  # [B*T]
         labels = inputs["labels"]
         return top.view(labels.shape) == labels
 
@@ -704,31 +330,6 @@ class MoATrainer(Trainer):
         with self.profile.section("data"):
             return super().get_batch_samples(epoch_iterator, num_batches, device)
 
-    @torch.no_grad()
-    def _student_top1(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The drafter's most likely next token (full-vocabulary ids) [n] for the hidden states [n, d] its head
-        reads."""
-        head, draft_ids = self.adapter.student_head(self.drafter)
-        top = head(hidden).argmax(-1)
-        return top if draft_ids is None else draft_ids.to(top.device)[top]
-
-    @torch.no_grad()
-    def _count_agreement(self, student, labels, counted, cycle_starts) -> None:
-        """Evaluation: does the drafter's top-1 token equal the target's next token (the label)? Counted over all
-        counted positions and over the first position of each simulated cycle (the first drafted token, which
-        carries most of the acceptance length); cheap and far less noisy than an acceptance-length run."""
-        hidden = student[counted]  # [N, d]
-        top = torch.cat([self._student_top1(hidden[i : i + 1024]) for i in range(0, hidden.shape[0], 1024)])
-        hits = (top == labels[counted]).double()
-        if cycle_starts is None:  # no simulated cycles: every position reads the target's true past
-            first = torch.ones_like(hits, dtype=torch.bool)
-        else:
-            pos = torch.arange(counted.shape[1], device=counted.device)
-            first = (cycle_starts == pos[None, :])[counted]
-        self._agreement += torch.tensor(
-            [float(hits.sum()), float(hits.numel()), float(hits[first].sum()), float(first.sum())], dtype=torch.float64
-        )
-
     def evaluation_loop(
         self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix: str = "eval"
     ):
@@ -737,7 +338,7 @@ class MoATrainer(Trainer):
         answers, the replay's tokens per target call (``{prefix}_replay_tokens_per_call``; `replay.replay_metrics`)
         to the evaluation loss."""
         output = self._agreement_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
-        rows = getattr(dataloader.dataset, "dataset", None)  # `_Indexed`: the rows themselves
+        rows = getattr(dataloader.dataset, "dataset", None)  # `IndexedDataset`: the rows themselves
         columns = getattr(rows, "column_names", None) or []
         if self._replay_rules and "prompt_length" in columns and "response_mask" not in columns:
             from .replay import replay_metrics
@@ -758,36 +359,24 @@ class MoATrainer(Trainer):
         return output
 
     def _agreement_loop(self, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix):
-        """The Trainer's evaluation loop plus the top-1 agreement counts (`_count_agreement`)."""
-        self._agreement.zero_()
+        """The Trainer's evaluation loop plus the top-1 agreement (`tallies.TopOneAgreement`)."""
+        self.agreement.reset()
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
-        counts = self._agreement.clone()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            counts = counts.to(self.args.device)
-            torch.distributed.all_reduce(counts)
-            counts = counts.cpu()
-        if counts[1] > 0:
-            output.metrics[f"{metric_key_prefix}_top1"] = float(counts[0] / counts[1])
-            output.metrics[f"{metric_key_prefix}_top1_first"] = float(counts[2] / counts[3].clamp(min=1))
+        output.metrics.update(self.agreement.metrics(metric_key_prefix, self.args.device))
         return output
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Adds the loss components (`soft_ce`, `feature_loss`, per counted token, this process; weighted over exits)
         and, for a drafter with several exits, each exit's loss (`loss_exit1`, ...) to training logs."""
-        if "loss" in logs and self._parts[2] > 0:
-            logs["soft_ce"] = float(self._parts[0] / self._parts[2])
-            logs["feature_loss"] = float(self._parts[1] / self._parts[2])
-            if len(self._parts) > 4:
-                for i, value in enumerate(self._parts[3:].tolist(), start=1):
-                    logs[f"loss_exit{i}"] = float(value / self._parts[2])
-            self._parts.zero_()
+        if "loss" in logs:
+            logs.update(self.loss_parts.pop_logs())
         super().log(logs, start_time)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Evaluation loss on `eval_dataset` (if any) and the acceptance length on held-out prompts (if any)."""
         if eval_dataset is not None or self.eval_dataset is not None:
-            if eval_dataset is not None and not isinstance(eval_dataset, (_Indexed, dict)):
-                eval_dataset = _Indexed(eval_dataset)
+            if eval_dataset is not None and not isinstance(eval_dataset, (IndexedDataset, dict)):
+                eval_dataset = IndexedDataset(eval_dataset)
             return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         metrics: dict[str, float] = {}
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)

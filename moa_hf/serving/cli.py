@@ -24,9 +24,20 @@ from ..embeddings import with_own_embeddings
 from ..loading import load_drafter, load_target
 from ..modeling import target_fingerprint
 from .client_types import ClientSettings
+from .loadtest import LoadTestArguments  # standard library only: cheap for `moa --help`
 from .state import ServerLimits
 
-__all__ = ["EXIT_SERVER_ERROR", "EXIT_UNVERIFIED", "EXIT_USAGE", "load_server_drafter", "read_token", "register"]
+__all__ = [
+    "EXIT_SERVER_ERROR",
+    "EXIT_UNVERIFIED",
+    "EXIT_USAGE",
+    "ClientCommandArguments",
+    "ServeArguments",
+    "ServeBenchArguments",
+    "load_server_drafter",
+    "read_token",
+    "register",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +158,32 @@ class ClientCommandArguments:
     )
 
 
+@dataclass
+class ServeBenchArguments:
+    """`moa serve-bench`'s options."""
+
+    target: str = "default"
+    dtype: str = field(default="float32", metadata={"choices": list(_DTYPE_CHOICES)})
+    drafter: str | None = field(
+        default=None,
+        metadata={
+            "help": "a drafter folder, 'default' or 'random' (as for `moa serve`); the client side gets a copy with "
+            "its own embedding and LM head"
+        },
+    )
+    profiles: str = "lan,4g,3g,satellite"
+    prompts: int = field(default=3, metadata={"help": "how many of the built-in prompts"})
+    max_new_tokens: int = 32
+    outage_after: int = field(default=8, metadata={"help": "cut the link after this many verified tokens"})
+    outage_tokens: int = field(default=16, metadata={"help": "restore it after this many offline tokens"})
+    seed: int = 0
+    output: str | None = field(default=None, metadata={"help": "write the JSON report here"})
+
+
 def register(subparsers) -> None:
-    """Add the `serve`, `client`, `serve-bench` and `serve-load` subcommands."""
+    """Add the `serve`, `client`, `serve-bench` and `serve-load` subcommands (their options: the fields of
+    `ServeArguments` + `ServerLimits`, `ClientCommandArguments` + `ClientSettings`, `ServeBenchArguments` and
+    `LoadTestArguments`)."""
     p = subparsers.add_parser(
         "serve",
         parents=[HfArgumentParser((ServeArguments, ServerLimits), add_help=False)],
@@ -171,38 +206,22 @@ def register(subparsers) -> None:
 
     b = subparsers.add_parser(
         "serve-bench",
+        parents=[HfArgumentParser(ServeBenchArguments, add_help=False)],
         help="benchmark client-server drafting over emulated links",
         description="Measure server calls per token, latency per token against plain "
         "token-by-token streaming, and drafter-only quality during an outage, over emulated "
         "LAN / 4G / 3G / satellite links (real sockets on 127.0.0.1).",
     )
-    b.add_argument("--target", default="default")
-    b.add_argument("--dtype", choices=_DTYPE_CHOICES, default="float32")
-    b.add_argument(
-        "--drafter",
-        default=None,
-        help="a drafter folder, 'default' or 'random' (as for `moa serve`); the client side gets a copy "
-        "with its own embedding and LM head",
-    )
-    b.add_argument("--profiles", default="lan,4g,3g,satellite")
-    b.add_argument("--prompts", type=int, default=3, help="how many of the built-in prompts")
-    b.add_argument("--max-new-tokens", type=int, default=32)
-    b.add_argument("--outage-after", type=int, default=8, help="cut the link after this many verified tokens")
-    b.add_argument("--outage-tokens", type=int, default=16, help="restore it after this many offline tokens")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--output", default=None, help="write the JSON report here")
     b.set_defaults(func=_bench)
-
-    from .loadtest import add_arguments as load_arguments  # standard library only: cheap for `moa --help`
 
     load = subparsers.add_parser(
         "serve-load",
+        parents=[HfArgumentParser(LoadTestArguments, add_help=False)],
         help="load-test a `moa serve` server with concurrent clients",
         description="Start `moa serve` (or attach to --server), run one client alone, then N concurrent clients "
         "(drafting here) per phase; report latency p50/p95, verified tokens/s, exactness against the single-client "
         "output, /v1/health latency, server RSS, HTTP errors and unverified tokens. Bounded by --max-seconds.",
     )
-    load_arguments(load)
     load.set_defaults(func=_load)
 
 
@@ -435,12 +454,13 @@ def _stream(client, args):
             print("\n[server back: verifying the drafted tokens]", file=sys.stderr)
 
 
-def _bench(args) -> int:
+def _bench(namespace) -> int:
     if (message := _missing_extras()) is not None:
         print(message, file=sys.stderr)
         return 2
     from .bench import format_report, run_serving_bench
 
+    (args,) = HfArgumentParser(ServeBenchArguments).parse_dict(vars(namespace), allow_extra_keys=True)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     target, tokenizer = load_target(
         args.target, dtype=args.dtype, device="cpu", require_tokenizer=False, local_files_only=True
@@ -468,10 +488,11 @@ def _bench(args) -> int:
     return 0
 
 
-def _load(args) -> int:
+def _load(namespace) -> int:
     if (message := _missing_extras()) is not None:
         print(message, file=sys.stderr)
         return EXIT_USAGE
     from .loadtest import run_from_args
 
+    (args,) = HfArgumentParser(LoadTestArguments).parse_dict(vars(namespace), allow_extra_keys=True)
     return run_from_args(args)

@@ -1,23 +1,24 @@
 """`ClientDraftPolicy`: how many tokens `MoAClient` drafts per call, an adapter over the policy core
-(modeling/custom_generate/policy_core.py) that prices a round trip.
+(modeling/custom_generate/policy_core.py: `best`, `ProbeSchedule`) that prices a round trip.
 
 A call verifying k drafts gains E(k) = 1 + a + ... + a^k tokens (accepted drafts and the target's own; the acceptance
 a pooled over positions, since a client's calls are too few to keep one per position: `PositionRates` with one
 position, older calls decayed) and costs T(k) = network + server(k + 1 tokens) + k x drafting: the round trip beyond
 the server's time and the drafting time per token as moving averages, the server's time as `VerifyFit` of a prior
-line to the calls' verifications. The policy takes the k in [min_length, max_length] with the largest E(k) / T(k).
-k = 0 is plain decoding (a useless drafter on a fast link); then one call in `probe_every` still drafts one token to
-keep measuring the acceptance (`Backoff`: the interval doubles while probes are rejected, up to `max_probe_every`).
-`fixed` turns the adaptation off.
+line to the calls' verifications. The core's `best` takes the k in [min_length, max_length] with the largest
+E(k) / T(k). k = 0 is plain decoding (a useless drafter on a fast link); then one call in `probe_every` still drafts
+one token to keep measuring the acceptance (`ProbeSchedule`, on the clock of calls: the interval doubles while probes
+are rejected, up to `max_probe_every`). `fixed` turns the adaptation off.
 """
 
 from __future__ import annotations
 
-from ..modeling.custom_generate.policy_core import Backoff, PositionRates, VerifyFit
+from ..modeling.custom_generate.policy_core import PositionRates, ProbeSchedule, VerifyFit, best
 
 __all__ = ["ClientDraftPolicy"]
 
 SERVER_PRIOR = (0.02, 0.002)  # seconds of a verification call ~ s0 + s1 x tokens in its forward, before measuring
+PROBE = "probe"  # the probe schedule's one option: drafting (a token) while plain decoding is the best
 
 
 class ClientDraftPolicy:
@@ -35,8 +36,8 @@ class ClientDraftPolicy:
             raise ValueError(f"need 0 <= min_length <= max_length, got {min_length} and {max_length}")
         self.min_length, self.max_length, self.fixed = min_length, max_length, fixed
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
-        self.backoff = Backoff(most=max_probe_every / probe_every)  # probes of k > 0 while plain decoding plays
-        self._probing, self._zeros = False, 0
+        self.probes = ProbeSchedule(most=max_probe_every / probe_every)  # probes of k > 0 while plain decoding plays
+        self.calls, self._probing = 0, False  # the probes' clock: choices made
         self.network_s: float | None = None
         self.draft_s = 0.005
         self.rates = PositionRates(1, decay=0.9, bounds=(0.01, 0.99))  # prior: acceptance 0.5
@@ -50,7 +51,7 @@ class ClientDraftPolicy:
     @property
     def probe_interval(self) -> float:
         """Plain-decoding calls between two probes (doubled per rejected probe, at most `max_probe_every`)."""
-        return self.backoff.interval("probe", self.probe_every)
+        return self.probes.interval(PROBE, self.probe_every)
 
     def observe_call(
         self, network_s: float, server_s: float | None, forward_tokens: int, drafted: int, accepted: int
@@ -63,7 +64,7 @@ class ClientDraftPolicy:
         self.rates.record(drafted, accepted)
         if self._probing:
             self._probing = False
-            self.backoff.won("probe") if accepted > 0 else self.backoff.lost("probe")
+            self.probes.won(PROBE) if accepted > 0 else self.probes.lost(PROBE)
 
     def observe_draft(self, seconds_per_token: float) -> None:
         self.draft_s = 0.8 * self.draft_s + 0.2 * seconds_per_token
@@ -74,17 +75,16 @@ class ClientDraftPolicy:
         if self.fixed is not None:
             return min(self.fixed, budget)
         network = 0.02 if self.network_s is None else self.network_s
-        best, best_rate = 0, -1.0
-        for k in range(min(self.min_length, budget), min(self.max_length, budget) + 1):
+
+        def tokens_per_second(k: int) -> float:
             seconds = network + self.server.seconds_of(k + 1) + k * self.draft_s
-            rate = self.rates.expected_tokens(k) / max(seconds, 1e-6)
-            if rate > best_rate:
-                best, best_rate = k, rate
-        if best == 0 and budget > 0:
-            self._zeros += 1
-            if self._zeros >= self.probe_interval:  # probe: keep the acceptance estimate alive
-                self._zeros, self._probing = 0, True
-                return 1
-        else:
-            self._zeros = 0
-        return best
+            return self.rates.expected_tokens(k) / max(seconds, 1e-6)
+
+        k = best(range(min(self.min_length, budget), min(self.max_length, budget) + 1), tokens_per_second, default=0)
+        self.calls += 1
+        if k == 0 and budget > 0:  # plain decoding: a probe (one token) now and then keeps the acceptance measured
+            if not self.probes.due(PROBE, self.calls, self.probe_every):
+                return 0
+            k, self._probing = 1, True
+        self.probes.played(PROBE, self.calls)
+        return k

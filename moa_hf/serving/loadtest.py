@@ -18,7 +18,6 @@ as `python -m moa_hf.serving.loadtest` (e.g. from an older checkout, to measure 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import inspect
@@ -40,7 +39,7 @@ from pathlib import Path
 from ..chat import chat_ids
 from ..hardware import hardware_info
 
-__all__ = ["add_arguments", "format_load_report", "main", "run_from_args", "run_load_test"]
+__all__ = ["LoadTestArguments", "format_load_report", "main", "run_from_args", "run_load_test"]
 
 _TOKEN_ENV = "MOA_SERVE_TOKEN"
 HEALTH_INTERVAL_S = 0.5
@@ -503,29 +502,36 @@ def format_load_report(report: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `moa serve-load` (also `python -m moa_hf.serving.loadtest`)."""
-    p.add_argument("--server", default=None, help="attach to a running server (default: start `moa serve` here)")
-    p.add_argument("--server-pid", type=int, default=None, help="with --server: its process id, to read its RSS")
-    p.add_argument("--target", default="default", help="the started server's --target (a folder: a tiny test model)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--drafter", default=None, help="the started server's --drafter (default: its own default)")
-    p.add_argument(
-        "--serve-args",
-        default="",
-        help="more options for the started `moa serve`, as one string (e.g. '--max-batch 8')",
+@dataclass
+class LoadTestArguments:
+    """The options of `moa serve-load` (also `python -m moa_hf.serving.loadtest`), parsed by
+    `transformers.HfArgumentParser` (this module stays standard library only at import)."""
+
+    server: str | None = field(
+        default=None, metadata={"help": "attach to a running server (default: start `moa serve` here)"}
     )
-    p.add_argument("--clients", default="1,8,24", help="comma-separated client counts, one phase each")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--prompts", type=int, default=6, help="how many prompts (client i starts at prompt i)")
-    p.add_argument("--rounds", type=int, default=1, help="generations per client per phase")
-    p.add_argument("--max-seconds", type=float, default=1800.0, help="the whole run's budget; it stops by itself")
-    p.add_argument("--client-threads", type=int, default=1, help="torch threads of the client side (this process)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default=None, help="write the JSON report here")
+    server_pid: int | None = field(default=None, metadata={"help": "with --server: its process id, to read its RSS"})
+    target: str = field(
+        default="default", metadata={"help": "the started server's --target (a folder: a tiny test model)"}
+    )
+    dtype: str = field(default="float32", metadata={"choices": ["float32", "bfloat16"]})
+    drafter: str | None = field(
+        default=None, metadata={"help": "the started server's --drafter (default: its own default)"}
+    )
+    serve_args: str = field(
+        default="", metadata={"help": "more options for the started `moa serve`, as one string (e.g. '--max-batch 8')"}
+    )
+    clients: str = field(default="1,8,24", metadata={"help": "comma-separated client counts, one phase each"})
+    max_new_tokens: int = 64
+    prompts: int = field(default=6, metadata={"help": "how many prompts (client i starts at prompt i)"})
+    rounds: int = field(default=1, metadata={"help": "generations per client per phase"})
+    max_seconds: float = field(default=1800.0, metadata={"help": "the whole run's budget; it stops by itself"})
+    client_threads: int = field(default=1, metadata={"help": "torch threads of the client side (this process)"})
+    seed: int = 0
+    output: str | None = field(default=None, metadata={"help": "write the JSON report here"})
 
 
-def run_from_args(args) -> int:
+def run_from_args(args: LoadTestArguments) -> int:
     import torch
 
     token = os.environ.get(_TOKEN_ENV) or None  # an attached server's token (a started one runs on loopback)
@@ -563,9 +569,13 @@ def run_from_args(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moa_hf.serving.loadtest", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(
+        LoadTestArguments, prog="python -m moa_hf.serving.loadtest", description=__doc__.split("\n\n")[0]
+    )
+    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    return run_from_args(args)
 
 
 if __name__ == "__main__":

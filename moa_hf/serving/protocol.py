@@ -41,6 +41,7 @@ __all__ = [
     "MAX_SPARSE",
     "MAX_TEMPERATURE",
     "MIN_SAMPLING_TEMPERATURE",
+    "bounded_request_models",
     "check_content_digest",
     "check_max_new_tokens",
     "check_sampling",
@@ -97,7 +98,6 @@ def json_int(**bounds):
 
 
 JsonInt = json_int()
-_TokenId = json_int(ge=0)
 
 
 def check_sampling(
@@ -150,64 +150,78 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class SparseDistribution(_Strict):
-    """The drafter's distribution for one drafted token, restricted to its support (speculative sampling)."""
+def _request_models(token_id) -> tuple[type[BaseModel], type[BaseModel], type[BaseModel]]:
+    """The request models (`SparseDistribution`, `CreateSessionRequest`, `VerifyRequest`) with token ids of type
+    `token_id`: each token-id field is declared here once, for this module's models (any id >= 0) and for a server's
+    (`bounded_request_models`: ids below its vocabulary size, in its OpenAPI schema too)."""
 
-    ids: list[_TokenId] = Field(min_length=1, max_length=MAX_SPARSE, description="token ids of the support")
-    probs: list[Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]] = Field(
-        min_length=1, max_length=MAX_SPARSE, description="their probabilities (sum ~ 1)"
-    )
+    class SparseDistribution(_Strict):
+        """The drafter's distribution for one drafted token, restricted to its support (speculative sampling)."""
+
+        ids: list[token_id] = Field(min_length=1, max_length=MAX_SPARSE, description="token ids of the support")
+        probs: list[Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]] = Field(
+            min_length=1, max_length=MAX_SPARSE, description="their probabilities (sum ~ 1)"
+        )
+
+    class _Drafts(_Strict):
+        draft_ids: list[token_id] = Field(
+            default_factory=list, max_length=MAX_IDS, description="tokens to verify, in order"
+        )
+        draft_probs: list[SparseDistribution] | None = Field(
+            default=None, max_length=MAX_IDS, description="with do_sample: one distribution per drafted token"
+        )
+        context_from: json_int(ge=0) | None = Field(
+            default=None, description="first position whose context vector to return (default: the first new one)"
+        )
+        want_context: bool = Field(default=True, description="false: return no context vectors (plain decoding)")
+        context_format: ContextFormat = "fp16"
+
+    class CreateSessionRequest(_Drafts):
+        """Start a generation: `input_ids` are all verified (a prompt, or a verified prefix after a lost session)."""
+
+        input_ids: list[token_id] = Field(min_length=1, max_length=MAX_IDS)
+        max_new_tokens: json_int(ge=1, le=MAX_IDS) | None = Field(
+            default=None,
+            description="the most tokens the client will generate (the server reserves cache memory for the prompt, "
+            "them and the drafts); None: up to the server's tokens per session",
+        )
+        do_sample: bool = False
+        temperature: float = Field(
+            default=1.0,
+            gt=0.0,
+            le=MAX_TEMPERATURE,
+            allow_inf_nan=False,
+            description=f"with do_sample: in [{MIN_SAMPLING_TEMPERATURE:.3g}, {MAX_TEMPERATURE:g}] "
+            "(`check_sampling`); below 1e-5 sampling is greedy (moa_hf.speculative.MIN_TEMPERATURE)",
+        )
+        top_k: json_int(ge=0) = Field(default=0, description="0: no top-k filtering of the target's distribution")
+        top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+        seed: json_int(ge=0, lt=1 << 63) | None = None
+
+        @field_validator("temperature", "top_k", "top_p")
+        @classmethod
+        def _sampling_range(cls, value, info: ValidationInfo):
+            """With do_sample (validated before these fields), the shared range check (`check_sampling`)."""
+            check_sampling(**{info.field_name: value}, do_sample=bool(info.data.get("do_sample")))
+            return value
+
+    class VerifyRequest(_Drafts):
+        """One drafting cycle: verify `draft_ids` after the first `num_verified` tokens of the session."""
+
+        num_verified: json_int(ge=1, le=MAX_IDS) = Field(description="how many verified tokens the client holds")
+        last_token: token_id = Field(description="the client's last verified token (consistency check)")
+
+    return SparseDistribution, CreateSessionRequest, VerifyRequest
 
 
-class _Drafts(_Strict):
-    draft_ids: list[_TokenId] = Field(
-        default_factory=list, max_length=MAX_IDS, description="tokens to verify, in order"
-    )
-    draft_probs: list[SparseDistribution] | None = Field(
-        default=None, max_length=MAX_IDS, description="with do_sample: one distribution per drafted token"
-    )
-    context_from: json_int(ge=0) | None = Field(
-        default=None, description="first position whose context vector to return (default: the first new one)"
-    )
-    want_context: bool = Field(default=True, description="false: return no context vectors (plain decoding)")
-    context_format: ContextFormat = "fp16"
+SparseDistribution, CreateSessionRequest, VerifyRequest = _request_models(json_int(ge=0))
 
 
-class CreateSessionRequest(_Drafts):
-    """Start a generation: `input_ids` are all verified (a prompt, or a verified prefix after a lost session)."""
-
-    input_ids: list[_TokenId] = Field(min_length=1, max_length=MAX_IDS)
-    max_new_tokens: json_int(ge=1, le=MAX_IDS) | None = Field(
-        default=None,
-        description="the most tokens the client will generate (the server reserves cache memory for the prompt, "
-        "them and the drafts); None: up to the server's tokens per session",
-    )
-    do_sample: bool = False
-    temperature: float = Field(
-        default=1.0,
-        gt=0.0,
-        le=MAX_TEMPERATURE,
-        allow_inf_nan=False,
-        description=f"with do_sample: in [{MIN_SAMPLING_TEMPERATURE:.3g}, {MAX_TEMPERATURE:g}] (`check_sampling`); "
-        "below 1e-5 sampling is greedy (moa_hf.speculative.MIN_TEMPERATURE)",
-    )
-    top_k: json_int(ge=0) = Field(default=0, description="0: no top-k filtering of the target's distribution")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    seed: json_int(ge=0, lt=1 << 63) | None = None
-
-    @field_validator("temperature", "top_k", "top_p")
-    @classmethod
-    def _sampling_range(cls, value, info: ValidationInfo):
-        """With do_sample (validated before these fields), the shared range check (`check_sampling`)."""
-        check_sampling(**{info.field_name: value}, do_sample=bool(info.data.get("do_sample")))
-        return value
-
-
-class VerifyRequest(_Drafts):
-    """One drafting cycle: verify `draft_ids` after the first `num_verified` tokens of the session."""
-
-    num_verified: json_int(ge=1, le=MAX_IDS) = Field(description="how many verified tokens the client holds")
-    last_token: _TokenId = Field(description="the client's last verified token (consistency check)")
+def bounded_request_models(vocab_size: int) -> tuple[type[BaseModel], type[BaseModel]]:
+    """(CreateSessionRequest, VerifyRequest) whose token ids are below `vocab_size`, in their validation and their
+    schema (so the OpenAPI schema documents, and a fuzzer explores, the valid range): the server's models."""
+    _, create, verify = _request_models(json_int(ge=0, lt=vocab_size))
+    return create, verify
 
 
 @dataclass

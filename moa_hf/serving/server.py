@@ -21,10 +21,8 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import Field, create_model
 from starlette.concurrency import run_in_threadpool
 
-from . import protocol
 from .batching import AdmissionRefused, SchedulerClosed
 from .http_server import (  # ServerThread, run_server, ...: re-exported (see __all__)
     HEALTH_PATH,
@@ -39,9 +37,8 @@ from .http_server import (  # ServerThread, run_server, ...: re-exported (see __
 from .protocol import (
     CONTENT_DIGEST_HEADER,
     PROTOCOL_VERSION,
-    CreateSessionRequest,
-    VerifyRequest,
     VerifyResult,
+    bounded_request_models,
     content_digest,
     encode_result,
 )
@@ -95,29 +92,6 @@ def is_loopback(host: str) -> bool:
 # ---------------------------------------------------------------------------------------------------------------------
 # The application
 # ---------------------------------------------------------------------------------------------------------------------
-def _bounded_models(vocab_size: int) -> tuple[type, type]:
-    """Request models whose token ids are bounded by the vocabulary in the schema too (so the OpenAPI schema
-    documents, and a fuzzer explores, the valid range)."""
-    token_id = protocol.json_int(ge=0, lt=vocab_size)
-    ids_field = Field(min_length=1, max_length=protocol.MAX_SPARSE, description="token ids of the support")
-
-    class SparseDistribution(protocol.SparseDistribution):
-        ids: list[token_id] = ids_field
-
-    draft_fields = {
-        "draft_ids": (list[token_id], Field(default_factory=list, max_length=protocol.MAX_IDS)),
-        "draft_probs": (list[SparseDistribution] | None, Field(default=None, max_length=protocol.MAX_IDS)),
-    }
-    create = create_model(
-        "CreateSessionRequest",
-        __base__=CreateSessionRequest,
-        input_ids=(list[token_id], Field(min_length=1, max_length=protocol.MAX_IDS)),
-        **draft_fields,
-    )
-    verify = create_model("VerifyRequest", __base__=VerifyRequest, last_token=(token_id, ...), **draft_fields)
-    return create, verify
-
-
 def _blob_response(body: bytes, digest: str | None = None) -> Response:
     return Response(body, media_type=_BINARY, headers={CONTENT_DIGEST_HEADER: digest or content_digest(body)})
 
@@ -131,7 +105,7 @@ async def _answer(result: VerifyResult, fmt: str) -> Response:
 def create_app(state: ServingState, docs: bool = False) -> FastAPI:
     """The FastAPI application of one `ServingState`. `docs`: serve /docs, /redoc and /openapi.json (behind the
     token, as everything but /v1/health); off by default (`app.openapi()` still gives the schema)."""
-    Create, Verify = _bounded_models(state.vocab_size)
+    Create, Verify = bounded_request_models(state.vocab_size)  # token ids below the vocabulary size
 
     @asynccontextmanager
     async def lifespan(app):

@@ -21,11 +21,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..hardware import cpu_flags
+from transformers import HfArgumentParser
 
-__all__ = ["METHODS", "EngineProcess", "main", "run_bench", "run_engines", "run_worker"]
+from ..hardware import cpu_flags
+from ..tune_arguments import Ints, Names
+
+__all__ = ["METHODS", "BenchVllmArguments", "EngineProcess", "main", "run_bench", "run_engines", "run_worker"]
 
 METHODS = ("vllm", "ngram", "moa")
 SPEC_COUNTERS = {
@@ -234,7 +238,38 @@ def load_prompts(questions: str | None, per_category: int, chat: int, seed: int)
     return selected
 
 
-def run_bench(args: argparse.Namespace) -> dict:
+@dataclass
+class BenchVllmArguments:
+    """`moa bench-vllm`'s options (also `python -m moa_hf.vllm.bench`); a list takes one comma-separated value."""
+
+    target: str = field(
+        default="default", metadata={"help": "target folder or Hub id (default: SmolLM2-135M-Instruct)"}
+    )
+    drafter: str = field(
+        default="default", metadata={"help": "MoA drafter: default, a folder or a cached Hub repo id"}
+    )
+    dtype: str = field(default="bfloat16", metadata={"choices": ["bfloat16", "float32", "float16"]})
+    methods: Names = field(default=Names(METHODS), metadata={"help": ",".join(METHODS)})
+    batches: Ints = Ints((1, 4, 16))
+    num_speculative_tokens: int = 3
+    draft_length: int | None = field(default=None, metadata={"help": "MoA: a fixed draft length (default: measured)"})
+    max_new_tokens: int = 96
+    questions: str | None = field(
+        default=None, metadata={"help": "Spec-Bench question.jsonl (default: ../shared/... when present)"}
+    )
+    questions_per_category: int = 8
+    chat_prompts: int = field(default=16, metadata={"help": "natural chat prompts (default:validation)"})
+    seed: int = 0
+    output: str = "runs/bench_vllm"
+
+
+def _run_command(namespace: argparse.Namespace) -> int:
+    (args,) = HfArgumentParser(BenchVllmArguments).parse_dict(vars(namespace), allow_extra_keys=True)
+    run_bench(args)
+    return 0
+
+
+def run_bench(args: BenchVllmArguments) -> dict:
     questions = load_prompts(args.questions, args.questions_per_category, args.chat_prompts, args.seed)
     from ..loading import target_folder
 
@@ -248,7 +283,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         "k": args.num_speculative_tokens,
         "draft_length": args.draft_length,
         "max_tokens": args.max_new_tokens,
-        "batches": args.batches,
+        "batches": list(args.batches),
         "prompts": [q["prompt"] for q in questions],
     }
     results = run_engines(base, list(args.methods), output / "engines.log")
@@ -305,26 +340,13 @@ def format_markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="default", help="target folder or Hub id (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", default="default", help="MoA drafter: default, a folder or a cached Hub repo id")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS), help=",".join(METHODS))
-    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
-    p.add_argument("--num-speculative-tokens", type=int, default=3)
-    p.add_argument("--draft-length", type=int, default=None, help="MoA: a fixed draft length (default: measured)")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default: ../shared/... when present)")
-    p.add_argument("--questions-per-category", type=int, default=8)
-    p.add_argument("--chat-prompts", type=int, default=16, help="natural chat prompts (default:validation)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default="runs/bench_vllm")
-
-
 def register(subparsers) -> None:
-    p = subparsers.add_parser("bench-vllm", help="vLLM alone vs ngram vs MoA inside vLLM (needs the vLLM venv)")
-    add_arguments(p)
-    p.set_defaults(func=run_bench)
+    """Add `moa bench-vllm` (its options: the fields of `BenchVllmArguments`)."""
+    subparsers.add_parser(
+        "bench-vllm",
+        parents=[HfArgumentParser(BenchVllmArguments, add_help=False)],
+        help="vLLM alone vs ngram vs MoA inside vLLM (needs the vLLM venv)",
+    ).set_defaults(func=_run_command)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -332,9 +354,9 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] == "--serve":
         serve(json.loads(Path(argv[1]).read_text()))
         return
-    p = argparse.ArgumentParser(prog="python -m moa_hf.vllm.bench", description=__doc__)
-    add_arguments(p)
-    run_bench(p.parse_args(argv))
+    parser = HfArgumentParser(BenchVllmArguments, prog="python -m moa_hf.vllm.bench", description=__doc__)
+    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    run_bench(args)
 
 
 if __name__ == "__main__":

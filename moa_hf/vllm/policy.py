@@ -1,10 +1,12 @@
 """How many tokens vLLM's proposer drafts per row at the current batch size: an adapter over the policy core
-(modeling/custom_generate/policy_core.py) that prices a step of B rows and a row's remaining tokens.
+(modeling/custom_generate/policy_core.py: `best`, `ProbeSchedule`) that prices a step of B rows and a row's remaining
+tokens (with what only vLLM measures, pricing.py).
 
 A *step* is one engine iteration (the target verifies every row's draft, then the proposer drafts the next); the
 *draft length* k is the most tokens a row drafts (0: plain decoding). A row gains E(k) tokens per step, a step of
 B rows costs T(B (1 + k)) + D(B, k) seconds: T the engine's time for a step verifying N tokens (measured by N: one
-batch size serves every other with the same N), D the proposer's (per batch bucket and k); k maximises B E / (T + D).
+batch size serves every other with the same N), D the proposer's (per batch bucket and k); the core's `best` takes
+the k of most B E / (T + D).
 
 With prompt lookup on, a share p of the rows have a lookup proposal (no forward); a step runs the network for the
 rest or leaves them undrafted (*lookup only*): a row gains p E_lookup(k) + (1 - p) E_network(k) (or 1). Before the
@@ -16,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..modeling.custom_generate import policy_core as core
-from ..modeling.custom_generate.policy_core import batch_bucket
+from ..modeling.custom_generate.policy_core import PositionRates, ProbeSchedule, best, unmeasured
+from .pricing import CatchUpPrice, MeasuredCosts, OutputLengths, batch_bucket
 
 __all__ = ["VllmDraftPolicy"]
 
@@ -28,26 +30,23 @@ class VllmDraftPolicy:
     fixed: int | None = None  # always draft this many (no measuring)
     samples: int = 2  # measurements of k = 0 and k = max at a batch bucket before choosing from the model
     window: int = 16  # newest measurements kept per key
-    explore_every: int = 64  # steps between re-measuring k = max where the model chose less (acceptance drifts)
+    explore_every: int = 64  # steps without k = max before it is measured again where the model chose less
     explore_margin: float = 1.1  # measure drafting only where free drafting beats plain decoding by this factor
     lookup: bool = False  # rows may draft by prompt lookup: also weigh steps that draft by lookup only
     lookup_rows: int = 0  # rows with a lookup proposal, of
     drafting_rows: int = 0  # the rows of the steps that drafted
-    lengths: core.OutputLengths = field(default_factory=core.OutputLengths)
-    catch_up: core.CatchUpPrice = field(default_factory=core.CatchUpPrice)
-    backoff: core.Backoff = field(
-        default_factory=core.Backoff
-    )  # per batch bucket: re-measuring k = max, later per loss
-    last_max: dict = field(default_factory=dict)  # bucket -> step of the latest k = max
+    lengths: OutputLengths = field(default_factory=OutputLengths)
+    catch_up: CatchUpPrice = field(default_factory=CatchUpPrice)
+    probes: ProbeSchedule = field(default_factory=ProbeSchedule)  # per batch bucket: when k = max is measured again
     steps: int = 0
 
     def __post_init__(self):
         if self.fixed is not None and not 0 <= self.fixed <= self.max_tokens:
             raise ValueError(f"draft_length={self.fixed} must lie in [0, num_speculative_tokens={self.max_tokens}].")
-        self.network_rates = core.PositionRates(self.max_tokens)  # the network's drafts (a prior of 1/2)
-        self.lookup_rates = core.PositionRates(self.max_tokens)  # one class: k, not the match, sets its length
-        self.engine = core.MeasuredCosts(self.window)  # N verified tokens -> engine seconds per step
-        self.drafts = core.MeasuredCosts(self.window)  # (bucket, k, network) -> proposer seconds per step
+        self.network_rates = PositionRates(self.max_tokens)  # the network's drafts (a prior of 1/2)
+        self.lookup_rates = PositionRates(self.max_tokens)  # one class: k, not the match, sets its length
+        self.engine = MeasuredCosts(self.window)  # N verified tokens -> engine seconds per step
+        self.drafts = MeasuredCosts(self.window)  # (bucket, k, network) -> proposer seconds per step
 
     def record_acceptance(self, drafted: int, accepted: int, by_lookup: bool = False) -> None:
         """One row's draft of `drafted` tokens (by the network, or by prompt lookup) of which `accepted` were."""
@@ -102,9 +101,9 @@ class VllmDraftPolicy:
         """The draft length for the next step at `batch` rows, and whether the network drafts (False: rows without
         a lookup proposal stay undrafted). Drafting is measured (k = max with the network, by lookup only, then 0,
         `samples` steps each) while it could pay: no engine time yet, or free drafting beating plain decoding by
-        `explore_margin`. Then the model's best; k = max is measured again after `explore_every` steps (`Backoff`:
-        doubled per look it lost). `catch_up`: verified tokens the network would read first, `remaining`: the mean
-        tokens those rows have left."""
+        `explore_margin`. Then the model's best (`best`); k = max is measured again once `explore_every` steps went
+        by without it (`ProbeSchedule`: doubled per look it lost). `catch_up`: verified tokens the network would read
+        first, `remaining`: the mean tokens those rows have left."""
         self.steps += 1
         if self.fixed is not None:
             return self.fixed, True
@@ -117,25 +116,25 @@ class VllmDraftPolicy:
         plain = self.throughput(batch, 0)
         free = {n: max((self.throughput(batch, k, True, n, **extra) or 0.0) for k in ks) for n in sources}
         pays = {n: plain is None or free[n] > self.explore_margin * plain for n in sources}
-        if any(pays.values()):
-            for k, net in [(self.max_tokens, n) for n in sources if pays[n]] + [(0, True)]:
-                if self.drafts.count((bucket, k, net)) < self.samples:  # measure both ends at this batch size
-                    return self._chose(bucket, k, net)
+        if any(pays.values()):  # measure both ends at this batch size
+            ends = [(self.max_tokens, n) for n in sources if pays[n]] + [(0, True)]
+            first = unmeasured(ends, lambda o: self.drafts.count((bucket, *o)), self.samples)
+            if first is not None:
+                return self._chose(bucket, *first)
         options = [(0, True)] + [(k, n) for k in ks for n in sources]  # on a tie the first: plain decoding
-        scores = {(k, n): self.throughput(batch, k, network=n, **extra) for k, n in options}
-        k, net = max((c for c in scores if scores[c] is not None), key=lambda c: scores[c], default=(0, True))
+        k, net = best(options, lambda o: self.throughput(batch, o[0], network=o[1], **extra), default=(0, True))
         full = (self.max_tokens, True)  # k = max with the network: what acceptance drift could make pay again
-        due = self.steps - self.last_max.get(bucket, 0) > self.backoff.interval(bucket, self.explore_every)
-        if pays[True] and (k, net) != full and due:
-            self.backoff.lost(bucket)  # look again, later each time it loses
+        before = self.steps - 1  # steps before this one: k = max is due once `explore_every` of them went without it
+        if pays[True] and (k, net) != full and self.probes.due(bucket, before, self.explore_every):
+            self.probes.lost(bucket)  # look again, later each time it loses
             return self._chose(bucket, *full)
         if (k, net) == full:
-            self.backoff.won(bucket)
+            self.probes.won(bucket)
         return self._chose(bucket, k, net)
 
     def _chose(self, bucket: int, k: int, network: bool = True) -> tuple[int, bool]:
         if (k, network) == (self.max_tokens, True):
-            self.last_max[bucket] = self.steps
+            self.probes.played(bucket, self.steps)
         return k, network
 
     def as_dict(self) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..modeling.custom_generate.policy_core import OutputLengths
+from .pricing import OutputLengths
 
 __all__ = ["RowLives", "pair_rows"]
 

@@ -37,9 +37,11 @@ E[tokens] = B + sum_i p_i for the batch of B rows, and costs T(n) = fixed + D + 
 
 Drafting (tree.py: `build_tree`, `add_chain`, `cut_to_budget`) is kept apart from adapting (`ShapePolicy.update`), as
 transformers keeps `get_candidates` apart from `update_candidate_strategy`. Fixed settings (`TreeSettings`) bypass
-what they fix. What every route's policy shares (lookup's rates by position, the verification fit, the probes'
-back-off; vLLM's proposer and the serving client price with them too) lives in policy_core.py. This file ships
-inside every published drafter repo (custom_generate/): it imports only torch and its siblings.
+what they fix. The decision itself (the arm and the cut of most expected tokens per second: `best`, `best_index`; the
+probes: `ProbeSchedule`) and what it is priced with (lookup's rates by position, the verification fit) are the policy
+core's (policy_core.py), which vLLM's proposer and the serving client decide with too: this file is the engine's
+adapter over it. It ships inside every published drafter repo (custom_generate/): it imports only torch and its
+siblings.
 """
 
 import functools
@@ -49,7 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .policy_core import LOOKUP_CLASSES, Backoff, PositionRates, VerifyFit, interpolate
+from .policy_core import PositionRates, ProbeSchedule, VerifyFit, best, interpolate, unmeasured
 
 __all__ = [
     "Costs",
@@ -219,7 +221,7 @@ class ShapePolicy:
     START_MARGIN = 1.1  # the network arms play in a call if one's carried rate is within this factor of the best
     REFRESH_CALLS = 8  # ... or after this many calls without them (their rates are measured again)
     CARRIED_TRIES = 16  # the most weight an earlier call's lookup right rate keeps per position
-    LOOKUP_CLASSES = LOOKUP_CLASSES  # lookup proposals of 1, 2-3, 4-7, 8-15, 16+ tokens keep right rates apart
+    LOOKUP_CLASSES = 5  # lookup proposals of 1, 2-3, 4-7, 8-15, 16+ tokens keep right rates apart
 
     def __init__(self, settings: TreeSettings, costs: Costs, batch: int, lookup: bool, carried: dict | None = None):
         self.settings, self.costs, self.batch, self.lookup = settings, costs, batch, lookup
@@ -243,9 +245,6 @@ class ShapePolicy:
         for k, (sec, tok) in carried.get("arms", {}).items():
             if k.split("@")[0] in keys and tok > 0:  # an earlier call's rate, weighted as one cycle
                 self.sums[k] = [sec / tok, 1.0, self.PROBE]
-        # (context, arm) -> probes lost in a row (its interval doubles per loss); an earlier call's, one fewer
-        losses = {tuple(k.split("/")): max(0, n - 1) for k, n in carried.get("losses", {}).items()}
-        self.backoff = Backoff(most=2**self.MAX_BACKOFF, losses=losses)
         self.probing = False  # the current cycle plays an arm that is not the best (`update` scores the probe)
         self.lookup_rates.load(carried.get("lookup", ()), self.CARRIED_TRIES)  # an earlier call's, weighted
         self.gamma = carried.get("gamma", self.gamma)
@@ -256,11 +255,14 @@ class ShapePolicy:
         self.network_played = False
         self.context = "none"
         self.arm = self.arms[self.context][0]
-        self.cycles = dict.fromkeys(self.CONTEXTS, 0)  # cycles per context
-        # the cycle of its context each arm last played in (counting back into earlier calls: an arm's interval can
-        # be longer than a call, and a call's few cycles must not keep the arm unprobed for good)
+        self.cycles = dict.fromkeys(self.CONTEXTS, 0)  # cycles per context: the probes' clock of (context, arm)
+        # (context, arm) -> probes lost in a row (its interval doubles per loss; an earlier call's, one fewer) and the
+        # cycle of its context it last played in (counting back into earlier calls: an arm's interval can be longer
+        # than a call, and a call's few cycles must not keep the arm unprobed for good)
+        losses = {tuple(k.split("/")): max(0, n - 1) for k, n in carried.get("losses", {}).items()}
         since = carried.get("since", {})
-        self.last_played = {(c, a): -since.get(f"{c}/{a}", 1) for c, arms in self.arms.items() for a in arms}
+        last = {(c, a): -since.get(f"{c}/{a}", 1) for c, arms in self.arms.items() for a in arms}
+        self.probes = ProbeSchedule(most=2**self.MAX_BACKOFF, losses=losses, last=last)
 
     CONTEXTS = ("found", "none")
 
@@ -334,29 +336,28 @@ class ShapePolicy:
         return sec / tok if tok > 0 else None
 
     def _next_arm(self) -> str:
-        """The arm of the next cycle in the current context: an arm not probed yet; else the best, but an arm
-        unplayed for its interval (`EXPLORE_EVERY` x (its rate / the best's)^2 cycles of the context, at most
-        `MAX_EXPLORE_GAP` x that ratio, doubled per probe it lost in a row) first: an arm's rate drifts with the
-        context length and the text."""
+        """The arm of the next cycle in the current context: an arm not probed yet; else the best (the fewest
+        measured seconds per token), but an arm due a probe first (`ProbeSchedule`, on the context's cycles: its base
+        interval `EXPLORE_EVERY` x (its rate / the best's)^2, at most `MAX_EXPLORE_GAP` x that ratio): an arm's rate
+        drifts with the context length and the text."""
         c, arms = self.context, self.arms[self.context]
         if len(arms) == 1:
             return arms[0]
-        for arm in arms:
-            if self.sums[self._rows_key(c, arm)][2] < self.PROBE:
-                return arm
-        best = min(arms, key=lambda a: self.rate(a))
-        top = max(self.rate(best), 1e-9)
+        first = unmeasured(arms, lambda a: self.sums[self._rows_key(c, a)][2], self.PROBE)
+        if first is not None:
+            return first
+        best_arm = best(arms, seconds_per_token=self.rate)
+        top = max(self.rate(best_arm), 1e-9)
 
-        def interval(arm: str) -> float:
+        def base(arm: str) -> float:
             ratio = self.rate(arm) / top
-            return self.backoff.interval((c, arm), min(self.MAX_EXPLORE_GAP * ratio, self.EXPLORE_EVERY * ratio**2))
+            return min(self.MAX_EXPLORE_GAP * ratio, self.EXPLORE_EVERY * ratio**2)
 
-        played = self.last_played
-        due = [a for a in arms if a != best and self.cycles[c] - played[c, a] >= interval(a)]
-        if not due:
-            return best
+        probe = self.probes.probe({(c, a): base(a) for a in arms if a != best_arm}, self.cycles[c])
+        if probe is None:
+            return best_arm
         self.probing = True
-        return min(due, key=lambda a: played[c, a])
+        return probe[1]
 
     def learned(self) -> dict:
         """What to carry to the next call with these costs: the arms' {arm: (seconds, tokens)}, lookup's (right,
@@ -364,9 +365,9 @@ class ShapePolicy:
         last played and the calls in a row without the network."""
         arms = {k: (sec, tok) for k, (sec, tok, _) in self.sums.items() if tok > 0}
         lookup = self.lookup_rates.state()
-        losses = {f"{c}/{a}": n for (c, a), n in self.backoff.losses.items() if n}
+        losses = {f"{c}/{a}": n for (c, a), n in self.probes.losses.items() if n}
         idle = 0 if self.network_played else self.idle_calls + 1
-        since = {f"{c}/{a}": self.cycles[c] - last for (c, a), last in self.last_played.items()}
+        since = {f"{c}/{a}": self.cycles[c] - last for (c, a), last in self.probes.last.items()}
         return {
             "arms": arms,
             "lookup": lookup,
@@ -448,14 +449,14 @@ class ShapePolicy:
         # a cycle of a drafting arm that drafted nothing counts for it: its own choice
         sums = self.sums[self._rows_key(self.context, self.arm)]
         sums[0], sums[1], sums[2] = self.DECAY * sums[0] + seconds, self.DECAY * sums[1] + tokens, sums[2] + 1
-        self.last_played[self.context, self.arm] = self.cycles[self.context]
+        self.probes.played((self.context, self.arm), self.cycles[self.context])
         self.network_played |= self.arm in self.NETWORK_ARMS
         self.cycles[self.context] += 1
         if self.probing:  # a probe lost if its arm is still slower than another: its next one waits longer
             c, arm = self.context, self.arm
             mine = self.rate(arm)
             lost = any((r := self.rate(a)) is not None and r < mine for a in self.arms[c] if a != arm)
-            self.backoff.lost((c, arm)) if lost else self.backoff.won((c, arm))
+            self.probes.lost((c, arm)) if lost else self.probes.won((c, arm))
         if tree.size == 0:  # a plain cycle
             self.step_s = 0.8 * self.step_s + 0.2 * verify_s
             return

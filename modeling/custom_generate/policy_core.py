@@ -1,53 +1,39 @@
-"""The speculation policy's core: what every route (the engine, vLLM's proposer, the serving client) measures and
-prices to decide "plain decoding, lookup only, or the network, and how far ahead".
+"""The speculation policy's core: the one decision every route makes (the engine, vLLM's proposer, the serving
+client), and the parts it is made of.
 
-Terms: a *proposal* is one row's drafted tokens of one step (by the drafter's network or by prompt lookup); its
-token j (0-based) is *reached* when tokens < j were right, *right* when the target accepted it. A *step* (a cycle,
-a call) verifies every row's proposal in one target forward of n tokens per row.
+Terms: a *step* (a cycle, a call) verifies every row's proposal in one target forward; an *option* is what a step may
+play: a draft length k (0: plain decoding), the n nodes a tree is cut to, an arm (a family of shapes). A *proposal*
+is one row's drafted tokens of one step (by the drafter's network or by prompt lookup); its token j (0-based) is
+*reached* when the tokens before it were right, *right* when the target accepted it.
 
-    PositionRates   acceptance by draft position, per arm and per class of proposal length: right / reached of
-                    token j, with a prior; E(k) = 1 + sum_{i<=k} a_1 ... a_i tokens per step
-    VerifyFit       the verification cost table T(n) and its fit to what steps took: base x T(1) + extra x
-                    (T(n) - T(1)), decayed least squares (a longer context makes further tokens dearer)
-    MeasuredCosts   seconds by key (tokens verified, or a batch bucket and draft length), the median of the latest
-                    measurements, interpolated between sizes
-    Backoff         the probe schedule: an option that is not the best is probed again after its base interval x
-                    2^(probes it lost in a row), at most `most` x
-    CatchUpPrice    the one-off cost of reading a row's verified tokens into the drafter (C seconds per token,
-                    measured), spread over the steps the row has left: C n E / R per step for R tokens left
-    OutputLengths   R, from how many tokens the rows seen to finish generated
-    batch_bucket    batch sizes share measurements within powers of two
+The decision (`best`, `best_index`): play the option o of most expected tokens per second,
 
-The routes are adapters over these parts, each saying what differs: the engine (policy.py, `ShapePolicy`) plays arms
-of tree shapes on measured seconds per token; vLLM's proposer (moa_hf/vllm/policy.py) prices a step of B rows and a
-row's remaining tokens; the client (moa_hf/serving/draft_policy.py) prices a round trip. This file ships inside
-every published drafter repo (custom_generate/): it imports only torch and the standard library.
+    E(o) / T(o)     E(o): the tokens a step playing o gains (the accepted drafts and each row's token from the
+                    target); for a chain of k tokens right at rates a_1 .. a_k, E(k) = 1 + sum_{i<=k} a_1 ... a_i
+                    per row. T(o): the step's seconds (verifying, drafting, whatever else the route pays).
+
+E and T are modelled from the parts below or measured (seconds per token played); the first of equal options plays
+(routes list the cheapest first: plain decoding). Each option is measured a few times before they are compared
+(`unmeasured`); an option that is not the best is still played now and then (a *probe*: its rate drifts with the
+context and the text), on one schedule (`ProbeSchedule`): due `base` x 2^(probes it lost in a row) steps after it
+last played.
+
+    PositionRates   the a_j: right / reached of token j, with a prior, per class of proposal length
+    VerifyFit       T's verification: the cost table T(n) fitted to what the steps' verifications took
+    interpolate     a cost table between its measured sizes
+
+Each route is an adapter that prices E and T its own way and calls `best`: the engine (policy.py, `ShapePolicy`: arms
+by measured seconds per token; tree.py's `cut_to_budget`: a tree's n nodes), vLLM's proposer (moa_hf/vllm/policy.py:
+a step of B rows, with what only vLLM measures in moa_hf/vllm/pricing.py), the serving client
+(moa_hf/serving/draft_policy.py: a round trip). This file ships inside every published drafter repo
+(custom_generate/): it imports only torch and the standard library.
 """
 
 import math
-import statistics
-from collections import deque
 
 import torch
 
-__all__ = [
-    "Backoff",
-    "CatchUpPrice",
-    "MeasuredCosts",
-    "OutputLengths",
-    "PositionRates",
-    "VerifyFit",
-    "batch_bucket",
-    "interpolate",
-    "LOOKUP_CLASSES",
-]
-
-LOOKUP_CLASSES = 5  # lookup proposals of 1, 2-3, 4-7, 8-15, 16+ tokens keep right rates apart (`PositionRates`)
-
-
-def batch_bucket(batch_size: int) -> int:
-    """Batch sizes share measurements within powers of two: 1, 2, 4 (3-4), 8 (5-8), ..."""
-    return 1 << max(0, batch_size - 1).bit_length()
+__all__ = ["PositionRates", "ProbeSchedule", "VerifyFit", "best", "best_index", "interpolate", "unmeasured"]
 
 
 def interpolate(points: list, n: float, beyond: str = "linear") -> float:
@@ -196,41 +182,46 @@ class VerifyFit:
         self.extra = min(hi2, max(lo2, (a * v - b * u) / det))
 
 
-class MeasuredCosts:
-    """Seconds by key: the median of each key's latest `window` measurements; an integer key (tokens verified) is
-    interpolated between the measured ones (`interpolate`)."""
+# ---------------------------------------------------------------------------------------------------------------------
+# The decision: the most expected tokens per second, and the probes
+# ---------------------------------------------------------------------------------------------------------------------
+def best(options, tokens_per_second=None, *, seconds_per_token=None, default=None):
+    """The option of most expected tokens per second E(o) / T(o): the largest `tokens_per_second(o)` (as modelled)
+    or the smallest `seconds_per_token(o)` (as measured), None for an option not rated yet (skipped). The first of
+    equals plays (list the cheapest first); `default` where no option is rated."""
 
-    def __init__(self, window: int = 16):
-        self.window = window
-        self.times: dict = {}  # key -> deque of seconds
+    def rate(option):
+        if seconds_per_token is None:
+            return tokens_per_second(option)
+        seconds = seconds_per_token(option)
+        return None if seconds is None else -seconds  # fewer seconds first: negated, the same order exactly
 
-    def add(self, key, seconds: float) -> None:
-        self.times.setdefault(key, deque(maxlen=self.window)).append(seconds)
-
-    def count(self, key) -> int:
-        return len(self.times.get(key, ()))
-
-    def median(self, key) -> float | None:
-        times = self.times.get(key)
-        return statistics.median(times) if times else None
-
-    def at(self, n: int, beyond: str = "proportional") -> float | None:
-        """The seconds at size n between the measured sizes (None before any measurement)."""
-        points = sorted((k, statistics.median(t)) for k, t in self.times.items() if t)
-        return interpolate(points, n, beyond) if points else None
-
-    def as_dict(self) -> list[tuple]:
-        """[(key, median seconds)], for logs."""
-        return [(k, round(statistics.median(t), 5)) for k, t in sorted(self.times.items()) if t]
+    rated = [(o, r) for o in options if (r := rate(o)) is not None]
+    return max(rated, key=lambda rated_option: rated_option[1])[0] if rated else default
 
 
-class Backoff:
-    """The probe schedule of options that are not the best: option `key` is probed again after its base interval x
-    2^(probes it lost in a row), at most `most` x (None: no limit); a probe it wins resets it."""
+def unmeasured(options, count, needed: int):
+    """The first of `options` measured (`count(o)`) fewer than `needed` times, None where none is: every option is
+    measured before `best` compares them."""
+    return next((o for o in options if count(o) < needed), None)
 
-    def __init__(self, most: float | None = None, losses: dict | None = None):
+
+def best_index(tokens: torch.Tensor, seconds: torch.Tensor) -> int:
+    """`best` of the options 0 .. n-1 given as tensors: tokens [n] their E, seconds [n] their T."""
+    return int((tokens / seconds).argmax())
+
+
+class ProbeSchedule:
+    """When an option that is not the best plays anyway (a *probe*, to measure it again). Option `key` is due once
+    `now` - the step it last played >= `base` x 2^(probes it lost in a row) (that factor at most `most`; None: no
+    limit): steps counted on the route's clock, `base` the route's interval for it. Of several due options the one
+    played longest ago goes first. A probe the option loses (it is still not the best) doubles its interval, one it
+    wins resets it. `losses` and `last` ({key: the step it last played}, 0 where absent): a schedule to go on from."""
+
+    def __init__(self, most: float | None = None, losses: dict | None = None, last: dict | None = None):
         self.most = most
         self.losses: dict = dict(losses or {})
+        self.last: dict = dict(last or {})
 
     def factor(self, key) -> float:
         factor = 2.0 ** self.losses.get(key, 0)
@@ -239,48 +230,19 @@ class Backoff:
     def interval(self, key, base: float) -> float:
         return base * self.factor(key)
 
+    def due(self, key, now: int, base: float) -> bool:
+        return now - self.last.get(key, 0) >= self.interval(key, base)
+
+    def probe(self, bases: dict, now: int):
+        """Of the options `bases` ({key: its base interval}), the due one played longest ago; None: none is due."""
+        due = [key for key, base in bases.items() if self.due(key, now, base)]
+        return min(due, key=lambda key: self.last.get(key, 0), default=None)
+
+    def played(self, key, now: int) -> None:
+        self.last[key] = now
+
     def lost(self, key) -> None:
         self.losses[key] = self.losses.get(key, 0) + 1
 
     def won(self, key) -> None:
         self.losses[key] = 0
-
-
-class OutputLengths:
-    """How many tokens requests generate, from the rows seen to finish: how many a running row has left."""
-
-    def __init__(self, prior: float = 64.0, keep: int = 256):
-        self.prior = prior  # tokens left assumed before any row finished (or for a row past every length seen)
-        self.finished: deque = deque(maxlen=keep)  # generated tokens of the latest finished rows
-
-    def record(self, generated: int) -> None:
-        self.finished.append(generated)
-
-    def remaining(self, generated: int) -> float:
-        """Expected tokens still to come for a row that generated `generated`: the mean excess of the finished rows
-        that generated more."""
-        longer = [n - generated for n in self.finished if n > generated]
-        return sum(longer) / len(longer) if longer else self.prior
-
-    def mean(self) -> float | None:
-        return round(statistics.mean(self.finished), 1) if self.finished else None
-
-
-class CatchUpPrice:
-    """The drafter's one-off catch-up (reading a row's verified tokens before it drafts for it): C seconds per token,
-    the median of the latest `window` catch-ups, spread over the steps the row has left."""
-
-    def __init__(self, window: int = 32):
-        self.per_token: deque = deque(maxlen=window)
-
-    def record(self, tokens: int, seconds: float) -> None:
-        if tokens > 0:
-            self.per_token.append(seconds / tokens)
-
-    def seconds(self, tokens: int) -> float:
-        """C n: the time to catch `tokens` tokens up (0 before the first catch-up is measured)."""
-        return statistics.median(self.per_token) * tokens if self.per_token and tokens else 0.0
-
-    def per_step(self, tokens: int, remaining: float, gained: float) -> float:
-        """C n E / R: the catch-up of `tokens` spread over the steps (of `gained` tokens) of `remaining` tokens."""
-        return self.seconds(tokens) / max(1.0, remaining / gained) if tokens else 0.0

@@ -16,7 +16,7 @@ which the target verifies with the tree in one forward over [root, node 1, ..., 
                     verified slots, row selection
 
 `TreeDrafter` declares what the engine needs of a drafter. This file ships inside every published drafter repo
-(custom_generate/), so it imports only torch and transformers.
+(custom_generate/), so it imports only torch, transformers and its sibling policy_core.py.
 """
 
 from dataclasses import dataclass
@@ -24,6 +24,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 from transformers import DynamicCache
+
+from .policy_core import best_index
 
 __all__ = [
     "SlotCache",
@@ -261,8 +263,9 @@ def add_chain(tree: Tree, chains: list, log_probs) -> Tree:
 def cut_to_budget(tree: Tree, budget: int | None, max_budget: int = 64, seconds=None) -> Tree:
     """The nodes to verify: the n most probable (by path probability; a prefix of that order is a tree, as a child
     is never likelier than its parent and ties keep parents first). n = `budget`, or with budget None the n that
-    maximises the cycle's expected tokens per second, sum over rows of (1 + sum of the kept path probabilities) /
-    seconds[n] (`seconds` [max_budget+1]: the cycle's time with n nodes verified, n = 0..max_budget)."""
+    maximises the cycle's expected tokens per second (the policy core's `best_index`), sum over rows of (1 + sum of the
+    kept path probabilities) / seconds[n] (`seconds` [max_budget+1]: the cycle's time with n nodes verified,
+    n = 0..max_budget)."""
     score, order = tree.score.sort(dim=-1, descending=True, stable=True)  # [B, N]
     B, N = score.shape
     if budget is not None:
@@ -271,7 +274,7 @@ def cut_to_budget(tree: Tree, budget: int | None, max_budget: int = 64, seconds=
         limit = min(N, max_budget)
         gain = torch.cat([score.new_zeros(1), score[:, :limit].exp().sum(0).cumsum(0)])  # [limit+1]: n = 0..limit
         gain = gain.to(seconds.device)  # the cost table is the host's (a CUDA tree's scores come over)
-        n = int(((gain + B) / seconds[: limit + 1]).argmax())  # B: each row's own (bonus or correction) token
+        n = best_index(gain + B, seconds[: limit + 1])  # B: each row's own (bonus or correction) token
     if n == N:
         return tree
     keep = order[:, :n].sort(dim=-1).values  # [B, n] parents first again

@@ -1,0 +1,236 @@
+"""What a MoA drafter keeps between forwards: `MoADraftState`, one state for every route (training's parallel forward,
+assisted generation's chains, the engine's and vLLM's trees, the serving client), and the masks each route builds
+for the drafter's one forward (`MoADrafterModel.step`).
+
+Terms, defined once:
+- **slot**: one entry of the SA keys/values (per row, in order). Verified slots come first (`valid` [B, V] says which
+  hold a real token: left padding does not); tree nodes follow while a tree is drafted (`ancestors`), and `end_tree`
+  drops them. A chain (assisted generation, the client) appends its drafted tokens as slots and `truncate`s the
+  rejected ones.
+- **memory**: the CA keys/values of context vectors (the LSA's output for verified tokens), [B, Hkv, M, hd], with
+  `ca_valid` [B, M] (False: no context there) and, for `ca_latest_context`, the vectors themselves (`contexts`
+  [B, M, d]). A chain's memory slot m holds target position m; a tree's is aligned with its SA slot (the context of
+  the token before that slot's token: catch-up reads it at `prev_slots`). Either way the forward only sees a mask.
+- **cycle start**: a query reads the context of verified tokens only: memory slots its CA mask shows.
+
+This file ships inside every Hub repo as remote code (a sibling of modeling_moa.py): it imports only torch,
+transformers and its sibling files.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from .drafting import LayerKV, RollbackCache, TreeState
+from .sorted_exits import DeepBlock, crop_deep
+
+__all__ = ["MoADraftState", "memory_mask", "newest_context"]
+
+
+def memory_mask(valid: torch.Tensor, limit: torch.Tensor | None) -> torch.Tensor:
+    """The CA mask of queries that read the memory slots m < `limit` [B or 1, T] holding a context (`valid` [B, M]):
+    bool [B, T, M]; `limit` None: every slot (a drafted token reads all verified context)."""
+    if limit is None:
+        return valid[:, None, :]  # [B, 1, M]
+    return (torch.arange(valid.shape[1], device=valid.device) < limit[..., None]) & valid[:, None, :]  # [B, T, M]
+
+
+def newest_context(contexts: torch.Tensor, valid: torch.Tensor, limit: torch.Tensor | None) -> torch.Tensor:
+    """The context vector of the newest memory slot each query may read (`ca_latest_context`: the newest valid slot
+    m < limit): contexts [B, M, d], valid [B, M], limit [B or 1, T] (None: M) -> [B, T, d] (zeros: none)."""
+    B, M, d = contexts.shape
+    if limit is None:
+        limit = torch.full((1, 1), M, dtype=torch.long, device=valid.device)
+    if M == 0:
+        return contexts.new_zeros(B, limit.shape[-1], d)
+    held = torch.where(valid, torch.arange(M, device=valid.device), -1).cummax(dim=1).values  # [B, M] newest <= m
+    newest = held.gather(1, (limit - 1).clamp(0, M - 1).expand(B, -1))  # [B, T]
+    newest = torch.where(limit.expand(B, -1) > 0, newest, -1)  # [B, T] -1: none
+    picked = contexts.gather(1, newest.clamp(min=0)[..., None].expand(-1, -1, d))  # [B, T, d]
+    return picked * (newest >= 0)[..., None].to(picked.dtype)
+
+
+@dataclass
+class MoADraftState(TreeState, RollbackCache):
+    """The drafting state of a MoA drafter for B rows (see the module docstring for slots and memory).
+
+    `TreeState` gives the slots' validity, the tree nodes' ancestors, block 1's SA keys/values (`layers[0]`) and the
+    row operations (`select_rows`, `map_slots`, `compact`, `concat_rows`); `RollbackCache` transformers' `crop`.
+    `tokens` [B, S]: the token of each verified slot (a chain's `common_prefix`). `deep`: blocks 2..K of a sorted
+    drafter (their own SA keys/values, memory and pending slots). `tli`: Target Layer Inference's cache of the
+    target's last N layers (the target's keys/values for verified positions < `tli_verified`, then drafted ones;
+    chains only). `root_exits` [B] / `node_exits` [B, k]: the exit each of the latest forward's outputs left at.
+    """
+
+    layers: list[LayerKV] = None  # (the `TreeState` fields, None until `ready`: `MoADrafterCache()` takes no size)
+    valid: torch.Tensor = None
+    ancestors: torch.Tensor = None
+    ca_keys: torch.Tensor = None
+    ca_values: torch.Tensor = None
+    ca_valid: torch.Tensor = None
+    contexts: torch.Tensor = None
+    latest: torch.Tensor = None  # [B, d] each row's newest valid context vector (zeros: none yet)
+    tokens: torch.Tensor = None
+    root_exits: torch.Tensor = None
+    node_exits: torch.Tensor = None
+    deep: list[DeepBlock] = field(default_factory=list)
+    tli: DynamicCache | None = None
+    tli_verified: int = 0
+
+    @classmethod
+    def empty(cls, config, batch_size: int = 1, dtype=torch.float32, device="cpu") -> "MoADraftState":
+        """A state without any slot or memory, for `batch_size` rows of a drafter of `config`."""
+        c = config
+        kv = torch.zeros(batch_size, c.num_key_value_heads, 0, c.head_dim, dtype=dtype, device=device)
+        width = c.hidden_size if c.ca_latest_context else 0  # context vectors are kept for `ca_latest_context` only
+        return cls(
+            **TreeState.empty_fields(batch_size, 1, device),
+            ca_keys=kv,  # [B, Hkv, 0, hd]
+            ca_values=kv,
+            ca_valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=device),  # [B, 0]
+            contexts=torch.zeros(batch_size, 0, width, dtype=dtype, device=device),  # [B, 0, d or 0]
+            latest=torch.zeros(batch_size, c.hidden_size, dtype=dtype, device=device),  # [B, d]
+            tokens=torch.zeros(batch_size, 0, dtype=torch.long, device=device),  # [B, 0]
+            root_exits=torch.ones(batch_size, dtype=torch.long, device=device),  # [B]
+            node_exits=torch.ones(batch_size, 0, dtype=torch.long, device=device),  # [B, 0]
+            deep=[DeepBlock() for _ in range(c.num_blocks - 1)],
+        )
+
+    def ready(self, config, batch_size: int, dtype, device) -> "MoADraftState":
+        """Size a state built without arguments (`MoADrafterCache()`) at its first use; a sized one stays as it is."""
+        if self.valid is None:
+            empty = MoADraftState.empty(config, batch_size, dtype, device)
+            for f in dataclasses.fields(self):
+                setattr(self, f.name, getattr(empty, f.name))
+        return self
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Lengths (transformers reads `get_seq_length` of an assistant's cache)
+    # -----------------------------------------------------------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.valid is None else self.num_verified
+
+    @property
+    def context_length(self) -> int:
+        """M: memory slots (a chain's: target positions whose context was read)."""
+        return 0 if self.ca_keys is None else self.ca_keys.shape[2]
+
+    @property
+    def tli_length(self) -> int:
+        return self.tli.layers[-1].get_seq_length() if self.tli is not None and self.tli.layers else 0
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Appending
+    # -----------------------------------------------------------------------------------------------------------------
+    def add_slots(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Record n new verified slots holding `tokens` [B, n] (`valid` [B, n], None: all); returns the bool SA mask
+        [B, 1, n, V+n] of their queries (`TreeState.add_verified`), or None for one valid token of a state without
+        tree nodes (it sees every slot: a chain's drafting step builds no mask)."""
+        self.tokens = torch.cat([self.tokens, tokens], dim=1)  # [B, V+n]
+        if valid is None and tokens.shape[1] == 1 and not self.num_nodes and bool(self.valid.all()):
+            self.valid = torch.cat([self.valid, self.valid.new_ones(tokens.shape)], dim=1)  # [B, V+1]
+            return None
+        return self.add_verified(torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid)
+
+    def append_memory(self, blocks_kv: list, valid: torch.Tensor, context: torch.Tensor) -> None:
+        """Append n memory slots: each block's CA keys/values [B, Hkv, n, hd] of the context vectors `context`
+        [B, n, d], valid [B, n] (False: no context there)."""
+        k, v = blocks_kv[0]
+        self.ca_keys = torch.cat([self.ca_keys, k], dim=2)  # [B, Hkv, M+n, hd]
+        self.ca_values = torch.cat([self.ca_values, v], dim=2)
+        self.ca_valid = torch.cat([self.ca_valid, valid], dim=1)  # [B, M+n]
+        kept = context[..., : self.contexts.shape[-1]].to(self.contexts.dtype)  # [B, n, d or 0]: `ca_latest_context`
+        self.contexts = torch.cat([self.contexts, kept], dim=1)  # [B, M+n, d or 0]
+        if context.shape[1]:  # each row's newest valid context vector
+            last = context.shape[1] - 1 - valid.flip(1).to(torch.int8).argmax(1)  # [B] the last valid index
+            newest = context[torch.arange(context.shape[0], device=context.device), last]  # [B, d]
+            self.latest = torch.where(valid.any(1)[:, None], newest.to(self.latest.dtype), self.latest)
+        for block, (k, v) in zip(self.deep, blocks_kv[1:]):
+            block.append_context(k, v)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Rolling back, rows, re-laying
+    # -----------------------------------------------------------------------------------------------------------------
+    def truncate(self, length: int) -> None:
+        """A chain's rollback: keep slots < `length` (0 empties the state) and memory slots < `length` (a chain's
+        memory slot m is target position m, verified for good unless the whole sequence is rolled back)."""
+        if self.valid is None:
+            return
+        self.end_tree()
+        self.layers[0].crop(length)
+        self.valid, self.tokens = self.valid[:, :length], self.tokens[:, :length]
+        crop_deep(self.deep, self.num_verified, length)
+        if self.context_length > length:
+            self.ca_keys, self.ca_values = self.ca_keys[:, :, :length], self.ca_values[:, :, :length]
+            self.ca_valid, self.contexts = self.ca_valid[:, :length], self.contexts[:, :length]
+            for block in self.deep:
+                block.ca_keys, block.ca_values = block.ca_keys[:, :, :length], block.ca_values[:, :, :length]
+            if self.contexts.shape[-1]:
+                self.latest = newest_context(self.contexts, self.ca_valid, None)[:, 0].to(self.latest.dtype)
+        if self.tli_length > length:
+            self.tli.crop(length - self.tli_length)
+        self.tli_verified = min(self.tli_verified, length)
+
+    def crop_self(self, length: int) -> None:
+        """Keep slots < `length` only; the memory (verified context) stays."""
+        if self.valid is None:
+            return
+        self.end_tree()
+        self.layers[0].crop(length)
+        self.valid, self.tokens = self.valid[:, :length], self.tokens[:, :length]
+        crop_deep(self.deep, self.num_verified, length)
+
+    def end_tree(self) -> None:
+        super().end_tree()
+        crop_deep(self.deep, self.num_verified, self.num_verified)
+
+    def sync_tli(self, target_cache, layers: range, end: int) -> None:
+        """TLI cache = the target's own keys/values of its `layers` (its last N) for verified positions < end (those
+        computed from drafted positions are dropped)."""
+        if self.tli is None:
+            self.tli = DynamicCache()
+        if self.tli_length > self.tli_verified:
+            self.tli.crop(self.tli_verified - self.tli_length)
+        start = self.tli_verified
+        for idx in layers:
+            layer = target_cache.layers[idx]
+            self.tli.update(layer.keys[:, :, start:end], layer.values[:, :, start:end], idx)
+        self.tli_verified = end
+
+    def map_slots(self, fn) -> None:
+        """`TreeState.map_slots` for a tree's slot-aligned memory (M == V) as well."""
+        if self.deep:
+            raise ValueError("Re-laying the slots of a sorted drafter's deeper blocks is not supported: use exit 1.")
+        super().map_slots(fn)
+        self.tokens = fn(self.tokens, 1)
+        self.ca_keys, self.ca_values, self.ca_valid = fn(self.ca_keys, 2), fn(self.ca_values, 2), fn(self.ca_valid, 1)
+        self.contexts = fn(self.contexts, 1)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        super().select_rows(rows)
+        rows = rows.to(self.valid.device)
+        for block in self.deep:
+            block.kv.select_rows(rows)
+            if block.ca_keys is not None:
+                block.ca_keys, block.ca_values = block.ca_keys[rows], block.ca_values[rows]
+            block.pending = [p.rows(rows) for p in block.pending]
+
+    @classmethod
+    def concat_rows(cls, states: list["MoADraftState"]) -> "MoADraftState":
+        if any(s.tli is not None for s in states):
+            raise ValueError("Cannot join drafting states of a drafter with Target Layer Inference.")
+        for s in states:
+            s.node_exits = s.node_exits[:, :0]  # [B, 0]: the exits of the last tree step are not carried over
+        return super().concat_rows(states)
+
+    @staticmethod
+    def _concat_field(name: str, values: list):
+        if name == "deep" and not any(values):
+            return []
+        if name == "tli":
+            return None
+        if name == "tli_verified":
+            return 0
+        return TreeState._concat_field(name, values)
