@@ -18,7 +18,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from .modeling import CACHE_NAME, MoADrafterCache
+from .modeling import CACHE_NAME, CacheReader, MoADrafterCache
 from .modeling.custom_generate.policy import wall_times
 
 __all__ = ["engine_costs", "exit_costs", "measure_costs"]
@@ -72,8 +72,9 @@ def measure_costs(target, drafter, input_ids: torch.Tensor, repeats: int = 20, g
         target(input_ids[:, -5:].clone(), use_cache=True, **{CACHE_NAME: cache})
         cache.crop(-5)
 
+    reader = CacheReader(cache, None if hidden is None else lambda s, e: hidden[:, s:e])  # the target's states
     dcache = MoADrafterCache()
-    drafter.extend_context(dcache, drafter.read_context(cache, 0, n - 1, hidden))
+    drafter.extend_context(dcache, drafter.read_context(reader, 0, n - 1))
     drafter.draft_step(input_ids[:, :-1], dcache)
 
     def draft_token():
@@ -81,7 +82,7 @@ def measure_costs(target, drafter, input_ids: torch.Tensor, repeats: int = 20, g
         dcache.crop(n - 1)
 
     def lsa_3_tokens():  # what a drafting cycle does for 3 newly verified tokens: gather + LSA
-        drafter.read_context(cache, n - 4, n - 1, None if hidden is None else hidden[:, n - 4 :])
+        drafter.read_context(reader, n - 4, n - 1)
 
     result = {
         "target_decode_step_ms": _median_ms(target_step, repeats, input_ids.device),

@@ -14,6 +14,9 @@ from .lookup import LookupSettings, lookup_continuation
 from .modeling_eagle import EagleDrafterModel
 from .modeling_moa import MoABlock, MoADrafterCache, MoADrafterModel, MoADrafterOutput, MoAPreTrainedModel
 from .target_cache import (
+    CacheReader,
+    SlotReader,
+    TargetStates,
     cycle_starts_from_restarts,
     gather_target_kv,
     gather_target_kv_at,
@@ -27,6 +30,7 @@ from .target_parts import MoATargetParts
 __all__ = [
     "CACHE_NAME",
     "PRIMARY_TARGET",
+    "CacheReader",
     "DrafterMixin",
     "EagleDrafterConfig",
     "EagleDrafterModel",
@@ -39,7 +43,9 @@ __all__ = [
     "MoAPreTrainedModel",
     "MoATargetParts",
     "RollbackCache",
+    "SlotReader",
     "SpeculationStats",
+    "TargetStates",
     "cache_argument",
     "cycle_starts_from_restarts",
     "fixed_exit_thresholds",

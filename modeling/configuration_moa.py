@@ -236,7 +236,11 @@ class MoADrafterConfig(PreTrainedConfig):
         ca_latest_context: the CA's input also adds a projection (`latest_proj`) of the newest context vector the
             position may read (of token start(i)-1: the last verified one), so the target's latest state reaches
             every drafted token directly, as an EAGLE drafter feeds it the previous feature, besides through
-            attention over all verified tokens. One block only (`num_blocks=1`).
+            attention over all verified tokens.
+        block_size: k > 1 makes a block drafter: one forward over [the last verified token, k-1 learned placeholder
+            slots] proposes k tokens (slot j predicts the token j+1 after the last verified one; the slots attend
+            causally to each other and to every verified token, their CA reads the verified context only). It still
+            drafts chains token by token beyond a block. 1: a chain drafter only (the paper's).
         target_layer_inference: N in the paper. 0: the target's LM head reads the CA output. N > 0: the CA output is
             the predicted activation after target layer L-N, and the target's last N layers, final norm and head run.
         own_embeddings: keep (and save) the drafter's own copy of the embedding and LM head, for standalone use
@@ -301,6 +305,7 @@ class MoADrafterConfig(PreTrainedConfig):
     lsa_pooling: str = "mean"
     context_final_hidden: bool = False
     ca_latest_context: bool = False
+    block_size: int = 1
     # Target Layer Inference.
     target_layer_inference: int = 0
     own_embeddings: bool = False
@@ -335,6 +340,18 @@ class MoADrafterConfig(PreTrainedConfig):
         self.validate_lookup()  # fail at construction, not when drafting
         self.validate_sorted()
         self.validate_lsa()
+        self.validate_block()
+
+    def validate_block(self):
+        """Check `block_size` and what it combines with."""
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1 (1: a chain drafter), got {self.block_size!r}.")
+        if self.block_size > 1 and (self.num_blocks > 1 or self.target_layer_inference > 0):
+            raise ValueError(
+                f"block_size={self.block_size} (a block drafter) needs num_blocks=1 and target_layer_inference=0, got "
+                f"{self.num_blocks} and {self.target_layer_inference}: a block's placeholder slots have no exit of "
+                "their own and no target keys/values for the target's last layers. Use one of them."
+            )
 
     def validate_lsa(self):
         """Check `lsa_keys`, `lsa_layers` and `lsa_pooling`."""

@@ -786,7 +786,8 @@ class DrafterMixin:
 
         if stops.get("eos") is not None:
             stops["eos"] = stops["eos"].to(device)
-        return draft_chain(next_logits, max_tokens, **stops)
+        limit = getattr(self, "draft_depth_limit", None)  # a block drafter drafts one block per cycle
+        return draft_chain(next_logits, min(max_tokens, limit or max_tokens), **stops)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Prompt lookup: drafts that cost no forward pass

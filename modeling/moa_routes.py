@@ -7,20 +7,29 @@ This file ships inside every Hub repo as remote code (a sibling of modeling_moa.
 transformers and its sibling files.
 """
 
-import functools
-
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
-from .moa_state import MoADraftState
-from .target_cache import context_in_chunks, gather_target_kv_at, oldest_held_position
+from .moa_state import PLACEHOLDER, MoADraftState
+from .target_cache import CacheReader, SlotReader, context_in_chunks, oldest_held_position
 
 __all__ = ["MoADraftingRoutes"]
 
 
 class MoADraftingRoutes:
-    """The chain and tree entry points of `MoADrafterModel` (a base class of it: they call its `step`, `extend`,
-    `read_context`, `compute_context` and session statistics)."""
+    """The chain and tree entry points of `MoADrafterModel` (a base class of it: they call its `step`,
+    `read_context`, `compute_context` and session statistics), and `extend`, how every route (training too) adds
+    context vectors to a state's memory."""
+
+    def extend(self, state: MoADraftState, context: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
+        """Append context vectors [B, n, d] (read at `positions` [n] or [B, n]; `valid` [B, n], False: no context
+        there) to the memory of `state`: every block's CA keys/values of them."""
+        context = context.to(self.dtype)
+        cos, sin = self.rotary_emb(positions, context.dtype)
+        state.append_memory(
+            [ca.context_keys_values(context, cos, sin) for _, ca in self.block_layers()], valid, context
+        )
 
     # ----------------------------------------------------------------------------------------------------------------
     # Chains: assisted generation's drafting calls (`DrafterMixin.generate`), the serving client, `moa costs`
@@ -39,8 +48,9 @@ class MoADraftingRoutes:
         if end > start:
             held = oldest_held_position(target_cache)  # 0 unless a sliding-window layer dropped older positions
             valid = None if start >= held else torch.arange(start, end) >= held  # [T] held by every layer
-            hidden = att.final_hidden(start, end) if self.config.context_final_hidden else None  # [B, T, D]
-            self.extend_context(cache, self.read_context(target_cache, start, end, hidden), valid=valid)
+            # the reader of assisted generation: the target's cache and the hook on its decoder (`FeatureTap`)
+            reader = CacheReader(target_cache, att.final_hidden if self.config.context_final_hidden else None)
+            self.extend_context(cache, self.read_context(reader, start, end), valid=valid)
             if self._session is not None:
                 self._session.context_reads.append((start, end))
         if self.config.target_layer_inference > 0:
@@ -67,6 +77,8 @@ class MoADraftingRoutes:
         the next token given the memory in `cache` (a sorted drafter's from the exit each row leaves at, see
         `config.exit_thresholds`), with the exit recorded in the session's statistics."""
         cache.ready(self.config, new_ids.shape[0], self.dtype, new_ids.device)
+        if self.config.block_size > 1:
+            return self.block_step(new_ids, cache)
         past, T = cache.num_verified, new_ids.shape[1]
         pos = torch.arange(past, past + T, device=new_ids.device)
         sa_mask = cache.add_slots(new_ids)  # [B, 1, T, past+T] causal (a chain's slots are all valid), None: T = 1
@@ -82,6 +94,50 @@ class MoADraftingRoutes:
         elif self._session is not None:
             self.record_exits(torch.bincount(out.exits.flatten() - 1, minlength=self.config.num_blocks).tolist())
         return out.logits[:, -1]  # [B, V] float32
+
+    def block_step(self, new_ids: torch.Tensor, cache: MoADraftState) -> torch.Tensor:
+        """A block drafter's chain step (`draft_step`): the next row of the current block's logits when the token
+        after `new_ids` lies in it, else one forward over [every token not yet in the SA cache, k-1 placeholders]
+        (`block_forward`) whose first row it returns and whose other k-1 rows wait for the next steps."""
+        past = cache.num_verified + sum(t.shape[1] for t in cache.block_fed)  # the first position of new_ids
+        positions = torch.full_like(new_ids[:, -1:], past + new_ids.shape[1] - 1)  # [B, 1] the last one's
+        row = cache.block_row(positions)  # [B, 1, V] or None
+        if row is not None:  # a drafted token: the block already holds the logits after it
+            cache.block_fed.append(new_ids)
+            self.record_exits([new_ids.shape[0]])
+            return row[:, 0]
+        fed, cache.block_fed = cache.block_fed, []
+        tokens = torch.cat([*fed, new_ids], dim=1)  # [B, T] every token not yet in the SA cache
+        M = cache.context_length
+        pos = torch.arange(cache.num_verified, cache.num_verified + tokens.shape[1], device=tokens.device)
+        logits = self.block_forward(cache, tokens, cache.add_slots(tokens), pos.clamp(max=M)[None], pos[None])
+        self.record_exits([new_ids.shape[0]])
+        return logits[:, 0]  # [B, V]
+
+    def block_forward(self, state, tokens, sa_mask, limit, positions) -> torch.Tensor:
+        """One block drafter forward: `tokens` [B, T] (new verified slots, already added to `state` with their SA
+        mask `sa_mask` [B, 1, T, V] or None: every slot; `limit` [B or 1, T] their memory limits, `positions`
+        [B or 1, T]) followed by k-1 placeholder slots (tree nodes, each the child of the one before, reading every
+        verified token and context). Returns the float32 logits [B, k, V] of the last token and the placeholders
+        (the token 1..k after the last one) and keeps the placeholders' in `state` (`block_row`); the placeholder
+        slots are dropped again."""
+        B, T, k = tokens.shape[0], tokens.shape[1], self.config.block_size
+        device = tokens.device
+        if sa_mask is None:
+            sa_mask = torch.ones(B, 1, T, state.num_verified, dtype=torch.bool, device=device)
+        chain = torch.ones(k - 1, k - 1, dtype=torch.bool, device=device).tril().expand(B, -1, -1)  # [B, k-1, k-1]
+        state.ancestors = chain  # the placeholders are tree nodes, each the child of the one before (none before)
+        nodes_mask = torch.cat([state.valid[:, None, :].expand(-1, k - 1, -1), chain], dim=-1)[:, None]
+        sa_mask = torch.cat([F.pad(sa_mask, (0, k - 1)), nodes_mask], dim=2)  # [B, 1, T + k-1, V + k-1]
+        last = positions[:, -1:]  # [B or 1, 1]
+        slots = (last + torch.arange(1, k, device=device)).expand(B, -1)  # [B, k-1] the placeholders' positions
+        M = state.context_length
+        limit = torch.cat([limit.expand(B, -1), torch.full_like(slots, M)], dim=1)  # [B, T + k-1]
+        ids = torch.cat([tokens, torch.full_like(slots, PLACEHOLDER)], dim=1)  # [B, T + k-1]
+        out = self.step(state, ids, torch.cat([positions.expand(B, -1), slots], dim=1), sa_mask, limit, last=k)
+        state.end_tree()  # the placeholders' keys are not needed again: drafted tokens are fed as verified ones
+        state.block_logits, state.block_root, state.block_fed = out.logits[:, 1:], last[:, 0].expand(B), []
+        return out.logits  # [B, k, V]
 
     def _prepare_draft(self, input_ids: torch.Tensor, cache: MoADraftState, max_new_tokens: int, min_new_tokens: int):
         """Roll the SA cache back to the tokens it was computed from (never the last one: its output drafts), read
@@ -116,6 +172,12 @@ class MoADraftingRoutes:
         return MoADraftState.empty(self.config, batch_size, dtype=self.dtype, device=self.device)
 
     @property
+    def draft_depth_limit(self) -> int | None:
+        """The deepest tree node (or longest chain) `tree_step` can draft: a block drafter's `block_size` (its one
+        forward per cycle drafts that many), None: no limit."""
+        return self.config.block_size if self.config.block_size > 1 else None
+
+    @property
     def needs_target_hidden(self) -> bool:
         """Whether `tree_catch_up` reads `prev_hidden`, the target's final hidden states (`context_final_hidden`)."""
         return bool(self.config.context_final_hidden)
@@ -125,29 +187,29 @@ class MoADraftingRoutes:
         self, state, tokens, positions, valid, prev_slots, target_cache, prev_hidden=None
     ) -> torch.Tensor:
         """Feed newly verified `tokens` [B, n] (right-aligned; `valid` [B, n] False on left padding; `positions`
-        [B, n] real positions). Memory: the context (LSA) of the target's keys/values at `prev_slots` [B, n] (the
-        token at position-1; -1: none) of `target_cache` (a transformers cache, or a function reading another
-        engine's cache: slots [B, m] -> [B, m, L, 2*Hkv*hd], as `moa_hf.vllm` reads vLLM's), with RoPE at
-        position-1; `prev_hidden` [B, n, D]: the target's final hidden states at `prev_slots` (read by a drafter
-        with `context_final_hidden` only). Returns float32 logits [B, V] of the token after each row's last one (the
-        tree root's children), from the exit each row's root leaves at."""
+        [B, n] real positions). Memory: the context (LSA) of the target's states at `prev_slots` [B, n] (the token
+        at position-1; -1: none), read by a `SlotReader`: keys/values of `target_cache` (a transformers cache, or a
+        function reading another engine's cache: slots [B, m] -> [B, m, L, 2*Hkv*hd], as `moa_hf.vllm` reads
+        vLLM's), with RoPE at position-1; `prev_hidden` [B, n, D]: the target's final hidden states at `prev_slots`
+        (read by a drafter with `context_final_hidden` only). Returns float32 logits [B, V] of the token after each
+        row's last one (the tree root's children), from the exit each row's root leaves at."""
         if self.config.context_final_hidden and prev_hidden is None:
             raise ValueError(
                 "tree_catch_up of a MoA drafter with context_final_hidden=True (`needs_target_hidden`) needs "
                 "`prev_hidden`: the target's final hidden states (`outputs.hidden_states[-1]`) at `prev_slots`, "
                 "[B, n, D]."
             )
-        hidden = prev_hidden if self.config.context_final_hidden else None
         state.end_tree()
-        # a transformers cache, or a reader of another engine's cache (vLLM's paged one): slots -> [B, m, L, W]
-        read = target_cache if callable(target_cache) else functools.partial(gather_target_kv_at, target_cache)
-        gather = lambda s, e: read(prev_slots[:, s:e])  # noqa: E731  [B, e-s, L, W]
+        read = SlotReader(target_cache, prev_slots, prev_hidden if self.config.context_final_hidden else None)
         n = tokens.shape[1]
-        chunks = context_in_chunks(self.compute_context, gather, n, self.config, target_hidden=hidden)
+        chunks = context_in_chunks(self.compute_context, read, n, self.config)
         self.extend(state, torch.cat(chunks, dim=1), positions - 1, valid & (prev_slots >= 0))  # position-1's
         sa_mask = state.add_slots(tokens, valid)  # [B, 1, n, V]
         M = state.context_length
         limit = None if n == 1 else (M - n + 1 + torch.arange(n, device=tokens.device))[None]  # up to its own slot
+        if self.config.block_size > 1:  # one forward drafts the whole block; `tree_step` reads it
+            limit = (M - n + 1 + torch.arange(n, device=tokens.device))[None]
+            return self.block_forward(state, tokens, sa_mask, limit, positions)[:, 0]
         out = self.step(state, tokens, positions, sa_mask, limit, last=1)
         state.root_exits = torch.ones_like(tokens[:, -1]) if out.exits is None else out.exits[:, -1]  # [B]
         return out.logits[:, -1]  # [B, V]
@@ -157,6 +219,15 @@ class MoADraftingRoutes:
         """Feed one depth of tree nodes: `tokens`, `positions`, `parents` [B, k] (`TreeState.add_nodes`). Each node
         sees in SA the row's verified tokens, its ancestors and itself; in CA the verified context. Returns float32
         logits [B, k, V] of each node's next token (a sorted drafter's nodes each from their own exit)."""
+        block = state.block_row(positions)  # a block drafter's logits after these positions: no forward
+        if block is not None:
+            state.node_exits = torch.ones_like(tokens)  # [B, k]
+            return block
+        if self.config.block_size > 1:
+            raise ValueError(
+                f"This block drafter drafts {self.config.block_size} tokens per forward and tree nodes at depths 1.."
+                f"{self.config.block_size} only (`draft_depth_limit`); cap the tree's depth there."
+            )
         sa_mask = state.add_nodes(parents)  # [B, 1, k, S]
         out = self.step(state, tokens, positions, sa_mask, None, last=tokens.shape[1])
         state.node_exits = torch.ones_like(tokens) if out.exits is None else out.exits  # [B, k]

@@ -26,7 +26,9 @@ from transformers import DynamicCache
 from .drafting import LayerKV, RollbackCache, TreeState
 from .sorted_exits import DeepBlock, crop_deep
 
-__all__ = ["MoADraftState", "memory_mask", "newest_context"]
+__all__ = ["PLACEHOLDER", "MoADraftState", "block_layout", "memory_mask", "newest_context"]
+
+PLACEHOLDER = -1  # the token id of a block drafter's placeholder slot (`block_size` > 1): its learned embedding
 
 
 def memory_mask(valid: torch.Tensor, limit: torch.Tensor | None) -> torch.Tensor:
@@ -50,6 +52,30 @@ def newest_context(contexts: torch.Tensor, valid: torch.Tensor, limit: torch.Ten
     newest = torch.where(limit.expand(B, -1) > 0, newest, -1)  # [B, T] -1: none
     picked = contexts.gather(1, newest.clamp(min=0)[..., None].expand(-1, -1, d))  # [B, T, d]
     return picked * (newest >= 0)[..., None].to(picked.dtype)
+
+
+def block_layout(input_ids, cycle_starts, sa_mask, anchors, config):
+    """Training's layout of a block drafter's blocks: after the sequence `input_ids` [B, T] (SA mask `sa_mask`
+    [B or 1, 1, T, T], memory limits `cycle_starts` [B, T]) come k-1 placeholder slots per anchor of `anchors`
+    [B, A] (-1: none), as at inference: the slot j of the block at anchor s stands at position s+j, sees the tokens
+    <= s and the slots 1..j of its block, reads the context of positions < s, and its output predicts token s+j+1.
+    Returns (tokens, positions, SA mask, memory limits), each over T' = T + A*(k-1) slots, [B, T'] and
+    [B, 1, T', T']."""
+    B, T = input_ids.shape
+    A, k, device = anchors.shape[1], config.block_size, input_ids.device
+    offset = torch.arange(1, k, device=device).repeat(A)  # [S] each slot's j, S = A*(k-1)
+    block = torch.arange(A, device=device).repeat_interleave(k - 1)  # [S] each slot's block
+    anchor = anchors[:, block]  # [B, S]
+    positions = torch.cat([torch.arange(T, device=device).expand(B, T), anchor.clamp(min=0) + offset], dim=1)
+    sees_tokens = torch.arange(T, device=device)[None, None, :] <= anchor[:, :, None]  # [B, S, T] (none: -1)
+    sees_slots = (block[:, None] == block[None, :]) & (offset[None, :] <= offset[:, None])  # [S, S]
+    S = block.shape[0]
+    rows = torch.cat([sees_tokens, sees_slots.expand(B, S, S)], dim=-1)  # [B, S, T+S]
+    first = torch.cat([sa_mask.expand(B, 1, T, T), sa_mask.new_zeros(B, 1, T, S)], dim=-1)  # [B, 1, T, T+S]
+    mask = torch.cat([first, rows[:, None]], dim=2)  # [B, 1, T+S, T+S]
+    tokens = torch.cat([input_ids, torch.full_like(anchor, PLACEHOLDER)], dim=1)  # [B, T+S]
+    limit = torch.cat([cycle_starts, anchor.clamp(min=0)], dim=1)  # [B, T+S]: context of positions < s
+    return tokens, positions, mask, limit
 
 
 @dataclass
@@ -78,6 +104,9 @@ class MoADraftState(TreeState, RollbackCache):
     deep: list[DeepBlock] = field(default_factory=list)
     tli: DynamicCache | None = None
     tli_verified: int = 0
+    block_logits: torch.Tensor | None = None  # [B, k-1, V] a block's placeholder slots' logits, not yet drafted
+    block_root: torch.Tensor | None = None  # [B] the position of the block's first slot (the last verified token)
+    block_fed: list = field(default_factory=list)  # [B, 1] tokens drafted from the block, not yet in the SA cache
 
     @classmethod
     def empty(cls, config, batch_size: int = 1, dtype=torch.float32, device="cpu") -> "MoADraftState":
@@ -137,6 +166,7 @@ class MoADraftState(TreeState, RollbackCache):
     def append_memory(self, blocks_kv: list, valid: torch.Tensor, context: torch.Tensor) -> None:
         """Append n memory slots: each block's CA keys/values [B, Hkv, n, hd] of the context vectors `context`
         [B, n, d], valid [B, n] (False: no context there)."""
+        self.clear_block()  # a block drafted before this context came is stale
         k, v = blocks_kv[0]
         self.ca_keys = torch.cat([self.ca_keys, k], dim=2)  # [B, Hkv, M+n, hd]
         self.ca_values = torch.cat([self.ca_values, v], dim=2)
@@ -158,6 +188,7 @@ class MoADraftState(TreeState, RollbackCache):
         memory slot m is target position m, verified for good unless the whole sequence is rolled back)."""
         if self.valid is None:
             return
+        self.clear_block()
         self.end_tree()
         self.layers[0].crop(length)
         self.valid, self.tokens = self.valid[:, :length], self.tokens[:, :length]
@@ -177,10 +208,26 @@ class MoADraftState(TreeState, RollbackCache):
         """Keep slots < `length` only; the memory (verified context) stays."""
         if self.valid is None:
             return
+        self.clear_block()
         self.end_tree()
         self.layers[0].crop(length)
         self.valid, self.tokens = self.valid[:, :length], self.tokens[:, :length]
         crop_deep(self.deep, self.num_verified, length)
+
+    def clear_block(self) -> None:
+        """Forget a block's undrafted logits and the tokens drafted from it (a new drafting call starts)."""
+        self.block_logits, self.block_fed = None, []
+
+    def block_row(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """The block's logits for the token after `positions` [B, w] (each within the block: 1 <= position - root
+        <= k-1): [B, w, V]; None when there is no block or a position lies beyond it."""
+        if self.block_logits is None:
+            return None
+        offset = positions - self.block_root[:, None] - 1  # [B, w] the placeholder slot's index
+        if bool((offset < 0).any()) or bool((offset >= self.block_logits.shape[1]).any()):
+            return None
+        V = self.block_logits.shape[-1]
+        return self.block_logits.gather(1, offset[..., None].expand(-1, -1, V))  # [B, w, V]
 
     def end_tree(self) -> None:
         super().end_tree()
@@ -223,6 +270,8 @@ class MoADraftState(TreeState, RollbackCache):
             raise ValueError("Cannot join drafting states of a drafter with Target Layer Inference.")
         for s in states:
             s.node_exits = s.node_exits[:, :0]  # [B, 0]: the exits of the last tree step are not carried over
+            if any(other.block_logits is None for other in states):
+                s.clear_block()
         return super().concat_rows(states)
 
     @staticmethod
@@ -233,4 +282,8 @@ class MoADraftState(TreeState, RollbackCache):
             return None
         if name == "tli_verified":
             return 0
+        if name in ("block_logits", "block_root"):  # absent in every state, or tensors (`TreeState` joins those)
+            return None
+        if name == "block_fed":
+            return []
         return TreeState._concat_field(name, values)

@@ -24,9 +24,11 @@ objects with public methods (no modules of their own: the layers stay this model
 - target_parts.py: several targets per drafter (`MoATargetParts`, LoRA deltas; `MoATargets`, `drafter.targets`:
   selecting, adding, recognising a target by its fingerprint) and what attaching borrows (`Attachment`);
 - moa_layers.py: the building blocks (RMSNorm, RoPE, attention, the SA / LSA and CA layers, `MoABlock`);
-- target_cache.py: reading the target's cache (`gather_target_kv`, `gather_target_kv_at`, `held_*`);
+- target_cache.py: the target's state, the LSA's one input (`TargetStates`) and its readers (`CacheReader`,
+  `SlotReader`, `gather_target_kv`, `gather_target_kv_at`, `held_*`);
 - moa_state.py: the drafting state every route keeps (`MoADraftState`: SA keys/values, memory, tree nodes, rows)
-  and the masks of the one forward (`memory_mask`, `newest_context`);
+  and the masks of the one forward (`memory_mask`, `newest_context`, a block drafter's `block_layout`);
+- moa_routes.py: how each route enters the forward (`extend`, `draft_step`, `block_forward`, `tree_catch_up`, ...);
 - drafting.py: the runtime shared with the EAGLE drafter (target hooks, `generate`, statistics); lookup.py: prompt
   lookup.
 
@@ -54,12 +56,13 @@ from .moa_layers import (
     MoARotaryEmbedding,
 )
 from .moa_routes import MoADraftingRoutes
-from .moa_state import MoADraftState, memory_mask, newest_context
+from .moa_state import PLACEHOLDER, MoADraftState, block_layout, memory_mask, newest_context
 from .sorted_exits import MoASortedExits, PendingSlots
 from .target_cache import (
     CONTEXT_CHUNK,
+    CacheReader,
+    TargetStates,
     context_in_chunks,
-    gather_target_kv,
     gather_target_kv_at,
     lsa_view,
     oldest_held_position,
@@ -163,7 +166,9 @@ class MoAPreTrainedModel(PreTrainedModel):
             init.zeros_(module.null_value)
         elif isinstance(module, MoARotaryEmbedding):
             init.copy_(module.inv_freq, module.compute_inv_freq())
-        elif isinstance(module, MoALoRA):
+        elif isinstance(module, MoADrafterModel) and module.config.block_size > 1:
+            init.normal_(module.block_embedding, 0.0, std)
+        if isinstance(module, MoALoRA):
             init.normal_(module.A, 0.0, module.A.shape[1] ** -0.5)
             init.zeros_(module.B)
 
@@ -216,6 +221,8 @@ class MoADrafterModel(MoADraftingRoutes, DrafterMixin, MoAPreTrainedModel, Gener
         if c.draft_vocab_size is not None:  # a reduced head over the `draft_ids` tokens
             self.draft_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
             self.register_buffer("draft_ids", torch.arange(c.draft_vocab_size), persistent=True)  # [V'] full ids
+        if c.block_size > 1:  # a block drafter's placeholder slots (token id `PLACEHOLDER`) read this embedding
+            self.block_embedding = nn.Parameter(torch.zeros(c.hidden_size))
         if c.num_blocks > 1:  # S2D: blocks 2..K, an exit after each
             self.blocks = nn.ModuleList(MoABlock(c) for _ in range(c.num_blocks - 1))
         self.target_parts = nn.ModuleDict()  # the extra targets' own parts (empty: no state-dict keys)
@@ -270,30 +277,30 @@ class MoADrafterModel(MoADraftingRoutes, DrafterMixin, MoAPreTrainedModel, Gener
     # The three attentions
     # -----------------------------------------------------------------------------------------------------------------
     def compute_context(
-        self,
-        target_kv: torch.Tensor,
-        where: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-        target_hidden: torch.Tensor | None = None,
+        self, states: TargetStates, where: torch.Tensor | None = None, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """LSA: [B, T, L, 2*Hkv*hd] target keys/values per layer -> [B, T, d] one context vector per token.
+        """LSA: the target's states of T tokens -> [B, T, d] one context vector per token. Of `states` (a route's
+        reader fills them) it reads the keys/values per layer `kv` [B, T, L, 2*Hkv*hd] and, with
+        `context_final_hidden` only (their `Eh2E` projection is added), the final hidden states `final_hidden`.
 
-        where: optional bool [B, T], the tokens whose context is needed (training: not padding, held by the target);
-        the LSA runs on those only and the others get zero vectors. positions: [B, T] or [T] the tokens' positions in
-        their sequence (needed by `lsa_keys="unrotated"` only, which undoes the target's RoPE there). target_hidden:
-        [B, T, D] the target's post-norm final hidden states of the same tokens (needed by `context_final_hidden`
-        only, whose `Eh2E` projection of them is added)."""
+        where: optional bool [B, T], the tokens whose context is needed (training: not padding); of those only the
+        ones `states.held` (when given). The LSA runs on those only and the others get zero vectors. positions:
+        [B, T] or [T] the tokens' positions in their sequence (needed by `lsa_keys="unrotated"` only, which undoes the
+        target's RoPE there)."""
+        target_kv, target_hidden = states.kv, states.final_hidden if self.config.context_final_hidden else None
         B, T = target_kv.shape[:2]
         if positions is not None:
             positions = positions.expand(B, T)
         if self._context_ablated:  # `context_ablated()`: what the drafter does without the target's state
             return target_kv.new_zeros(B, T, self.config.hidden_size, dtype=self.dtype)
         if self.config.context_final_hidden and target_hidden is None:
-            raise ValueError("context_final_hidden=True: pass `target_hidden` [B, T, D], the target's final states.")
+            raise ValueError("context_final_hidden=True: the target's states need `final_hidden` [B, T, D].")
+        if states.held is not None:
+            where = states.held if where is None else where & states.held
         if where is not None and not bool(where.all()):
             pos = None if positions is None else positions[where][None]  # [1, N]
-            hidden = target_hidden[where][None] if self.config.context_final_hidden else None  # [1, N, D]
-            picked = self.compute_context(target_kv[where][None], positions=pos, target_hidden=hidden)[0]  # [N, d]
+            hidden = None if target_hidden is None else target_hidden[where][None]  # [1, N, D]
+            picked = self.compute_context(TargetStates(target_kv[where][None], hidden), positions=pos)[0]  # [N, d]
             return picked.new_zeros(B, T, picked.shape[-1]).masked_scatter(where[..., None], picked)  # [B, T, d]
         if not torch.is_autocast_enabled(target_kv.device.type):  # autocast: the projection reads them as they are
             target_kv = target_kv.to(self.dtype)
@@ -327,12 +334,10 @@ class MoADrafterModel(MoADraftingRoutes, DrafterMixin, MoAPreTrainedModel, Gener
         finally:
             self._context_ablated = False
 
-    def read_context(
-        self, target_cache, start: int, end: int, target_hidden: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Context vectors [B, end-start, d] of target positions [start, end) read from the target's cache (and, with
-        `context_final_hidden`, `target_hidden` [B, end-start, D]: the target's final hidden states there).
-        The LSA reads them in chunks (`context_in_chunks`).
+    def read_context(self, reader: CacheReader, start: int, end: int) -> torch.Tensor:
+        """Context vectors [B, end-start, d] of target positions [start, end), their `TargetStates` read by `reader`
+        (a chain's: the target's cache and, with `context_final_hidden`, its final hidden states) in chunks
+        (`context_in_chunks`).
 
         Positions older than `oldest_held_position` (a sliding-window layer of the target has dropped them: the start
         of a prompt longer than the window, read at the first cycle) have no context: their vectors are zero, and
@@ -340,10 +345,10 @@ class MoADrafterModel(MoADraftingRoutes, DrafterMixin, MoAPreTrainedModel, Gener
         held them instead (masking the others out of the LSA) drafted worse: mean acceptance 2.65-2.68 against
         2.74-2.80 for a tiny target with window 8 < prompt 24 (1500 training steps, 3 runs, 96 held-out prompts).
         """
+        target_cache = reader.cache
         lo = min(max(start, oldest_held_position(target_cache)), end)  # positions [lo, end) are held by every layer
-        hidden = None if target_hidden is None else target_hidden[:, lo - start :]  # [B, end-lo, D]
-        gather = lambda s, e: gather_target_kv(target_cache, lo + s, lo + e)  # noqa: E731  [B, e-s, L, W]
-        out = context_in_chunks(self.compute_context, gather, end - lo, self.config, lo, hidden)
+        read = lambda s, e: reader(lo + s, lo + e)  # noqa: E731  positions lo+s..lo+e-1
+        out = context_in_chunks(self.compute_context, read, end - lo, self.config, lo)
         keys = target_cache.layers[0].keys
         dropped = keys.new_zeros(keys.shape[0], lo - start, self.config.hidden_size, dtype=self.dtype)  # no context
         return torch.cat([dropped, *out], dim=1)  # [B, end-start, d]
@@ -368,6 +373,7 @@ class MoADrafterModel(MoADraftingRoutes, DrafterMixin, MoAPreTrainedModel, Gener
         exits: str = "all",
         target_name: str | None = None,
         attention_mask: torch.Tensor | None = None,
+        block_anchors: torch.Tensor | None = None,
         **kwargs,
     ) -> MoADrafterOutput:
         """Training-time (parallel) forward over whole sequences with simulated drafting cycles.
@@ -391,12 +397,16 @@ class MoADrafterModel(MoADraftingRoutes, DrafterMixin, MoAPreTrainedModel, Gener
             target_name: the target whose parts to use (None: the active one, see `select_target`).
             attention_mask: optional [B, T], 0 at padding: the LSA skips those tokens (no context vector is read
                 there), so right-padded batches cost the LSA nothing for their padding.
+            block_anchors: a block drafter's blocks to train, [B, A] the position of each block's first slot (-1:
+                none; each a cycle start): k-1 placeholder slots follow each, appended after the sequence
+                (`block_layout`); the outputs then cover T + A*(k-1) slots, the sequence's first.
         """
         with self.using_target(target_name):
             args = (context, target_kv_held, cycle_starts, sa_mask, target_tli_kv, return_logits, exits)
             return self._forward(
-                input_ids, target_kv, *args, attention_mask=attention_mask, target_hidden=target_hidden
-            )
+                input_ids, target_kv, *args, attention_mask=attention_mask, target_hidden=target_hidden,
+                block_anchors=block_anchors,
+            )  # fmt: skip
 
     def _forward(
         self,
@@ -411,6 +421,7 @@ class MoADrafterModel(MoADraftingRoutes, DrafterMixin, MoAPreTrainedModel, Gener
         exits,
         attention_mask=None,
         target_hidden=None,
+        block_anchors=None,
     ) -> MoADrafterOutput:
         """Training's forward: every drafting cycle of whole sequences at once, as `step` over an empty state whose
         memory is every token's context, under the staircase masks (position i reads the context of j < start(i))."""
@@ -423,9 +434,8 @@ class MoADrafterModel(MoADraftingRoutes, DrafterMixin, MoAPreTrainedModel, Gener
             if target_kv is None:
                 raise ValueError("forward needs `target_kv` (the target's per-layer keys/values) or `context`.")
             read = None if attention_mask is None else attention_mask.bool()  # [B, T]: tokens the CA may read
-            if target_kv_held is not None:
-                read = target_kv_held if read is None else read & target_kv_held
-            context = self.compute_context(target_kv, where=read, positions=pos, target_hidden=target_hidden)
+            states = TargetStates(target_kv, final_hidden=target_hidden, held=target_kv_held)
+            context = self.compute_context(states, where=read, positions=pos)
         state = MoADraftState.empty(self.config, B, self.dtype, device)
         state.layers = [None]  # no SA keys kept: the whole sequence is one forward
         held = torch.ones(B, T, dtype=torch.bool, device=device) if target_kv_held is None else target_kv_held
@@ -446,23 +456,19 @@ class MoADrafterModel(MoADraftingRoutes, DrafterMixin, MoAPreTrainedModel, Gener
             drafted = causal[None] & ~verified  # [B, T, T]
             visible = torch.cat([verified, drafted], dim=-1)[:, None]  # [B, 1, T, 2T]
             tli = (tli, visible)
+        tokens, positions, limit = input_ids, pos, cycle_starts
+        if block_anchors is not None:  # k-1 placeholder slots after each anchor, after the sequence
+            if mask is None:
+                mask = (pos[None, :] <= pos[:, None])[None, None]  # [1, 1, T, T]
+            tokens, positions, mask, limit = block_layout(input_ids, cycle_starts, mask, block_anchors, self.config)
         return self.step(
-            state, input_ids, pos, mask, cycle_starts, last=None, exits=exits, causal=mask is None, tli=tli,
+            state, tokens, positions, mask, limit, last=None, exits=exits, causal=mask is None, tli=tli,
             return_logits=return_logits,
         )  # fmt: skip
 
     # ----------------------------------------------------------------------------------------------------------------
     # The one forward: training, chains and trees all run it, under their own masks
     # -----------------------------------------------------------------------------------------------------------------
-    def extend(self, state: MoADraftState, context: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
-        """Append context vectors [B, n, d] (read at `positions` [n] or [B, n]; `valid` [B, n], False: no context
-        there) to the memory of `state`: every block's CA keys/values of them."""
-        context = context.to(self.dtype)
-        cos, sin = self.rotary_emb(positions, context.dtype)
-        state.append_memory(
-            [ca.context_keys_values(context, cos, sin) for _, ca in self.block_layers()], valid, context
-        )
-
     def step(
         self,
         state: MoADraftState,
@@ -476,20 +482,21 @@ class MoADrafterModel(MoADraftingRoutes, DrafterMixin, MoAPreTrainedModel, Gener
         tli: tuple | None = None,
         return_logits: bool = True,
     ) -> MoADrafterOutput:
-        """The drafter's one forward: `tokens` [B, T] at `positions` ([T] or [B, T]) through embedding -> SA -> CA
-        (-> the sorted blocks and exits) (-> TLI) -> head, on `state`.
-
-        SA: over the state's slots (block 1's keys/values of these tokens are appended to `state.layers[0]` unless it
-        is None) under `sa_mask` [B or 1, 1, T, S] (None: SDPA's `causal` kernel, or every slot). CA: over the memory
-        slots m < `ca_limit` [B or 1, T] that hold a context (None: every one; `memory_mask`), each position reading,
-        with `ca_latest_context`, the newest of them too (`newest_context`). `last`: return the last `last`
-        positions only (None: all). `exits`: "adaptive" (a sorted drafter's token leaves at the first confident
-        exit; deeper blocks run lazily, `MoASortedExits.adaptive_exits`) or "all"/"last" (every block on every
-        position; "all" returns every exit's logits). `tli`: (cache, bool mask [B, 1, T, S'] or None) for Target
-        Layer Inference: the target's last N layers run on the returned positions with that cache.
-        """
+        """The drafter's one forward: `tokens` [B, T] (`PLACEHOLDER`: a block's slot) at `positions` ([T] or [B, T])
+        through embedding -> SA -> CA (-> the sorted blocks and exits) (-> TLI) -> head, on `state`. SA: over the
+        state's slots (these tokens' keys/values appended to `state.layers[0]` unless None) under `sa_mask`
+        [B or 1, 1, T, S] (None: SDPA's `causal` kernel, or every slot). CA: over the memory slots m < `ca_limit`
+        [B or 1, T] that hold a context (None: all; `memory_mask`) and, with `ca_latest_context`, the newest of them
+        (`newest_context`). `last`: the last `last` positions only (None: all). `exits`: "adaptive" (a sorted
+        drafter's token leaves at its first confident exit, `MoASortedExits.adaptive_exits`) or "all"/"last" (every
+        block on every position; "all" returns every exit's logits). `tli`: (cache, bool mask [B, 1, T, S'] or None)
+        for Target Layer Inference on the returned positions."""
         c = self.config
-        h = self.embed(tokens)  # [B, T, d]
+        if c.block_size > 1:  # placeholder slots read the learned block embedding
+            h = self.embed(tokens.clamp(min=0))  # [B, T, d]
+            h = torch.where((tokens == PLACEHOLDER)[..., None], self.block_embedding.to(h.dtype), h)
+        else:
+            h = self.embed(tokens)  # [B, T, d]
         cos, sin = self.rotary_emb(positions, h.dtype)  # [(B,) T, hd]
         layers = self.block_layers()
         valid = state.ca_valid

@@ -1,20 +1,25 @@
-"""Reading the target's cache for the MoA drafter: per-layer keys/values of a transformers cache gathered into
-[B, T, L, 2*Hkv*hd] (`gather_target_kv`, by slot `gather_target_kv_at`), which positions a sliding-window layer still
-holds (`oldest_held_position`, `held_capacities`, `held_at_reads`), the training-time cycle starts, and what the
-LSA reads of the keys/values (`lsa_view`).
+"""Reading the target's state for the MoA drafter: `TargetStates`, the drafter's one input of it, and a reader per
+route that fills it (`CacheReader`: a transformers cache, for chains; `SlotReader`: a tree's slots, for the engine and
+vLLM; training's `run_target`); per-layer keys/values of a transformers cache gathered into [B, T, L, 2*Hkv*hd]
+(`gather_target_kv`, by slot `gather_target_kv_at`), which positions a sliding-window layer still holds
+(`oldest_held_position`, `held_capacities`, `held_at_reads`), the training-time cycle starts, and what the LSA reads
+of the keys/values (`lsa_view`).
 
 This file ships inside every Hub repo as remote code (a sibling of modeling_moa.py): it imports only torch and
 transformers.
 """
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
 __all__ = [
     "CONTEXT_CHUNK",
+    "CacheReader",
+    "SlotReader",
+    "TargetStates",
     "context_in_chunks",
     "cycle_starts_from_restarts",
     "first_held",
@@ -157,36 +162,100 @@ def lsa_view(config, target_kv: torch.Tensor, positions: torch.Tensor | None, ta
     return torch.stack([keys, values], dim=-2).flatten(-3)  # [B, T, L', Hkv*2*hd]
 
 
+@dataclasses.dataclass
+class TargetStates:
+    """The target's state of a run of T tokens: the MoA drafter's one input of it (`MoADrafterModel.compute_context`,
+    the LSA), filled by one reader per route (`CacheReader`, `SlotReader`, training's `run_target` and cached states).
+    A new signal of the target's state is one field here, one line in each reader and what the LSA does with it.
+
+    kv: [B, T, L, 2*Hkv*hd] every target layer's key and value of each token, joined per KV head (`gather_target_kv`);
+        None only where a drafter reads no keys/values (training an EAGLE-style drafter on cached states).
+    final_hidden: [B, T, D] the target's post-norm final hidden states (the LSA reads them with
+        `context_final_hidden`; training's regression and teacher read them too), or None where nothing reads them.
+    held: bool [B, T] or None (all): whether every layer still held token j's key/value when the drafter read it
+        (training: a sliding-window layer drops old positions, `held_at_reads`); tokens not held get no context.
+    feature: [B, T, D] training's regression target (the post-norm final hidden state; TLI N > 0: the hidden state
+        after layer L-N), or None.
+    tli_kv: training with TLI N > 0: N (key, value) pairs [B, Hkv, T, hd] of the target's last N layers; else None.
+
+    Every tensor field is per token ([B, T, ...]); `padded` pads them all.
+    """
+
+    kv: torch.Tensor | None
+    final_hidden: torch.Tensor | None = None
+    held: torch.Tensor | None = None
+    feature: torch.Tensor | None = None
+    tli_kv: list | None = None
+
+    def padded(self, size: int) -> "TargetStates":
+        """Every per-token field zero-padded (False for `held`) to `size` tokens: [B, size, ...]."""
+
+        def pad(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, x.new_zeros(x.shape[0], size - x.shape[1], *x.shape[2:])], dim=1)
+
+        tensors = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return dataclasses.replace(self, **{k: pad(v) for k, v in tensors.items() if isinstance(v, torch.Tensor)})
+
+
+@dataclasses.dataclass
+class CacheReader:
+    """The chains' reader (assisted generation, the server, `moa costs`): `reader(start, end)` -> the `TargetStates`
+    of positions [start, end) of a transformers cache `cache` (`gather_target_kv`), with the target's final hidden
+    states from `final_hidden(start, end)` -> [B, end-start, D] when given (`Attachment.final_hidden`: the hook on the
+    target's decoder, `FeatureTap`; the server's `HiddenRecordingCache.hidden_between`)."""
+
+    cache: object
+    final_hidden: Callable[[int, int], torch.Tensor] | None = None
+
+    def __call__(self, start: int, end: int) -> TargetStates:
+        hidden = None if self.final_hidden is None else self.final_hidden(start, end)  # [B, end-start, D]
+        return TargetStates(gather_target_kv(self.cache, start, end), final_hidden=hidden)
+
+
+@dataclasses.dataclass
+class SlotReader:
+    """The trees' reader (the engine, vLLM's proposer): `reader(s, e)` -> the `TargetStates` of tokens s..e-1 of a
+    tree's `slots` [B, n] (cache slots; < 0: none, read as slot 0 for the caller to mask out).
+
+    kv: a transformers cache (read by `gather_target_kv_at`) or a reader of another engine's cache, slots [B, m] ->
+    [B, m, L, 2*Hkv*hd] (vLLM's `PagedKVReader`). final_hidden: None or [B, n, D] the target's final hidden states at
+    `slots` (the engine's `SlotCache.hidden_at`, vLLM's `StepTap.hidden_at`)."""
+
+    kv: object
+    slots: torch.Tensor
+    final_hidden: torch.Tensor | None = None
+
+    def __call__(self, start: int, end: int) -> TargetStates:
+        slots = self.slots[:, start:end]  # [B, m]
+        kv = self.kv(slots) if callable(self.kv) else gather_target_kv_at(self.kv, slots)  # [B, m, L, W]
+        hidden = None if self.final_hidden is None else self.final_hidden[:, start:end]  # [B, m, D]
+        return TargetStates(kv, final_hidden=hidden)
+
+
 CONTEXT_CHUNK = 64  # most target positions per LSA call at inference (see `MoADrafterModel.read_context`)
 
 
 def context_in_chunks(
     compute_context: Callable[..., torch.Tensor],
-    gather: Callable[[int, int], torch.Tensor],
+    read: Callable[[int, int], TargetStates],
     n: int,
     config,
     first: int | None = None,
-    target_hidden: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """Context vectors of n tokens in chunks [B, <= CONTEXT_CHUNK, d], from `gather(s, e)`: their target keys/values
-    [B, e-s, L, W] of tokens s..e-1, each chunk zero-padded to a power of two (then cut off again). The LSA treats
-    every token on its own (attention runs across layers, never across tokens), so it only ever sees a handful of
-    shapes (a long prompt costs no new kernel set-up on a CPU), a cycle's few new tokens stay cheap, and memory stays
-    bounded.
-    first: the position of token 0 (None: unknown, e.g. slots of a tree). target_hidden: [B, n, D] the target's final
-    hidden states of the n tokens (`context_final_hidden`)."""
+    """Context vectors of n tokens in chunks [B, <= CONTEXT_CHUNK, d], from `read(s, e)`: the `TargetStates` of tokens
+    s..e-1 (a route's reader), each chunk zero-padded to a power of two (then cut off again). The LSA treats every
+    token on its own (attention runs across layers, never across tokens), so it only ever sees a handful of shapes (a
+    long prompt costs no new kernel set-up on a CPU), a cycle's few new tokens stay cheap, and memory stays bounded.
+    first: the position of token 0 (None: unknown, e.g. slots of a tree)."""
     out = []
     for s in range(0, n, CONTEXT_CHUNK):
-        kv = gather(s, min(n, s + CONTEXT_CHUNK))  # [B, m, L, W]
-        m = kv.shape[1]
+        states = read(s, min(n, s + CONTEXT_CHUNK))  # kv [B, m, L, W]
+        m = states.kv.shape[1]
         size = min(CONTEXT_CHUNK, 1 << (m - 1).bit_length())  # m rounded up to a power of two
-        hidden = None if target_hidden is None else target_hidden[:, s : s + m]  # [B, m, D]
         if m < size:
-            kv = torch.cat([kv, kv.new_zeros(kv.shape[0], size - m, *kv.shape[2:])], dim=1)  # [B, size, L, W]
-            if hidden is not None:
-                hidden = F.pad(hidden, (0, 0, 0, size - m))  # [B, size, D]
+            states = states.padded(size)  # kv [B, size, L, W]
         pos = None  # positions matter only to un-rotated keys: no tensor built per cycle otherwise
         if first is not None and config.lsa_keys == "unrotated":
-            pos = torch.arange(first + s, first + s + size, device=kv.device)  # [size]
-        out.append(compute_context(kv, positions=pos, target_hidden=hidden)[:, :m])  # [B, m, d]
+            pos = torch.arange(first + s, first + s + size, device=states.kv.device)  # [size]
+        out.append(compute_context(states, positions=pos)[:, :m])  # [B, m, d]
     return out

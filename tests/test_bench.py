@@ -14,7 +14,7 @@ import moa_hf
 from moa_hf import bench
 from moa_hf.chat import encode_chat
 from moa_hf.cli import main
-from moa_hf.modeling import cache_argument
+from moa_hf.modeling import TargetStates, cache_argument
 
 from factory import make_independent, make_target
 
@@ -501,10 +501,11 @@ def test_build_methods_fix_the_tree_shape_and_zero_the_context_inside_the_method
     )
     zeroed_drafter = methods[0].generate_kwargs["assistant_model"]
     with torch.no_grad():
-        assert zeroed_drafter.compute_context(kv).abs().sum() > 0  # outside the method: the target's state
+        states = TargetStates(kv)
+        assert zeroed_drafter.compute_context(states).abs().sum() > 0  # outside the method: the target's state
         with methods[0].context(target):
-            assert zeroed_drafter.is_attached and zeroed_drafter.compute_context(kv).abs().sum() == 0
-        assert not zeroed_drafter.is_attached and zeroed_drafter.compute_context(kv).abs().sum() > 0
+            assert zeroed_drafter.is_attached and zeroed_drafter.compute_context(states).abs().sum() == 0
+        assert not zeroed_drafter.is_attached and zeroed_drafter.compute_context(states).abs().sum() > 0
     if HAS_EAGLE:
         make_eagle(target).save_pretrained(tmp_path / "eagle")
         with pytest.raises(bench.BenchError, match="no context vectors"):

@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 
 import moa_hf
-from moa_hf.modeling import CACHE_NAME, MoADrafterCache, MoADrafterModel, gather_target_kv
+from moa_hf.modeling import CACHE_NAME, MoADrafterCache, MoADrafterModel, TargetStates, gather_target_kv
 from moa_hf.training import MoATrainer
 from moa_hf.training.states import TargetStatesDataset, cache_target_states
 
@@ -79,8 +79,8 @@ def test_missing_hidden_states_are_named():
     target = make_target("llama")
     drafter = _drafter(target)
     kv, _ = _states(target, torch.randint(3, 128, (1, 6)))
-    with pytest.raises(ValueError, match="target_hidden"):
-        drafter.compute_context(kv)
+    with pytest.raises(ValueError, match="final_hidden"):
+        drafter.compute_context(TargetStates(kv))
     with pytest.raises(ValueError, match="prev_hidden"):
         state = drafter.attach(target).tree_start(1)
         drafter.tree_catch_up(state, torch.tensor([[5]]), torch.tensor([[0]]), torch.ones(1, 1, dtype=torch.bool),
@@ -164,7 +164,7 @@ def test_server_context_reads_the_hidden_states_and_client_decoding_stays_exact(
         verified += [3, 4, 5][: second.accepted] + [second.next_token]
         kv, hidden = _states(target, torch.tensor([verified[:-1]]))
         with torch.no_grad():
-            expected = drafter.compute_context(kv, target_hidden=hidden)[0]  # [n-1, d]
+            expected = drafter.compute_context(TargetStates(kv, final_hidden=hidden))[0]  # [n-1, d]
         got = torch.cat([first.context, second.context])[: len(verified) - 1]
         assert_close(got, expected)
         with MoAClient(srv.url, drafter=drafter) as client:

@@ -11,7 +11,7 @@ from transformers.generation.streamers import BaseStreamer
 import moa_hf
 from moa_hf import MoADrafterModel
 from moa_hf.bench import acceptance_length, count_forward_calls
-from moa_hf.modeling import gather_target_kv
+from moa_hf.modeling import CacheReader, TargetStates, gather_target_kv
 
 from factory import OracleDrafter, make_target
 from tolerance import assert_close
@@ -96,7 +96,7 @@ def test_hooks_read_exactly_the_verified_positions():
     # and the context the drafter accumulated equals the one computed from the final verified sequence
     full = target(out[:, :-1], use_cache=True, past_key_values=DynamicCache(config=target.config)).past_key_values
     with torch.no_grad():
-        expect = drafter.compute_context(gather_target_kv(full, 0, reads[-1][1]))
+        expect = drafter.compute_context(TargetStates(gather_target_kv(full, 0, reads[-1][1])))
         cache = moa_hf.MoADrafterCache()
         drafter.extend_context(cache, expect)
     accumulated = calls[-1][0]  # the drafter's cache as generation left it
@@ -117,9 +117,9 @@ def test_read_context_in_padded_chunks_equals_one_lsa_call():
     cache = target(ids, use_cache=True, past_key_values=DynamicCache(config=target.config)).past_key_values
     with torch.no_grad():
         for start, end in [(0, 1), (0, CONTEXT_CHUNK), (3, CONTEXT_CHUNK + 4), (0, ids.shape[1]), (10, 10)]:
-            got = drafter.read_context(cache, start, end)
+            got = drafter.read_context(CacheReader(cache), start, end)
             assert got.shape == (2, end - start, drafter.config.hidden_size)
-            want = drafter.compute_context(gather_target_kv(cache, start, end)) if end > start else got
+            want = drafter.compute_context(TargetStates(gather_target_kv(cache, start, end))) if end > start else got
             assert_close(got, want)
 
 
@@ -394,7 +394,8 @@ def test_lookup_hybrid_is_exact_and_reads_context_lazily(tli):
     full = target(out[:, :-1], use_cache=True, past_key_values=DynamicCache(config=target.config)).past_key_values
     with torch.no_grad():
         eager = moa_hf.MoADrafterCache()
-        drafter.extend_context(eager, drafter.compute_context(gather_target_kv(full, 0, cache.context_length)))
+        states = TargetStates(gather_target_kv(full, 0, cache.context_length))
+        drafter.extend_context(eager, drafter.compute_context(states))
     assert_close(cache.ca_keys, eager.ca_keys)
     assert_close(cache.ca_values, eager.ca_values)
 

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import moa_hf
-from moa_hf.modeling import CACHE_NAME, gather_target_kv
+from moa_hf.modeling import CACHE_NAME, CacheReader, TargetStates, gather_target_kv
 from moa_hf.training import MoATrainer
 
 from factory import make_target, random_dataset, tiny_target, tiny_training_args
@@ -56,10 +56,11 @@ def test_unrotated_reads_match_the_parallel_forward_and_generation_stays_exact()
     ids = torch.randint(3, 128, (1, 20))
     with torch.no_grad():
         cache, _ = _cache(target, ids)
-        full = drafter.compute_context(gather_target_kv(cache, 0, 20), positions=torch.arange(20))  # [1, 20, d]
-        assert_close(drafter.read_context(cache, 7, 20), full[:, 7:])
+        states = TargetStates(gather_target_kv(cache, 0, 20))
+        full = drafter.compute_context(states, positions=torch.arange(20))  # [1, 20, d]
+        assert_close(drafter.read_context(CacheReader(cache), 7, 20), full[:, 7:])
         with pytest.raises(ValueError, match="positions"):
-            drafter.compute_context(gather_target_kv(cache, 0, 20))
+            drafter.compute_context(states)
         plain = target.generate(ids, do_sample=False, max_new_tokens=16, pad_token_id=0)
         assisted = target.generate(ids, do_sample=False, max_new_tokens=16, pad_token_id=0, assistant_model=drafter)
     assert torch.equal(plain, assisted)
@@ -77,7 +78,7 @@ def test_values_only_layer_subset_and_last_pooling():
     joined = kv.unflatten(-1, (kv_heads, 2, head_dim))[..., 1, :].flatten(-2)  # values only
     assert torch.equal(picked, joined[:, :, [c.num_hidden_layers - 1, 0]])
     with torch.no_grad():
-        ctx = drafter.compute_context(kv)
+        ctx = drafter.compute_context(TargetStates(kv))
         x = drafter.lsa_in_proj(picked.reshape(10, 2, -1))
         cos, sin = drafter.lsa_rotary_emb(torch.arange(2), x.dtype)
         last = drafter.layer_self_attention(x, cos, sin)[:, -1]  # the output at the last layer read
@@ -110,9 +111,9 @@ def test_context_ablation_zeroes_the_context_and_stays_exact():
     with torch.no_grad():
         kv = gather_target_kv(_cache(target, ids)[0], 0, 12)
         with drafter.context_ablated():
-            assert not drafter.compute_context(kv).any()
+            assert not drafter.compute_context(TargetStates(kv)).any()
             ablated = target.generate(ids, do_sample=False, max_new_tokens=12, pad_token_id=0, assistant_model=drafter)
-        assert drafter.compute_context(kv).abs().sum() > 0  # restored after the block
+        assert drafter.compute_context(TargetStates(kv)).abs().sum() > 0  # restored after the block
         plain = target.generate(ids, do_sample=False, max_new_tokens=12, pad_token_id=0)
     assert torch.equal(plain, ablated)
 

@@ -12,7 +12,7 @@ from transformers import AutoModel, DynamicCache, GenerationConfig
 
 import moa_hf
 from moa_hf import MoADrafterCache, MoADrafterConfig, MoADrafterModel
-from moa_hf.modeling import CACHE_NAME, gather_target_kv
+from moa_hf.modeling import CACHE_NAME, TargetStates, gather_target_kv
 from moa_hf.modeling.drafting import TargetTap
 
 from factory import make_target
@@ -48,7 +48,7 @@ def test_shapes_and_dtypes(family):
         out = drafter(ids, target_kv=target_kv, cycle_starts=_random_starts(11).expand(2, -1))
         assert out.logits.shape == (2, 11, c.vocab_size) and out.logits.dtype == torch.float32
         assert out.hidden_states.shape == (2, 11, c.hidden_size)
-        assert drafter.compute_context(target_kv).shape == (2, 11, c.hidden_size)
+        assert drafter.compute_context(TargetStates(target_kv)).shape == (2, 11, c.hidden_size)
         drafter_bf16 = moa_hf.build_drafter(target.to(torch.bfloat16)).to(torch.bfloat16).attach(target)
         out = drafter_bf16(ids, target_kv=target_kv.to(torch.bfloat16))
         assert out.hidden_states.dtype == torch.bfloat16 and out.logits.dtype == torch.float32
@@ -73,7 +73,7 @@ def test_incremental_equals_parallel(tli, latest):
     target_kv, tcache = _target_kv(target, ids)
     with torch.no_grad():
         ref = drafter(ids, target_kv=target_kv, cycle_starts=starts, target_tli_kv=_tli_kv(drafter, tcache)).logits
-        context = drafter.compute_context(target_kv)
+        context = drafter.compute_context(TargetStates(target_kv))
         cache = MoADrafterCache()
         for i in range(T):
             s = int(starts[0, i])

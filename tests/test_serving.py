@@ -17,7 +17,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import moa_hf
-from moa_hf.modeling import gather_target_kv
+from moa_hf.modeling import TargetStates, gather_target_kv
 from moa_hf.serving import MoAClient, ServerLimits, ServerThread, ServingState, create_app
 from moa_hf.serving.netem import DelayProxy, LinkProfile
 from moa_hf.serving.protocol import decode_drafter, decode_result, encode_drafter, lsa_fingerprint
@@ -122,7 +122,8 @@ def test_context_matches_local_lsa(tiny, server):
     verified = prompt + [7, 8][: result.accepted] + [result.next_token]
     with torch.no_grad():
         out = target(torch.tensor([verified[:-1]]), use_cache=True)
-        expected = drafter.compute_context(gather_target_kv(out.past_key_values, 0, len(verified) - 1))[0]
+        states = TargetStates(gather_target_kv(out.past_key_values, 0, len(verified) - 1))
+        expected = drafter.compute_context(states)[0]
     assert result.context_start == 0 and result.num_verified == len(verified)
     assert_close(result.context, expected)
 

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 import moa_hf
 from moa_hf import MoADrafterConfig, MoADrafterModel
-from moa_hf.modeling import cycle_starts_from_restarts, gather_target_kv
+from moa_hf.modeling import TargetStates, cycle_starts_from_restarts, gather_target_kv
 from moa_hf.modeling.configuration_eagle import EagleDrafterConfig
 from moa_hf.modeling.modeling_eagle import EagleDrafterModel
 from moa_hf.modeling.target_cache import held_at_reads, held_capacities, oldest_held_position
@@ -212,13 +212,14 @@ def test_hooks_read_only_cached_positions_and_training_masks_the_same(family):
     reads, caches = [], []  # (start, end, oldest held position, kv of the held ones, context) per read
     real_read, real_sync = drafter.read_context, drafter._sync
 
-    def read_spy(cache, start, end, target_hidden=None):
+    def read_spy(reader, start, end):
+        cache = reader.cache
         oldest = oldest_held_position(cache)
         if start < oldest:  # what the target's cache no longer holds cannot be read
             with pytest.raises(ValueError, match=f"holds positions >= {oldest} only"):
                 gather_target_kv(cache, start, end)
         kv = gather_target_kv(cache, max(start, oldest), end)[0]
-        context = real_read(cache, start, end, target_hidden)
+        context = real_read(reader, start, end)
         reads.append((start, end, oldest, kv, context[0]))
         return context
 
@@ -247,7 +248,8 @@ def test_hooks_read_only_cached_positions_and_training_masks_the_same(family):
     # the CA memory: context from every layer for the positions they all held, the others left out
     with torch.no_grad():
         want = moa_hf.MoADrafterCache()
-        context = drafter.compute_context(full_kv[None]) * held[None, :, None]  # [1, M, d], zero where dropped
+        context = drafter.compute_context(TargetStates(full_kv[None]))  # [1, M, d]
+        context = context * held[None, :, None]  # zero where dropped
         drafter.extend_context(want, context, valid=held)
     got = caches[-1]
     assert all(cache is got for cache in caches) and got.context_length == M
@@ -290,7 +292,7 @@ def test_training_masks_the_positions_inference_cannot_read(tmp_path, family):
     with torch.no_grad():
         plain = target(batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
     torch.testing.assert_close(states.final_hidden, plain.hidden_states[-1])
-    assert bool((states.target_kv[:, 0].abs().sum(-1) > 0).all())  # position 0 kept by every layer
+    assert bool((states.kv[:, 0].abs().sum(-1) > 0).all())  # position 0 kept by every layer
     # the mask reaches the drafter
     model = trainer.model.eval()
     with torch.no_grad():
@@ -300,7 +302,7 @@ def test_training_masks_the_positions_inference_cannot_read(tmp_path, family):
     # cached states store every position too; training on them runs
     folder = cache_target_states(target, data, tmp_path / "states", progress=False)
     cached = TargetStatesDataset(data, folder, target)
-    want = run_target(target, torch.tensor([rows[0]])).target_kv[0]
+    want = run_target(target, torch.tensor([rows[0]])).kv[0]
     torch.testing.assert_close(cached[0]["target_kv"].float(), want.bfloat16().float())
     trainer = MoATrainer(model=moa_hf.build_drafter(target), target=target, args=args, train_dataset=cached)
     trainer.train()
@@ -370,9 +372,9 @@ def test_gemma3_270m_real_weights_lossless_and_reads_cached_positions_only():
     def generate(drafter):
         real_read = drafter.read_context
 
-        def read_spy(cache, start, end, target_hidden=None):
-            reads.append((start, end, oldest_held_position(cache)))
-            return real_read(cache, start, end, target_hidden)
+        def read_spy(reader, start, end):
+            reads.append((start, end, oldest_held_position(reader.cache)))
+            return real_read(reader, start, end)
 
         drafter.read_context = read_spy
         reads.clear()

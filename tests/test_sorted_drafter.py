@@ -19,7 +19,14 @@ from transformers import AutoModel, DynamicCache
 
 import moa_hf
 from moa_hf import MoADrafterModel
-from moa_hf.modeling import PRIMARY_TARGET, MoABlock, MoATargetParts, fixed_exit_thresholds, gather_target_kv
+from moa_hf.modeling import (
+    PRIMARY_TARGET,
+    MoABlock,
+    MoATargetParts,
+    TargetStates,
+    fixed_exit_thresholds,
+    gather_target_kv,
+)
 
 from factory import make_target, sorted_drafter
 from tolerance import assert_close
@@ -133,7 +140,7 @@ def _simulate_chain(drafter, target, seed, T=28):
     rng = random.Random(seed)
     ids = torch.randint(3, 128, (1, T), generator=torch.Generator().manual_seed(seed))
     target_kv = gather_target_kv(target(ids, past_key_values=DynamicCache()).past_key_values, 0, T)
-    context = drafter.compute_context(target_kv)  # [1, T, d]: the target's states of the real tokens
+    context = drafter.compute_context(TargetStates(target_kv))  # [1, T, d]: the target's states of the real tokens
     cache, records, n = drafter.new_cache(), [], 3  # n: verified tokens
     starts = []  # per SA slot p: its CA reads the context of positions < this (what a chain's step must show it)
     drafter._start_session()

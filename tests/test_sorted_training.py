@@ -63,7 +63,7 @@ def exit_losses(trainer, batch) -> list[float]:
     states = trainer.target_states(batch)
     starts, _ = trainer.simulated_cycles(batch)
     with torch.no_grad():
-        out = drafter(input_ids=batch["input_ids"], target_kv=states.target_kv, cycle_starts=starts, exits="all")
+        out = drafter(input_ids=batch["input_ids"], target_kv=states.kv, cycle_starts=starts, exits="all")
     counted = (batch["labels"] != -100) & batch["attention_mask"].bool()
     assert len(out.exit_hidden_states) == drafter.config.num_blocks
     return [float(trainer.token_losses(h, h, states, counted)[0].mean()) for h in out.exit_hidden_states]

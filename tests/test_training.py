@@ -140,7 +140,7 @@ def test_no_position_sees_target_state_at_or_after_its_cycle_start(tmp_path, tar
         with torch.no_grad():
             out = drafter(
                 input_ids=batch["input_ids"],
-                target_kv=s.target_kv,
+                target_kv=s.kv,
                 target_hidden=s.final_hidden,
                 cycle_starts=starts,
                 target_tli_kv=s.tli_kv,
@@ -153,7 +153,7 @@ def test_no_position_sees_target_state_at_or_after_its_cycle_start(tmp_path, tar
     T = starts.shape[1]
     g = torch.Generator().manual_seed(0)
     for cut in range(T):  # perturb the target's state of every position >= cut
-        kv = states.target_kv.clone()
+        kv = states.kv.clone()
         kv[:, cut:] += torch.randn(kv[:, cut:].shape, generator=g)
         tli_kv = None
         if tli:
@@ -163,7 +163,7 @@ def test_no_position_sees_target_state_at_or_after_its_cycle_start(tmp_path, tar
                 v[:, :, cut:] += torch.randn(v[:, :, cut:].shape, generator=g)
         final = states.final_hidden.clone()
         final[:, cut:] += torch.randn(final[:, cut:].shape, generator=g)
-        perturbed = per_position(training.TargetStates(kv, states.feature, final, tli_kv))
+        perturbed = per_position(training.TargetStates(kv, final, feature=states.feature, tli_kv=tli_kv))
         blind = starts <= cut  # these positions may only read the state of tokens j < start(i) <= cut
         torch.testing.assert_close(perturbed[blind], reference[blind], rtol=0, atol=1e-6)
         if (~blind).any():  # the rest do read it: the check can fail
@@ -424,7 +424,7 @@ def test_acceptance_eval_callback_logs(tmp_path, target):
 
     def logits_and_cycles(batch):
         _, out = trainer.compute_loss(trainer.model, batch, return_outputs=True)
-        kv = trainer.target_states(batch).target_kv
+        kv = trainer.target_states(batch).kv
         return drafter(input_ids=batch["input_ids"], target_kv=kv, cycle_starts=out["cycle_starts"]).logits, out
 
     rows, prompt_lengths = [], []
@@ -490,7 +490,7 @@ def test_lora_drafter_trains_and_works_as_assistant(tmp_path):
 
     def features(m):
         with torch.no_grad():
-            return m(input_ids=batch["input_ids"], target_kv=states.target_kv, return_logits=False).hidden_states
+            return m(input_ids=batch["input_ids"], target_kv=states.kv, return_logits=False).hidden_states
 
     adapted_features = features(model)
     with model.disable_adapter():
@@ -548,7 +548,7 @@ def test_with_own_embeddings_gives_the_same_standalone_drafter(target):
     own = training.with_own_embeddings(drafter, target)
     assert own.config.own_embeddings and not drafter.config.own_embeddings
     ids = torch.randint(3, 100, (1, 12))
-    kv = run_target(target, ids).target_kv
+    kv = run_target(target, ids).kv
     with torch.no_grad(), moa_hf.attached(drafter, target):
         borrowed = drafter(input_ids=ids, target_kv=kv).logits
     with torch.no_grad():

@@ -33,7 +33,7 @@ def test_cached_states_equal_the_targets_forward(tmp_path, target):
         ids = torch.tensor([data[i]["input_ids"][:20]])
         states = run_target(target, ids)
         assert len(item["input_ids"]) == ids.shape[1] == item["target_kv"].shape[0]
-        torch.testing.assert_close(item["target_kv"].float(), states.target_kv[0].bfloat16().float())
+        torch.testing.assert_close(item["target_kv"].float(), states.kv[0].bfloat16().float())
         torch.testing.assert_close(item["final_hidden"].float(), states.final_hidden[0].bfloat16().float())
     assert cache_target_states(target, data, folder, progress=False) == folder  # reused, not recomputed
     with pytest.raises(ValueError, match="another dataset"):

@@ -12,6 +12,7 @@ from transformers import HfArgumentParser
 
 import moa_hf
 from moa_hf.hardware import cpu_flags, hardware_summary, keep_freed_memory
+from moa_hf.modeling import TargetStates
 from moa_hf.modeling.moa_layers import _explicit_attention
 from moa_hf.training import MoATrainer
 from moa_hf.training.sampling import IndexedDataset, TargetBatchSampler, example_lengths
@@ -77,8 +78,8 @@ def test_lsa_on_selected_tokens_equals_the_full_lsa(target):
     drafter = moa_hf.build_drafter(target, lsa_hidden_size=32)
     kv = torch.randn(2, 7, target.config.num_hidden_layers, drafter.config.target_kv_width, requires_grad=True)
     where = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
-    full = drafter.compute_context(kv)
-    picked = drafter.compute_context(kv, where=where)
+    full = drafter.compute_context(TargetStates(kv))
+    picked = drafter.compute_context(TargetStates(kv), where=where)
     assert_close(picked[where], full[where])
     assert torch.equal(picked[~where], torch.zeros_like(picked[~where]))
     (picked * where[..., None]).sum().backward()

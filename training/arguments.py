@@ -483,6 +483,15 @@ class DrafterArguments:
             "with fewer blocks gets new ones that start as the identity (every exit first equals its last one).",
         },
     )
+    block_size: int | None = field(
+        default=None,
+        metadata={
+            "metavar": "K",
+            "help": "MoA: a block drafter, K tokens per drafter forward (the last verified token and K-1 learned "
+            "placeholders; each simulated cycle's block is trained in parallel with the chain positions). With "
+            "--init-drafter, a chain drafter gains the placeholders and keeps its weights.",
+        },
+    )
     draft_vocab_size: int | None = field(
         default=None,
         metadata={
@@ -538,7 +547,7 @@ class DrafterArguments:
         default=False,
         metadata={
             "help": "MoA: the CA's input also adds a projection of the newest context vector each position may read "
-            "(the last verified token's), as an EAGLE drafter feeds the previous feature; one block only."
+            "(the last verified token's), as an EAGLE drafter feeds the previous feature; every block reads it."
         },
     )
     init_from_target_layer: int | None = field(

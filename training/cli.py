@@ -172,13 +172,14 @@ def _build_drafter(drafter_args: DrafterArguments, target, train_data, seed: int
     """The drafter to train, in fp32 master weights (use --bf16 for mixed precision): the --init-drafter (with
     --num-blocks K: as a MoA drafter of K blocks, the blocks it lacks starting as the identity), or a fresh one of
     --kind."""
-    if drafter_args.init_drafter and drafter_args.num_blocks is not None:
+    reshaped = {k: v for k in ("num_blocks", "block_size") if (v := getattr(drafter_args, k)) is not None}
+    if drafter_args.init_drafter and reshaped:
         folder = _init_folder(drafter_args.init_drafter)
         kind = folder_kind(folder) if (folder / "config.json").is_file() else None
         if kind != "moa":
-            raise SystemExit(f"--num-blocks with --init-drafter needs a saved MoA drafter; {folder} is not one.")
-        blocks = drafter_args.num_blocks
-        drafter = MoADrafterModel.from_pretrained(str(folder), num_blocks=blocks, local_files_only=True)
+            flags = " / ".join("--" + k.replace("_", "-") for k in reshaped)
+            raise SystemExit(f"{flags} with --init-drafter needs a saved MoA drafter; {folder} is not one.")
+        drafter = MoADrafterModel.from_pretrained(str(folder), **reshaped, local_files_only=True)
         return drafter.to(device=target.device, dtype=torch.float32)
     if drafter_args.init_drafter:
         return load_drafter(drafter_args.init_drafter, target=target, dtype=torch.float32)

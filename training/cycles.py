@@ -9,6 +9,8 @@ import torch
 from moa_hf.modeling import cycle_starts_from_restarts
 
 __all__ = [
+    "block_anchors",
+    "block_slots",
     "draw_cycle_lengths",
     "draw_uniform",
     "mix64",
@@ -139,3 +141,23 @@ def simulated_cycles(
         if bool(rows.any()):
             sa_mask = sa_curriculum_mask(cycle_starts, rows)
     return cycle_starts, sa_mask
+
+
+def block_anchors(cycle_starts: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+    """A block drafter's blocks to train: [B, A] the simulated cycles' starts (positions i with start(i) = i whose
+    next token is counted), each row's first, -1 after them (A: the most of any row)."""
+    pos = torch.arange(cycle_starts.shape[1], device=cycle_starts.device)
+    starts = (cycle_starts == pos[None, :]) & counted  # [B, T]
+    A = max(int(starts.sum(1).max()), 1)
+    order = torch.where(starts, pos[None, :], cycle_starts.shape[1] + pos[None, :]).sort(dim=1).values[:, :A]
+    return torch.where(order < cycle_starts.shape[1], order, -1)  # [B, A]
+
+
+def block_slots(anchors: torch.Tensor, block_size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions [B, S] of the placeholder slots of `anchors` [B, A] (S = A*(k-1), in `block_layout`'s order:
+    anchor s's slot j stands at s+j and predicts token s+j+1) and their offsets j [S]; a slot of no anchor, or one
+    past the sequence's `length`, is at -1."""
+    offset = torch.arange(1, block_size, device=anchors.device).repeat(anchors.shape[1])  # [S]
+    slot = anchors.repeat_interleave(block_size - 1, dim=1) + offset  # [B, S]
+    ok = (anchors.repeat_interleave(block_size - 1, dim=1) >= 0) & (slot < length)
+    return torch.where(ok, slot, -1), offset

@@ -256,6 +256,7 @@ class MoAAdapter(_AttachingAdapter):
         "ca_latest_context": "ca_latest_context",
         "init_from_target_layer": "init_from_target_layer",
         "num_blocks": "num_blocks",
+        "block_size": "block_size",
     }
     simulates_cycles = True
     needs_target_kv = True
@@ -310,13 +311,15 @@ class MoAAdapter(_AttachingAdapter):
         return _train_only(drafter, params)
 
     def training_forward(
-        self, model, inputs, states, cycle_starts=None, sa_mask=None, feature_noise=0.0, target_name=None
-    ):
+        self, model, inputs, states, cycle_starts=None, sa_mask=None, feature_noise=0.0, target_name=None,
+        block_anchors=None,
+    ):  # fmt: skip
         outputs = model(
             input_ids=inputs["input_ids"],
-            target_kv=states.target_kv,
+            block_anchors=block_anchors,
+            target_kv=states.kv,
             target_hidden=states.final_hidden,
-            target_kv_held=states.target_kv_held,
+            target_kv_held=states.held,
             cycle_starts=cycle_starts,
             sa_mask=sa_mask,
             target_tli_kv=states.tli_kv,
@@ -347,10 +350,12 @@ class EagleAdapter(_AttachingAdapter):
         return EagleDrafterModel(EagleDrafterConfig.from_target_config(target.config, **overrides)).float()
 
     def training_forward(
-        self, model, inputs, states, cycle_starts=None, sa_mask=None, feature_noise=0.0, target_name=None
-    ):
+        self, model, inputs, states, cycle_starts=None, sa_mask=None, feature_noise=0.0, target_name=None,
+        block_anchors=None,
+    ):  # fmt: skip
         outputs = model(
             input_ids=inputs["input_ids"],
+            block_anchors=block_anchors,
             target_hidden=states.final_hidden,
             attention_mask=inputs.get("attention_mask"),
             noise_std=feature_noise,
@@ -368,10 +373,12 @@ class IndependentAdapter(DrafterAdapter):
         return build_independent(target, **overrides)
 
     def training_forward(
-        self, model, inputs, states, cycle_starts=None, sa_mask=None, feature_noise=0.0, target_name=None
-    ):
+        self, model, inputs, states, cycle_starts=None, sa_mask=None, feature_noise=0.0, target_name=None,
+        block_anchors=None,
+    ):  # fmt: skip
         outputs = model(
             input_ids=inputs["input_ids"],
+            block_anchors=block_anchors,
             attention_mask=inputs.get("attention_mask"),
             output_hidden_states=True,
             logits_to_keep=1,

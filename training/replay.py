@@ -247,9 +247,8 @@ def _batch_tables(
     states = run_target(target, ids, mask)
     greedy = _target_greedy(target, states.final_hidden)  # [B, T]: the target's token after each position
     pos = torch.arange(T, device=device)
-    context = drafter.compute_context(
-        states.target_kv, where=mask.bool(), positions=pos, target_hidden=states.final_hidden
-    )  # [B, T, d], computed once: a token's context does not depend on the cycles
+    # [B, T, d], computed once: a token's context does not depend on the cycles
+    context = drafter.compute_context(states, where=mask.bool(), positions=pos)
     hits = torch.zeros(B, T, depth, dtype=torch.bool)  # [B, start, d]
     conf = torch.zeros(B, T, depth)
     is_eos = torch.zeros(B, T, depth, dtype=torch.bool)

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +29,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import DynamicCache, PreTrainedModel
 
-from ..modeling import CACHE_NAME, gather_target_kv, target_fingerprint, target_signature
+from ..modeling import CACHE_NAME, TargetStates, gather_target_kv, target_fingerprint, target_signature
 
 __all__ = ["TargetStates", "TargetStatesDataset", "cache_target_states", "load_target_states", "states_bytes"]
 
@@ -39,26 +38,6 @@ logger = logging.getLogger(__name__)
 _META = "states.json"
 _KV, _HIDDEN, _TLI = "target_kv", "final_hidden", "tli_hidden"
 _FORMAT = 1
-
-
-@dataclass
-class TargetStates:
-    """What the frozen target provides for one batch.
-
-    target_kv: [B, T, L, 2*Hkv*hd] keys/values of every layer (the LSA input).
-    feature: [B, T, d] the drafter's regression target: the post-norm final hidden state (TLI N > 0: the hidden state
-        after layer L-N).
-    final_hidden: [B, T, d] post-norm final hidden state, which the target's head turns into its next-token logits.
-    tli_kv: with N > 0, N (key, value) pairs [B, Hkv, T, hd] of the last N layers; else None.
-    target_kv_held: optional bool [B, T], whether every layer still holds token j's key/value when the drafter reads
-        it at inference (a sliding-window layer drops old positions; `MoATrainer.held_target_kv`); None: all do.
-    """
-
-    target_kv: torch.Tensor
-    feature: torch.Tensor
-    final_hidden: torch.Tensor
-    tli_kv: list | None = None
-    target_kv_held: torch.Tensor | None = None
 
 
 def _signature(target: PreTrainedModel) -> dict:

@@ -13,6 +13,7 @@ from transformers import DynamicCache, PreTrainedModel
 from moa_hf.modeling import (
     CACHE_NAME,
     PRIMARY_TARGET,
+    TargetStates,
     gather_target_kv,
     held_at_reads,
     held_capacities,
@@ -22,7 +23,6 @@ from moa_hf.modeling import (
 from .arguments import MoATrainingArguments
 from .cycles import read_ends_of_cycles
 from .drafters import DrafterAdapter
-from .states import TargetStates
 
 __all__ = [
     "accepts_argument",
@@ -65,9 +65,9 @@ def run_target(
     if n > 0:
         tli_kv = [(cache.layers[i].keys, cache.layers[i].values) for i in range(num_layers - n, num_layers)]
     return TargetStates(
-        target_kv=gather_target_kv(cache, 0, T),
-        feature=hidden[num_layers - n] if n > 0 else hidden[-1],
+        kv=gather_target_kv(cache, 0, T),
         final_hidden=hidden[-1],
+        feature=hidden[num_layers - n] if n > 0 else hidden[-1],
         tli_kv=tli_kv,
     )
 
@@ -98,7 +98,7 @@ def batch_target_states(
             "`target_kv`; cache the states with them (`cache_target_states`)."
         )
     if tli == 0:
-        return TargetStates(target_kv=kv, feature=hidden, final_hidden=hidden)
+        return TargetStates(kv=kv, final_hidden=hidden, feature=hidden)
     before_last = inputs.get("tli_hidden")  # [B, T, M, d]: hidden_states[L-n] for n = 1..M
     if before_last is None or before_last.shape[2] < tli:
         have = 0 if before_last is None else before_last.shape[2]
@@ -112,7 +112,7 @@ def batch_target_states(
     tli_kv = [  # the last N layers' (keys, values) [B, Hkv, T, hd], as the target's cache holds them
         tuple(t.to(dtype) for t in split_target_kv(kv, layer, heads)) for layer in range(num_layers - tli, num_layers)
     ]
-    return TargetStates(target_kv=kv, feature=before_last[:, :, tli - 1], final_hidden=hidden, tli_kv=tli_kv)
+    return TargetStates(kv=kv, final_hidden=hidden, feature=before_last[:, :, tli - 1], tli_kv=tli_kv)
 
 
 def held_target_kv(

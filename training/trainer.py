@@ -25,6 +25,7 @@ batches), `targets.py` (the frozen targets: their states, what inference still h
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 
@@ -35,7 +36,7 @@ from moa_hf.modeling import PRIMARY_TARGET
 
 from .arguments import MoATrainingArguments
 from .collate import IGNORE_INDEX, MoADataCollator
-from .cycles import simulated_cycles
+from .cycles import block_anchors, block_slots, simulated_cycles
 from .drafters import adapter_for, unwrap_model
 from .evaluation import AcceptanceEvalCallback
 from .losses import batch_loss, depth_weighted, exits_weighted, position_losses
@@ -268,8 +269,14 @@ class MoATrainer(Trainer):
             cycle_starts, sa_mask = (
                 self.simulated_cycles(inputs, first_hits) if self.adapter.simulates_cycles else (None, None)
             )
-            if cycle_starts is not None and states.target_kv is not None:
-                states.target_kv_held = self.held_target_kv(inputs["prompt_lengths"], cycle_starts, name)
+            if cycle_starts is not None and states.kv is not None:
+                states.held = self.held_target_kv(inputs["prompt_lengths"], cycle_starts, name)
+        counted = inputs["labels"] != IGNORE_INDEX  # [B, T]
+        if "attention_mask" in inputs:
+            counted &= inputs["attention_mask"].bool()
+        blocks = {}  # a block drafter's: each simulated cycle's block, after the sequence (`block_layout`)
+        if getattr(self.drafter.config, "block_size", 1) > 1 and cycle_starts is not None:
+            blocks["block_anchors"] = block_anchors(cycle_starts, counted)
         with section("drafter forward"):
             exits = self.adapter.training_forward(
                 model,
@@ -279,12 +286,13 @@ class MoATrainer(Trainer):
                 sa_mask=sa_mask,
                 feature_noise=self.args.feature_noise if model.training else 0.0,
                 target_name=name,
+                **blocks,
             )
         if len(exits) != len(self.exit_weights):
             raise ValueError(f"The drafter gave {len(exits)} exits, expected {len(self.exit_weights)}.")
-        counted = inputs["labels"] != IGNORE_INDEX  # [B, T]
-        if "attention_mask" in inputs:
-            counted &= inputs["attention_mask"].bool()
+        block_total = None
+        if blocks:
+            exits, block_total = self.block_losses(exits, states, counted, inputs["labels"], blocks, name)
         per_exit = []  # (total, soft CE, feature) [N] per exit
         for weight, (student, feature) in zip(self.exit_weights, exits):
             # the heads in the loss run under the mixed-precision policy too (Accelerate applies it to the model's
@@ -297,6 +305,8 @@ class MoATrainer(Trainer):
                 per_exit.append(self.token_losses(student, feature, states, counted, name, inputs["labels"]))
         total, ce, feat = exits_weighted(self.exit_weights, per_exit)  # each [N]
         total = depth_weighted(total, counted, cycle_starts, self.args.depth_decay)
+        if block_total is not None:
+            total = torch.cat([total, block_total])  # the blocks' slots add to the sum (normalised as the chain's)
         if not model.training:
             top = self.adapter.top1(self.drafter, exits[-1][0][counted])  # [N]
             self.agreement.add(top, inputs["labels"], counted, cycle_starts)
@@ -309,6 +319,23 @@ class MoATrainer(Trainer):
             token_loss[counted] = total.detach()
             return loss, {"token_loss": token_loss, "cycle_starts": cycle_starts}
         return loss
+
+    def block_losses(self, exits, states: TargetStates, counted, labels, blocks: dict, name: str):
+        """A block drafter's outputs split at the sequence's end: (the sequence's exits, the loss [N'] of every
+        placeholder slot that predicts a counted token, against the target's states at its position, times
+        `depth_decay ** j` at slot j)."""
+        T = counted.shape[1]
+        slots, offset = block_slots(blocks["block_anchors"], self.drafter.config.block_size, T)  # [B, S], [S]
+        at = slots.clamp(min=0)  # [B, S]
+        kept = (slots >= 0) & counted.gather(1, at)  # [B, S]
+        pick = lambda x: x.gather(1, at[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731  [B, S, d]
+        slot_states = dataclasses.replace(states, feature=pick(states.feature), final_hidden=pick(states.final_hidden))
+        student, feature = exits[-1][0][:, T:], exits[-1][1][:, T:]  # [B, S, d]
+        with self.profile.section("loss"), self.accelerator.autocast():
+            total = self.token_losses(student, feature, slot_states, kept, name, labels.gather(1, at))[0]
+        if self.args.depth_decay < 1.0:
+            total = total * self.args.depth_decay ** offset.expand_as(kept)[kept].to(total.dtype)
+        return [(s[:, :T], f[:, :T]) for s, f in exits], total
 
     @torch.no_grad()
     def _first_draft_hits(self, model, inputs, states: TargetStates, name: str) -> torch.Tensor:

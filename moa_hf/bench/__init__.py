@@ -22,7 +22,8 @@ once. Every method of a MoA drafter reports its tokens drafted per exit (`exit_c
 drafted by an exit). Two variants are written after a method's name: `@DEPTHxTOP_KxBUDGET` fixes an engine method's
 tree shape (`moa_tree_nolookup@6x8x24`: depth 6, top-k 8, at most 24 drafted nodes per verification), and `_nocontext`
 runs a MoA method with the drafter's context vectors zeroed (`moa_nolookup_nocontext`,
-`moa_tree_nolookup@6x8x24_nocontext`): run next to the same method, the report gives the share of the drafter's gain
+`moa_tree_nolookup@6x8x24_nocontext`) and `_tokenwise` runs a block drafter token by token (its own chain, the same
+weights: `moa_nolookup_tokenwise`): run next to the same method, the report gives the share of the drafter's gain
 that comes from the target's state. `--prompts SOURCE ...` replaces the Spec-Bench questions by natural held-out
 prompts (`moa_hf.prompts.load_prompts`: `default:validation`, `default:documents`, `pydoc:heldout`, files, datasets),
 one category per source.

@@ -46,8 +46,11 @@ _EXIT_METHOD = re.compile(r"^(\w+)_exit(\d+)$")
 # (`moa_tree_nolookup@6x8x24`), and `_nocontext` runs a MoA method with the drafter's context vectors zeroed
 # (`moa_nolookup_nocontext`, `moa_tree_nolookup@6x8x24_nocontext`): what the drafter accepts without the target's
 # state, which the report sets against the same method with it (the share of the gain that comes from the target).
+# `_tokenwise` runs a block drafter (`block_size` k > 1) as a chain drafter, one forward per drafted token, with the
+# same weights (`moa_nolookup_tokenwise`, `moa_tree_nolookup@6x8x24_tokenwise`): its block against its own chain.
 _SHAPE = re.compile(r"^(.+)@(\d+)x(\d+)x(\d+)$")
 NO_CONTEXT = "_nocontext"
+TOKENWISE = "_tokenwise"
 
 
 @dataclass(frozen=True)
@@ -58,18 +61,22 @@ class MethodVariant:
     name: str
     shape: dict | None = None
     no_context: bool = False
+    tokenwise: bool = False
 
 
 def method_variant(name: str) -> MethodVariant:
-    """`name` split into its base method and its variants (`_nocontext` last, `@DxKxB` before it); a name without
-    them is its own base."""
+    """`name` split into its base method and its variants (`_nocontext` last, `_tokenwise` before it, `@DxKxB`
+    before that); a name without them is its own base."""
     no_context = name.endswith(NO_CONTEXT)
     base = name[: -len(NO_CONTEXT)] if no_context else name
+    tokenwise = base.endswith(TOKENWISE)
+    base = base[: -len(TOKENWISE)] if tokenwise else base
     match = _SHAPE.match(base)
     if match is None:
-        return MethodVariant(base, None, no_context)
+        return MethodVariant(base, None, no_context, tokenwise)
     depth, top_k, budget = (int(match[i]) for i in (2, 3, 4))
-    return MethodVariant(match[1], {"tree_depth": depth, "tree_top_k": top_k, "tree_budget": budget}, no_context)
+    shape = {"tree_depth": depth, "tree_top_k": top_k, "tree_budget": budget}
+    return MethodVariant(match[1], shape, no_context, tokenwise)
 
 
 def all_methods() -> tuple[str, ...]:
@@ -490,6 +497,11 @@ def _drafter_method(name: str, kind: str, path: str | None, target, allow_other_
         info["exit"] = "adaptive" if exit is None else exit
     for key, value in CONFIG_OVERRIDES.get(variant.name, {}).items():
         setattr(drafter.config, key, value)
+    if variant.tokenwise:
+        if getattr(drafter.config, "block_size", 1) < 2:
+            raise BenchError(f"'{name}': {TOKENWISE} drafts a block drafter token by token; {path} is not one.")
+        drafter.config.block_size = 1  # the same weights, one forward per drafted token
+        info["tokenwise"] = True
     if engine:  # the exit methods run the engine as their base does: its chosen tree settings, lookup as configured
         settings = {**ENGINE_METHODS[base], **(variant.shape or {})}
         method = engine_method(name, drafter, settings, allow_other_target, info)

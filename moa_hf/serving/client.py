@@ -468,8 +468,7 @@ class MoAClient(ClientDrafterMixin):
             top_k = min(self.draft_top_k, s["top_k"]) if s["top_k"] > 0 else self.draft_top_k
             warpers = sampling_warpers(s["temperature"], top_k=top_k)
         keep = min(cache.common_prefix(ids), ids.shape[1] - 1)
-        if keep < cache.get_seq_length():
-            cache.truncate(keep)
+        cache.truncate(keep)  # rolls back rejected tokens; a new drafting call (a block drafter: a new block)
 
         def next_logits(token: torch.Tensor | None) -> torch.Tensor:  # [1, V]
             return drafter.draft_step(ids[:, cache.get_seq_length() :] if token is None else token, cache)

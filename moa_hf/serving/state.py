@@ -20,7 +20,7 @@ from fastapi import HTTPException
 from transformers import DynamicCache
 
 from ..chat import eos_token_ids
-from ..modeling import PRIMARY_TARGET, oldest_held_position, target_fingerprint
+from ..modeling import PRIMARY_TARGET, CacheReader, oldest_held_position, target_fingerprint
 from ..speculative import sampling_warpers, verify
 from .batching import Admission, Job, JobAbandoned, Scheduler, SchedulerClosed
 from .protocol import (
@@ -541,8 +541,9 @@ class ServingState:
         context, valid_from = None, 0
         if req.want_context:
             start = min(context_start, new_len)
-            hidden = session.cache.hidden_between(start, new_len) if self.reads_hidden else None  # [1, T, D]
-            context = self.drafter.read_context(session.cache, start, new_len, hidden)  # [1, T, d]
+            # the server's reader: the session's cache, which also records the hidden states (`HiddenRecordingCache`)
+            reader = CacheReader(session.cache, session.cache.hidden_between if self.reads_hidden else None)
+            context = self.drafter.read_context(reader, start, new_len)  # [1, T, d]
             context = context[0].float().cpu()  # [T, d]
             valid_from = oldest_held_position(session.cache)  # older positions were read as zeros
         return VerifyResult(

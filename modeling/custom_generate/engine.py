@@ -319,8 +319,9 @@ class _Run:
         if root_logits is None:
             tree = empty_tree(len(self.rows), self.roots.device)
         else:
+            depth = min(shape.depth, getattr(self.drafter, "draft_depth_limit", None) or shape.depth)  # a block's
             tree = build_tree(
-                _Timed(self), self.draft_state, root_logits, self.root_pos, shape.depth, shape.top_k, shape.widths,
+                _Timed(self), self.draft_state, root_logits, self.root_pos, depth, shape.top_k, shape.widths,
                 policy.gamma,
             )  # fmt: skip
         if shape.lookup and chains is not None and any(c is not None for c in chains):
