@@ -188,3 +188,36 @@ def test_client_server_decoding_with_a_block_drafter_is_exact(tmp_path, monkeypa
                 result = client.generate(prompt, max_new_tokens=n)
                 assert result.token_ids == reference(target, prompt, n)
                 assert sum(result.stats["accepted_lengths"]) == n
+
+
+def test_moa_train_continues_a_chain_drafter_as_a_block_drafter(tmp_path):
+    """`moa train --init-from CHAIN --block-size K`: the chain drafter's weights carry over, the placeholder embedding
+    starts new and trains, and the saved block drafter decodes exactly (its held-out evaluation drafts blocks)."""
+    from moa_hf.training.cli import main
+
+    from factory import random_dataset, tiny_target, tiny_tokenizer
+
+    target = tiny_target(logit_scale=8.0)
+    target.save_pretrained(tmp_path / "t")
+    tiny_tokenizer().save_pretrained(tmp_path / "t")
+    random_dataset(8).save_to_disk(str(tmp_path / "d"))
+    torch.manual_seed(0)
+    chain = moa_hf.build_drafter(target)
+    chain.save_pretrained(tmp_path / "chain")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello there"}\n')
+    args = [
+        "train", "--dtype", "float32", "--batch-size", "4", "--eval-prompts", str(prompts), "--eval-num-prompts", "1",
+        "--eval-max-new-tokens", "6", "--save-steps", "100", "--quiet", "--cpu", "--target", str(tmp_path / "t"),
+        "--data", str(tmp_path / "d"), "--init-from", str(tmp_path / "chain"), "--block-size", "3", "--max-steps", "2",
+        "--output", str(tmp_path / "block"),
+    ]  # fmt: skip
+    assert main(args) == 0
+    block = moa_hf.MoADrafterModel.from_pretrained(tmp_path / "block")
+    assert block.config.block_size == 3 and block.block_embedding.abs().sum() > 0
+    shared = set(chain.state_dict()) & set(block.state_dict())
+    assert shared == set(chain.state_dict()) and "block_embedding" in block.state_dict()
+    ids = torch.randint(3, 100, (1, 7))
+    ref = target.generate(ids, max_new_tokens=20, do_sample=False)
+    with moa_hf.attached(block, target):
+        assert torch.equal(target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=block), ref)
