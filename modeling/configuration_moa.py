@@ -241,6 +241,10 @@ class MoADrafterConfig(PreTrainedConfig):
             slots] proposes k tokens (slot j predicts the token j+1 after the last verified one; the slots attend
             causally to each other and to every verified token, their CA reads the verified context only). It still
             drafts chains token by token beyond a block. 1: a chain drafter only (the paper's).
+        block_markov_rank: r > 0 adds to a block slot's logits a bias from the token drafted before it, through a
+            rank-r table (`markov_in` [V, r], `markov_out` [r, V'], DSpark's Markov head): slot j's proposal then
+            depends on slot j-1's token (teacher-forced in training), at the cost of one table row and an r x V'
+            product per drafted token. 0: none. Needs `block_size` > 1 and a draft vocabulary.
         target_layer_inference: N in the paper. 0: the target's LM head reads the CA output. N > 0: the CA output is
             the predicted activation after target layer L-N, and the target's last N layers, final norm and head run.
         own_embeddings: keep (and save) the drafter's own copy of the embedding and LM head, for standalone use
@@ -306,6 +310,7 @@ class MoADrafterConfig(PreTrainedConfig):
     context_final_hidden: bool = False
     ca_latest_context: bool = False
     block_size: int = 1
+    block_markov_rank: int = 0
     # Target Layer Inference.
     target_layer_inference: int = 0
     own_embeddings: bool = False
@@ -346,6 +351,14 @@ class MoADrafterConfig(PreTrainedConfig):
         """Check `block_size` and what it combines with."""
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1 (1: a chain drafter), got {self.block_size!r}.")
+        if not isinstance(self.block_markov_rank, int) or self.block_markov_rank < 0:
+            raise ValueError(f"block_markov_rank must be an integer >= 0, got {self.block_markov_rank!r}.")
+        if self.block_markov_rank and (self.block_size < 2 or self.draft_vocab_size is None):
+            raise ValueError(
+                f"block_markov_rank={self.block_markov_rank} biases a block drafter's slots over its draft vocabulary"
+                ": "
+                f"it needs block_size > 1 and draft_vocab_size (got {self.block_size} and {self.draft_vocab_size})."
+            )
         if self.block_size > 1 and (self.num_blocks > 1 or self.target_layer_inference > 0):
             raise ValueError(
                 f"block_size={self.block_size} (a block drafter) needs num_blocks=1 and target_layer_inference=0, got "

@@ -105,7 +105,8 @@ class MoADraftingRoutes:
         if row is not None:  # a drafted token: the block already holds the logits after it
             cache.block_fed.append(new_ids)
             self.record_exits([new_ids.shape[0]])
-            return row[:, 0]
+            bias = self.markov_bias(new_ids[:, -1])  # [B, V] from the token just drafted, or None
+            return row[:, 0] if bias is None else row[:, 0] + bias
         fed, cache.block_fed = cache.block_fed, []
         tokens = torch.cat([*fed, new_ids], dim=1)  # [B, T] every token not yet in the SA cache
         M = cache.context_length
@@ -113,6 +114,16 @@ class MoADraftingRoutes:
         logits = self.block_forward(cache, tokens, cache.add_slots(tokens), pos.clamp(max=M)[None], pos[None])
         self.record_exits([new_ids.shape[0]])
         return logits[:, 0]  # [B, V]
+
+    def markov_bias(self, previous: torch.Tensor, full: bool = True) -> torch.Tensor | None:
+        """A block slot's logit bias from the token drafted before it (`block_markov_rank`): ids [...] -> float32
+        [..., V] (`full`: 0 outside the draft vocabulary) or [..., V'] over it; None without a Markov head."""
+        if not self.config.block_markov_rank:
+            return None
+        bias = self.markov_out(self.markov_in(previous).to(self.markov_out.weight.dtype)).float()  # [..., V']
+        if not full:
+            return bias
+        return bias.new_zeros((*bias.shape[:-1], self.config.vocab_size)).index_copy_(-1, self.draft_ids, bias)
 
     def block_forward(self, state, tokens, sa_mask, limit, positions) -> torch.Tensor:
         """One block drafter forward: `tokens` [B, T] (new verified slots, already added to `state` with their SA
@@ -222,7 +233,8 @@ class MoADraftingRoutes:
         block = state.block_row(positions)  # a block drafter's logits after these positions: no forward
         if block is not None:
             state.node_exits = torch.ones_like(tokens)  # [B, k]
-            return block
+            bias = self.markov_bias(tokens)  # [B, k, V] from each node's own token, or None
+            return block if bias is None else block + bias
         if self.config.block_size > 1:
             raise ValueError(
                 f"This block drafter drafts {self.config.block_size} tokens per forward and tree nodes at depths 1.."

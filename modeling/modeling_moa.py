@@ -223,6 +223,10 @@ class MoADrafterModel(MoADraftingRoutes, DrafterMixin, MoAPreTrainedModel, Gener
             self.register_buffer("draft_ids", torch.arange(c.draft_vocab_size), persistent=True)  # [V'] full ids
         if c.block_size > 1:  # a block drafter's placeholder slots (token id `PLACEHOLDER`) read this embedding
             self.block_embedding = nn.Parameter(torch.zeros(c.hidden_size))
+        if c.block_markov_rank:  # a slot's logits biased by the token drafted before it (zero at first)
+            self.markov_in = nn.Embedding(c.vocab_size, c.block_markov_rank)
+            self.markov_out = nn.Linear(c.block_markov_rank, c.draft_vocab_size, bias=False)
+            self.markov_out.zero_init = True
         if c.num_blocks > 1:  # S2D: blocks 2..K, an exit after each
             self.blocks = nn.ModuleList(MoABlock(c) for _ in range(c.num_blocks - 1))
         self.target_parts = nn.ModuleDict()  # the extra targets' own parts (empty: no state-dict keys)

@@ -221,3 +221,77 @@ def test_moa_train_continues_a_chain_drafter_as_a_block_drafter(tmp_path):
     ref = target.generate(ids, max_new_tokens=20, do_sample=False)
     with moa_hf.attached(block, target):
         assert torch.equal(target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=block), ref)
+
+
+def test_a_markov_head_biases_each_slot_by_the_token_before_it(tmp_path):
+    """`block_markov_rank`: every route adds to slot j's logits the bias of the token drafted before it (training:
+    the real one), so a tree's children at one depth differ by their parent; gradients reach the head."""
+    from moa_hf.training import MoATrainer
+
+    from factory import random_dataset, tiny_target, tiny_training_args
+
+    target = make_target("llama")
+    drafter = _drafter(target, draft_vocab_size=64, block_markov_rank=8).attach(target)
+    with torch.no_grad():
+        drafter.markov_out.weight.normal_(0.0, 1.0)
+    T, n = 20, 11
+    ids = torch.randint(3, 128, (1, T))
+    with torch.no_grad():
+        context = drafter.compute_context(_states(target, ids))
+        starts = torch.arange(T).clamp(max=n - 1)[None]
+        out = drafter(ids, context=context, cycle_starts=starts, block_anchors=torch.tensor([[n - 1]]))
+        cache = MoADrafterCache()
+        drafter.extend_context(cache, context[:, : n - 1])
+        drafter.draft_step(ids[:, :n], cache)
+        for j in range(1, K):  # the token at position n-1+j, fed as drafted: its row carries its bias
+            row = drafter.draft_step(ids[:, n - 1 + j : n + j], cache)
+            expected = out.logits[:, T + j - 1] + drafter.markov_bias(ids[:, n - 1 + j])
+            assert_close(row, expected)
+        rows = drafter.tree_step(cache, torch.tensor([[5, 6]]), torch.tensor([[n, n]]), torch.tensor([[-1, -1]]))
+        assert not torch.allclose(rows[0, 0], rows[0, 1])  # two children of the root, two different biases
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        moa_hf.build_drafter(target, block_size=K, block_markov_rank=8)
+
+    small = tiny_target(logit_scale=8.0)
+    data = random_dataset(8, seed=4)
+    trained = moa_hf.build_drafter(small, block_size=K, draft_vocab_size=64, block_markov_rank=8)
+    trainer = MoATrainer(model=trained, target=small, args=tiny_training_args(tmp_path), train_dataset=data)
+    batch = trainer.data_collator([{**data[i], "sample_index": i} for i in range(8)])
+    trainer.compute_loss(trainer.model.train(), batch).backward()
+    assert trained.markov_out.weight.grad.abs().sum() > 0
+
+
+def test_vllm_proposer_route_drafts_one_block_per_step():
+    """What vLLM's proposer runs: `tree_catch_up` with a reader function (as it reads the paged cache), states joined
+    by `concat_rows`, then `tree_chain`: greedy chains of at most k tokens per row (one block each), the tokens of the
+    chain route's block."""
+    target = make_target("llama")
+    drafter = _drafter(target).attach(target)
+    seqs = [torch.randint(3, 128, (n,)).tolist() for n in (6, 10)]
+    states, roots = [], []
+    with torch.no_grad():
+        for seq in seqs:  # one row per state, then joined, as the proposer joins new rows
+            ids = torch.tensor([seq])
+            cache = DynamicCache()
+            target(ids, past_key_values=cache, use_cache=True)
+            n = len(seq)
+            state = drafter.tree_start(1)
+            read = lambda slots, cache=cache, n=n: gather_target_kv(cache, 0, n)[:, slots[0].clamp(min=0)]  # noqa: E731
+            prev = (torch.arange(n) - 1)[None]
+            roots.append(drafter.tree_catch_up(state, ids, torch.arange(n)[None], torch.ones(1, n, dtype=torch.bool),
+                                               prev, read))  # fmt: skip
+            states.append(state)
+        joined = type(states[0]).concat_rows(states)
+        positions = torch.tensor([len(s) for s in seqs])
+        chains = drafter.tree_chain(joined, torch.cat(roots), positions, 3 * K)
+        drafted = chains.lists()
+        for seq, tokens in zip(seqs, drafted):
+            assert len(tokens) == K  # capped at one block (`draft_depth_limit`)
+            cache = MoADrafterCache()
+            drafter.extend_context(
+                cache, drafter.compute_context(_states(target, torch.tensor([seq])))[:, : len(seq) - 1]
+            )
+            want = [int(drafter.draft_step(torch.tensor([seq]), cache).argmax())]
+            for _ in range(K - 1):
+                want.append(int(drafter.draft_step(torch.tensor([[want[-1]]]), cache).argmax()))
+            assert tokens == want

@@ -492,6 +492,14 @@ class DrafterArguments:
             "--init-drafter, a chain drafter gains the placeholders and keeps its weights.",
         },
     )
+    block_markov_rank: int | None = field(
+        default=None,
+        metadata={
+            "metavar": "R",
+            "help": "MoA block drafters: a rank-R Markov head biasing each placeholder slot's logits by the token "
+            "drafted before it (DSpark's; needs --block-size and a draft vocabulary).",
+        },
+    )
     draft_vocab_size: int | None = field(
         default=None,
         metadata={

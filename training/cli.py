@@ -172,7 +172,8 @@ def _build_drafter(drafter_args: DrafterArguments, target, train_data, seed: int
     """The drafter to train, in fp32 master weights (use --bf16 for mixed precision): the --init-drafter (with
     --num-blocks K: as a MoA drafter of K blocks, the blocks it lacks starting as the identity), or a fresh one of
     --kind."""
-    reshaped = {k: v for k in ("num_blocks", "block_size") if (v := getattr(drafter_args, k)) is not None}
+    reshape = ("num_blocks", "block_size", "block_markov_rank")
+    reshaped = {k: v for k in reshape if (v := getattr(drafter_args, k)) is not None}
     if drafter_args.init_drafter and reshaped:
         folder = _init_folder(drafter_args.init_drafter)
         kind = folder_kind(folder) if (folder / "config.json").is_file() else None

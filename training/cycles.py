@@ -11,6 +11,7 @@ from moa_hf.modeling import cycle_starts_from_restarts
 __all__ = [
     "block_anchors",
     "block_slots",
+    "markov_rows",
     "draw_cycle_lengths",
     "draw_uniform",
     "mix64",
@@ -161,3 +162,17 @@ def block_slots(anchors: torch.Tensor, block_size: int, length: int) -> tuple[to
     slot = anchors.repeat_interleave(block_size - 1, dim=1) + offset  # [B, S]
     ok = (anchors.repeat_interleave(block_size - 1, dim=1) >= 0) & (slot < length)
     return torch.where(ok, slot, -1), offset
+
+
+def markov_rows(drafter, student: torch.Tensor, previous: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """A block drafter's slot rows with their Markov head (`block_markov_rank`): `student` [B, S, d] with the token
+    before each slot, `previous` [B, S], appended as two columns (id // 256, id % 256: exact in bf16), and the head
+    (draft logits + the Markov bias of that token, [n, V']) that reads them, with the draft ids, for the losses'
+    chunked heads (which see rows only)."""
+    columns = torch.stack([previous // 256, previous % 256], dim=-1).to(student.dtype)  # [B, S, 2]
+
+    def head(rows: torch.Tensor) -> torch.Tensor:
+        ids = rows[..., -2].round().long() * 256 + rows[..., -1].round().long()  # [n]
+        return drafter.draft_logits(rows[..., :-2]) + drafter.markov_bias(ids, full=False)
+
+    return torch.cat([student, columns], dim=-1), (head, drafter.draft_ids)

@@ -257,6 +257,7 @@ class MoAAdapter(_AttachingAdapter):
         "init_from_target_layer": "init_from_target_layer",
         "num_blocks": "num_blocks",
         "block_size": "block_size",
+        "block_markov_rank": "block_markov_rank",
     }
     simulates_cycles = True
     needs_target_kv = True

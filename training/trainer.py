@@ -36,7 +36,7 @@ from moa_hf.modeling import PRIMARY_TARGET
 
 from .arguments import MoATrainingArguments
 from .collate import IGNORE_INDEX, MoADataCollator
-from .cycles import block_anchors, block_slots, simulated_cycles
+from .cycles import block_anchors, block_slots, markov_rows, simulated_cycles
 from .drafters import adapter_for, unwrap_model
 from .evaluation import AcceptanceEvalCallback
 from .losses import batch_loss, depth_weighted, exits_weighted, position_losses
@@ -242,10 +242,12 @@ class MoATrainer(Trainer):
         counted: torch.Tensor,
         target_name: str | None = None,
         labels: torch.Tensor | None = None,
+        head: tuple | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`losses.position_losses` with the teacher head of target `target_name` (None: `default_target`)."""
+        """`losses.position_losses` with the teacher head of target `target_name` (None: `default_target`) and the
+        drafter's head (`head`: another (head, draft ids))."""
         teacher = self.targets[target_name or self.default_target].get_output_embeddings().weight  # [V, d]
-        head = self.adapter.student_head(self.drafter)
+        head = head or self.adapter.student_head(self.drafter)
         return position_losses(self.args, self.drafter, head, teacher, student, feature, states, counted, labels)
 
     # -----------------------------------------------------------------------------------------------------------------
@@ -292,7 +294,7 @@ class MoATrainer(Trainer):
             raise ValueError(f"The drafter gave {len(exits)} exits, expected {len(self.exit_weights)}.")
         block_total = None
         if blocks:
-            exits, block_total = self.block_losses(exits, states, counted, inputs["labels"], blocks, name)
+            exits, block_total = self.block_losses(exits, states, counted, inputs, blocks, name)
         per_exit = []  # (total, soft CE, feature) [N] per exit
         for weight, (student, feature) in zip(self.exit_weights, exits):
             # the heads in the loss run under the mixed-precision policy too (Accelerate applies it to the model's
@@ -320,19 +322,23 @@ class MoATrainer(Trainer):
             return loss, {"token_loss": token_loss, "cycle_starts": cycle_starts}
         return loss
 
-    def block_losses(self, exits, states: TargetStates, counted, labels, blocks: dict, name: str):
+    def block_losses(self, exits, states: TargetStates, counted, inputs, blocks: dict, name: str):
         """A block drafter's outputs split at the sequence's end: (the sequence's exits, the loss [N'] of every
         placeholder slot that predicts a counted token, against the target's states at its position, times
-        `depth_decay ** j` at slot j)."""
-        T = counted.shape[1]
+        `depth_decay ** j` at slot j). With a Markov head (`block_markov_rank`) slot j's logits add its bias from the
+        token before it, the real one (teacher-forced)."""
+        T, labels = counted.shape[1], inputs["labels"]
         slots, offset = block_slots(blocks["block_anchors"], self.drafter.config.block_size, T)  # [B, S], [S]
         at = slots.clamp(min=0)  # [B, S]
         kept = (slots >= 0) & counted.gather(1, at)  # [B, S]
         pick = lambda x: x.gather(1, at[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731  [B, S, d]
         slot_states = dataclasses.replace(states, feature=pick(states.feature), final_hidden=pick(states.final_hidden))
         student, feature = exits[-1][0][:, T:], exits[-1][1][:, T:]  # [B, S, d]
+        head = None
+        if getattr(self.drafter.config, "block_markov_rank", 0):  # the token before slot j rides along with its row
+            student, head = markov_rows(self.drafter, student, inputs["input_ids"].gather(1, at))
         with self.profile.section("loss"), self.accelerator.autocast():
-            total = self.token_losses(student, feature, slot_states, kept, name, labels.gather(1, at))[0]
+            total = self.token_losses(student, feature, slot_states, kept, name, labels.gather(1, at), head)[0]
         if self.args.depth_decay < 1.0:
             total = total * self.args.depth_decay ** offset.expand_as(kept)[kept].to(total.dtype)
         return [(s[:, :T], f[:, :T]) for s, f in exits], total
