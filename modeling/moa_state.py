@@ -188,11 +188,7 @@ class MoADraftState(TreeState, RollbackCache):
         memory slot m is target position m, verified for good unless the whole sequence is rolled back)."""
         if self.valid is None:
             return
-        self.clear_block()
-        self.end_tree()
-        self.layers[0].crop(length)
-        self.valid, self.tokens = self.valid[:, :length], self.tokens[:, :length]
-        crop_deep(self.deep, self.num_verified, length)
+        self.crop_self(length)
         if self.context_length > length:
             self.ca_keys, self.ca_values = self.ca_keys[:, :, :length], self.ca_values[:, :, :length]
             self.ca_valid, self.contexts = self.ca_valid[:, :length], self.contexts[:, :length]
