@@ -319,15 +319,9 @@ def test_sampling_with_a_block_drafter_keeps_the_target_distribution():
     next two tokens, the test the chain drafter passes)."""
     import copy
 
-    from test_generation import _exact_pair_distribution, _sampled_pairs_p_value
-    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+    from test_generation import _sampled_pairs_p_value, peaky_pair_distribution
 
-    target = make_target("llama", seed=3)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(8.0)  # peaky distributions: a few likely tokens
-    ids = torch.tensor([[7, 21, 40]])
-    processors = LogitsProcessorList([TemperatureLogitsWarper(0.9), TopKLogitsWarper(3)])
-    joint = _exact_pair_distribution(target, ids, processors)
+    target, ids, joint = peaky_pair_distribution()
     drafter = OracleBlockDrafter(moa_hf.build_drafter(target, block_size=K).config).eval()
     drafter.oracle = copy.deepcopy(target)
     drafter.generation_config.assistant_confidence_threshold = 0.0

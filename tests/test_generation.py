@@ -247,6 +247,17 @@ def _exact_pair_distribution(target, ids, processors):
     return joint
 
 
+def peaky_pair_distribution():
+    """A target with peaky next-token distributions, a prompt, and the exact P(t1, t2) of its next two tokens under
+    temperature 0.9 and top-k 3 (what `_sampled_pairs_p_value` samples with)."""
+    target = make_target("llama", seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)  # peaky distributions: a few likely tokens
+    ids = torch.tensor([[7, 21, 40]])
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.9), TopKLogitsWarper(3)])
+    return target, ids, _exact_pair_distribution(target, ids, processors)
+
+
 def _sampled_pairs_p_value(target, drafter, ids, joint, n=600, each=None) -> tuple[float, int]:
     """Sample the next two tokens n times with the drafter; chi-square p-value against the exact `joint`, and how
     many samples accepted a drafted token. `each()` runs after every sample (extra checks)."""
@@ -275,12 +286,7 @@ def _sampled_pairs_p_value(target, drafter, ids, joint, n=600, each=None) -> tup
 @pytest.mark.slow
 def test_sampling_follows_target_distribution():
     """Speculative sampling with the drafter's processed scores keeps the target's distribution (chi-square test)."""
-    target = make_target("llama", seed=3)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(8.0)  # peaky distributions: a few likely tokens
-    ids = torch.tensor([[7, 21, 40]])
-    processors = LogitsProcessorList([TemperatureLogitsWarper(0.9), TopKLogitsWarper(3)])
-    joint = _exact_pair_distribution(target, ids, processors)
+    target, ids, joint = peaky_pair_distribution()
     drafter = NoisyCopyDrafter(moa_hf.build_drafter(target).config).eval()  # close to, not equal to, the target
     drafter.oracle = copy.deepcopy(target)
     drafter.generation_config.assistant_confidence_threshold = 0.0
