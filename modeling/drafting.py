@@ -764,6 +764,21 @@ class DrafterMixin:
         """Keep batch rows `rows` (LongTensor [B']) of `state`, in this order."""
         state.select_rows(rows)
 
+    # Continuous batching (vLLM's proposer) re-lays slots between cycles: states settle first (`tree_settle`)
+    def tree_settle(self, state: TreeState) -> None:
+        """Bring `state` to where its slots can be re-laid: nothing for a drafter that keeps no slot pending."""
+
+    def tree_compact(self, state: TreeState) -> None:
+        """`TreeState.compact` on a settled state."""
+        self.tree_settle(state)
+        state.compact()
+
+    def tree_concat_rows(self, states: list[TreeState]) -> TreeState:
+        """`TreeState.concat_rows` of settled states: one state holding their rows in order."""
+        for state in states:
+            self.tree_settle(state)
+        return type(states[0]).concat_rows(states)
+
     def tree_chain(
         self, state: TreeState, root_logits: torch.Tensor, positions: torch.Tensor, max_tokens: int, **stops
     ) -> Chain:

@@ -9,10 +9,16 @@ transformers and its sibling files.
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
 from .moa_state import PLACEHOLDER, MoADraftState
-from .target_cache import CacheReader, SlotReader, context_in_chunks, oldest_held_position
+from .target_cache import (
+    CacheReader,
+    SlotReader,
+    TargetStates,
+    context_in_chunks,
+    oldest_held_position,
+    split_target_kv,
+)
 
 __all__ = ["MoADraftingRoutes"]
 
@@ -22,14 +28,44 @@ class MoADraftingRoutes:
     `read_context`, `compute_context` and session statistics), and `extend`, how every route (training too) adds
     context vectors to a state's memory."""
 
-    def extend(self, state: MoADraftState, context: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor):
+    def extend(self, state: MoADraftState, context, positions, valid, tli_kv=None, tli_valid=None) -> None:
         """Append context vectors [B, n, d] (read at `positions` [n] or [B, n]; `valid` [B, n], False: no context
-        there) to the memory of `state`: every block's CA keys/values of them."""
+        there) to the memory of `state`: every block's CA keys/values of them; with TLI, the target's keys/values
+        of the same tokens in its last N layers (`tli_kv`: {layer: (keys, values) [B, Hkv, n, hd]}, `tli_valid`
+        [B, n], None: `valid`; `MoADraftState.append_memory`)."""
         context = context.to(self.dtype)
         cos, sin = self.rotary_emb(positions, context.dtype)
-        state.append_memory(
-            [ca.context_keys_values(context, cos, sin) for _, ca in self.block_layers()], valid, context
-        )
+        blocks_kv = [ca.context_keys_values(context, cos, sin) for _, ca in self.block_layers()]
+        if tli_kv is not None and self._attachment is not None:  # in the dtype of the layers that read them
+            dtype = self._attachment.tli_dtype
+            tli_kv = {i: (k.to(dtype), v.to(dtype)) for i, (k, v) in tli_kv.items()}
+        state.append_memory(blocks_kv, valid, context, tli_kv, tli_valid)
+
+    @property
+    def tli_layer_ids(self) -> range:
+        """The target's layers Target Layer Inference runs: its last N (empty for N = 0)."""
+        L = self.config.target_num_hidden_layers
+        return range(L - self.config.target_layer_inference, L)
+
+    def tli_reader(self, read):
+        """`read` (a route's reader of `TargetStates`), keeping the keys/values of the TLI layers it reads: returns
+        (the reader, `kept()` -> {layer: (keys, values) [B, Hkv, n, hd]} of every token read, in order; None
+        without TLI)."""
+        parts = []
+
+        def reading(start: int, end: int) -> TargetStates:
+            states = read(start, end)
+            if self.tli_layer_ids:
+                parts.append(states.kv[:, :, self.tli_layer_ids.start :])  # [B, m, N, W]
+            return states
+
+        def kept() -> dict | None:
+            if not parts:
+                return None
+            kv, H = torch.cat(parts, dim=1), self.config.target_num_key_value_heads  # [B, n, N, W]
+            return {layer: split_target_kv(kv, i, H) for i, layer in enumerate(self.tli_layer_ids)}
+
+        return reading, kept
 
     # ----------------------------------------------------------------------------------------------------------------
     # Chains: assisted generation's drafting calls (`DrafterMixin.generate`), the serving client, `moa costs`
@@ -50,19 +86,22 @@ class MoADraftingRoutes:
             valid = None if start >= held else torch.arange(start, end) >= held  # [T] held by every layer
             # the reader of assisted generation: the target's cache and the hook on its decoder (`FeatureTap`)
             reader = CacheReader(target_cache, att.final_hidden if self.config.context_final_hidden else None)
-            self.extend_context(cache, self.read_context(reader, start, end), valid=valid)
+            layers = target_cache.layers  # TLI: the target's own keys/values there (its last N layers hold them all)
+            tli_kv = {
+                i: (layers[i].keys[:, :, start:end], layers[i].values[:, :, start:end]) for i in self.tli_layer_ids
+            }
+            self.extend_context(cache, self.read_context(reader, start, end), valid=valid, tli_kv=tli_kv or None)
             if self._session is not None:
                 self._session.context_reads.append((start, end))
-        if self.config.target_layer_inference > 0:
-            last = self.config.target_num_hidden_layers
-            cache.sync_tli(target_cache, range(last - self.config.target_layer_inference, last), end)
 
-    def extend_context(self, cache: MoADraftState, context: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+    def extend_context(self, cache: MoADraftState, context: torch.Tensor, valid=None, tli_kv=None) -> None:
         """Append context vectors [B, T, d] of the next verified positions to a chain's memory (slot m = target
         position m).
 
         valid: optional bool [T], False for positions without context (older than `oldest_held_position` when they
         were read; `read_context` gives them zero vectors), which the CA then never attends to. None: all valid.
+        tli_kv: with Target Layer Inference, {target layer: (keys, values) [B, Hkv, T, hd]} of the same positions,
+        as its cache holds them (all valid).
         (A client that receives context vectors from a server, see `moa_hf.serving`, calls this directly.)
         """
         B, T = context.shape[:2]
@@ -70,7 +109,8 @@ class MoADraftingRoutes:
         start = cache.context_length
         positions = torch.arange(start, start + T, device=context.device)
         valid = torch.ones(T, dtype=torch.bool) if valid is None else valid
-        self.extend(cache, context, positions, valid.to(context.device)[None].expand(B, T))
+        everywhere = torch.ones(B, T, dtype=torch.bool, device=context.device)
+        self.extend(cache, context, positions, valid.to(context.device)[None].expand(B, T), tli_kv, everywhere)
 
     def draft_step(self, new_ids: torch.Tensor, cache: MoADraftState) -> torch.Tensor:
         """One chain drafting step: feed `new_ids` [B, T] (tokens not yet in the SA cache), get the logits [B, V] for
@@ -84,11 +124,7 @@ class MoADraftingRoutes:
         sa_mask = cache.add_slots(new_ids)  # [B, 1, T, past+T] causal (a chain's slots are all valid), None: T = 1
         M = cache.context_length
         limit = None if T == 1 and past >= M else pos.clamp(max=M)[None]  # position p reads the context of j < p
-        tli = None
-        if self.config.target_layer_inference > 0:
-            cache.tli = DynamicCache() if cache.tli is None else cache.tli
-            tli = (cache.tli, None)
-        out = self.step(cache, new_ids, pos, sa_mask, limit, last=1, tli=tli)
+        out = self.step(cache, new_ids, pos, sa_mask, limit, last=1)
         if out.exits is None:
             self.record_exits([new_ids.shape[0]])
         elif self._session is not None:
@@ -168,15 +204,6 @@ class MoADraftingRoutes:
     # ----------------------------------------------------------------------------------------------------------------
     # Trees: the engine's `TreeDrafter` protocol (custom_generate/tree.py), vLLM's proposer
     # -----------------------------------------------------------------------------------------------------------------
-    def tree_unsupported_reason(self) -> str | None:
-        if self.config.target_layer_inference > 0:
-            return (
-                f"Tree drafting needs target_layer_inference=0 (this drafter has {self.config.target_layer_inference}"
-                ": its drafted tokens run the target's last layers with the target's cache by position, which a "
-                "tree's slots are not). Pass it as `assistant_model` to `target.generate` instead."
-            )
-        return None
-
     def tree_start(self, batch_size: int) -> MoADraftState:
         """A fresh drafting state for `batch_size` rows of the engine's trees (no verified token yet)."""
         self._check_tree()
@@ -192,6 +219,11 @@ class MoADraftingRoutes:
     def needs_target_hidden(self) -> bool:
         """Whether `tree_catch_up` reads `prev_hidden`, the target's final hidden states (`context_final_hidden`)."""
         return bool(self.config.context_final_hidden)
+
+    @torch.no_grad()
+    def tree_settle(self, state: MoADraftState) -> None:
+        """Run a sorted drafter's deeper blocks on the slots they skipped, before its slots are re-laid."""
+        self.sorted_exits.settle(state.deep)
 
     @torch.no_grad()
     def tree_catch_up(
@@ -212,9 +244,10 @@ class MoADraftingRoutes:
             )
         state.end_tree()
         read = SlotReader(target_cache, prev_slots, prev_hidden if self.config.context_final_hidden else None)
+        read, tli_kv = self.tli_reader(read)  # TLI: the same tokens' keys/values in the target's last N layers
         n = tokens.shape[1]
         chunks = context_in_chunks(self.compute_context, read, n, self.config)
-        self.extend(state, torch.cat(chunks, dim=1), positions - 1, valid & (prev_slots >= 0))  # position-1's
+        self.extend(state, torch.cat(chunks, dim=1), positions - 1, valid & (prev_slots >= 0), tli_kv())  # p-1's
         sa_mask = state.add_slots(tokens, valid)  # [B, 1, n, V]
         M = state.context_length
         limit = None if n == 1 else (M - n + 1 + torch.arange(n, device=tokens.device))[None]  # up to its own slot
@@ -240,7 +273,9 @@ class MoADraftingRoutes:
                 f"This block drafter drafts {self.config.block_size} tokens per forward and tree nodes at depths 1.."
                 f"{self.config.block_size} only (`draft_depth_limit`); cap the tree's depth there."
             )
-        sa_mask = state.add_nodes(parents)  # [B, 1, k, S]
-        out = self.step(state, tokens, positions, sa_mask, None, last=tokens.shape[1])
+        sa_mask = state.add_nodes(parents)  # [B, 1, k, V+K+k]
+        root = sa_mask.new_ones(*sa_mask.shape[:3], 1)  # TLI: the drafted positions are the root's, then the nodes'
+        tli = torch.cat([root, sa_mask[..., state.num_verified :]], dim=-1)  # [B, 1, k, 1+K+k]
+        out = self.step(state, tokens, positions, sa_mask, None, last=tokens.shape[1], tli=tli)
         state.node_exits = torch.ones_like(tokens) if out.exits is None else out.exits  # [B, k]
         return out.logits  # [B, k, V]

@@ -12,6 +12,11 @@ Terms, defined once:
   [B, M, d]). A chain's memory slot m holds target position m; a tree's is aligned with its SA slot (the context of
   the token before that slot's token: catch-up reads it at `prev_slots`). Either way the forward only sees a mask.
 - **cycle start**: a query reads the context of verified tokens only: memory slots its CA mask shows.
+- **TLI memory** (Target Layer Inference, N > 0): per target layer the drafter runs (its last N), the target's own
+  keys/values of the tokens whose contexts the memory holds (`tli` [B, Hkv, M, hd] per layer, `tli_valid` [B, M]),
+  then the drafter's own keys/values of the positions it drafted since (the target has none for them yet), which
+  `end_tree` drops. A query reads the TLI memory its CA mask's limit allows, and the drafted positions its route
+  shows it (`MoADrafterModel.step`'s `tli`).
 
 This file ships inside every Hub repo as remote code (a sibling of modeling_moa.py): it imports only torch,
 transformers and its sibling files.
@@ -85,9 +90,9 @@ class MoADraftState(TreeState, RollbackCache):
     `TreeState` gives the slots' validity, the tree nodes' ancestors, block 1's SA keys/values (`layers[0]`) and the
     row operations (`select_rows`, `map_slots`, `compact`, `concat_rows`); `RollbackCache` transformers' `crop`.
     `tokens` [B, S]: the token of each verified slot (a chain's `common_prefix`). `deep`: blocks 2..K of a sorted
-    drafter (their own SA keys/values, memory and pending slots). `tli`: Target Layer Inference's cache of the
-    target's last N layers (the target's keys/values for verified positions < `tli_verified`, then drafted ones;
-    chains only). `root_exits` [B] / `node_exits` [B, k]: the exit each of the latest forward's outputs left at.
+    drafter (their own SA keys/values, memory and pending slots). `tli` / `tli_valid`: the TLI memory (module
+    docstring), a transformers cache whose layers are the target's (the last N are set). `root_exits` [B] /
+    `node_exits` [B, k]: the exit each of the latest forward's outputs left at.
     """
 
     layers: list[LayerKV] = None  # (the `TreeState` fields, None until `ready`: `MoADrafterCache()` takes no size)
@@ -103,7 +108,7 @@ class MoADraftState(TreeState, RollbackCache):
     node_exits: torch.Tensor = None
     deep: list[DeepBlock] = field(default_factory=list)
     tli: DynamicCache | None = None
-    tli_verified: int = 0
+    tli_valid: torch.Tensor | None = None  # [B, M] TLI memory slots holding the target's keys/values
     block_logits: torch.Tensor | None = None  # [B, k-1, V] a block's placeholder slots' logits, not yet drafted
     block_root: torch.Tensor | None = None  # [B] the position of the block's first slot (the last verified token)
     block_fed: list = field(default_factory=list)  # [B, 1] tokens drafted from the block, not yet in the SA cache
@@ -125,6 +130,10 @@ class MoADraftState(TreeState, RollbackCache):
             root_exits=torch.ones(batch_size, dtype=torch.long, device=device),  # [B]
             node_exits=torch.ones(batch_size, 0, dtype=torch.long, device=device),  # [B, 0]
             deep=[DeepBlock() for _ in range(c.num_blocks - 1)],
+            tli=DynamicCache() if c.target_layer_inference > 0 else None,
+            tli_valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
+            if c.target_layer_inference
+            else None,
         )
 
     def ready(self, config, batch_size: int, dtype, device) -> "MoADraftState":
@@ -147,8 +156,9 @@ class MoADraftState(TreeState, RollbackCache):
         return 0 if self.ca_keys is None else self.ca_keys.shape[2]
 
     @property
-    def tli_length(self) -> int:
-        return self.tli.layers[-1].get_seq_length() if self.tli is not None and self.tli.layers else 0
+    def tli_layers(self) -> list:
+        """The layers of the TLI memory that hold keys/values (transformers' `DynamicLayer`s)."""
+        return [layer for layer in self.tli.layers if layer.is_initialized] if self.tli is not None else []
 
     # ----------------------------------------------------------------------------------------------------------------
     # Appending
@@ -163,10 +173,23 @@ class MoADraftState(TreeState, RollbackCache):
             return None
         return self.add_verified(torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid)
 
-    def append_memory(self, blocks_kv: list, valid: torch.Tensor, context: torch.Tensor) -> None:
+    def append_memory(
+        self, blocks_kv: list, valid: torch.Tensor, context: torch.Tensor, tli_kv: dict | None = None, tli_valid=None
+    ) -> None:
         """Append n memory slots: each block's CA keys/values [B, Hkv, n, hd] of the context vectors `context`
-        [B, n, d], valid [B, n] (False: no context there)."""
+        [B, n, d], valid [B, n] (False: no context there); with TLI, `tli_kv` {target layer: (keys, values)
+        [B, Hkv, n, hd]} of the same tokens, `tli_valid` [B, n] (None: `valid`)."""
         self.clear_block()  # a block drafted before this context came is stale
+        if self.tli is not None:
+            if tli_kv is None:
+                raise ValueError(
+                    "This drafter runs the target's last layers (target_layer_inference > 0): its memory needs their "
+                    "keys/values of the same tokens as the contexts (`tli_kv`)."
+                )
+            self.end_tli_draft()
+            for idx, (k, v) in tli_kv.items():
+                self.tli.update(k, v, idx)
+            self.tli_valid = torch.cat([self.tli_valid, valid if tli_valid is None else tli_valid], dim=1)
         k, v = blocks_kv[0]
         self.ca_keys = torch.cat([self.ca_keys, k], dim=2)  # [B, Hkv, M+n, hd]
         self.ca_values = torch.cat([self.ca_values, v], dim=2)
@@ -196,9 +219,9 @@ class MoADraftState(TreeState, RollbackCache):
                 block.ca_keys, block.ca_values = block.ca_keys[:, :, :length], block.ca_values[:, :, :length]
             if self.contexts.shape[-1]:
                 self.latest = newest_context(self.contexts, self.ca_valid, None)[:, 0].to(self.latest.dtype)
-        if self.tli_length > length:
-            self.tli.crop(length - self.tli_length)
-        self.tli_verified = min(self.tli_verified, length)
+        if self.tli_valid is not None and self.tli_valid.shape[1] > length:
+            self.tli_valid = self.tli_valid[:, :length]
+            self.end_tli_draft()
 
     def crop_self(self, length: int) -> None:
         """Keep slots < `length` only; the memory (verified context) stays."""
@@ -228,28 +251,37 @@ class MoADraftState(TreeState, RollbackCache):
     def end_tree(self) -> None:
         super().end_tree()
         crop_deep(self.deep, self.num_verified, self.num_verified)
+        self.end_tli_draft()
 
-    def sync_tli(self, target_cache, layers: range, end: int) -> None:
-        """TLI cache = the target's own keys/values of its `layers` (its last N) for verified positions < end (those
-        computed from drafted positions are dropped)."""
-        if self.tli is None:
-            self.tli = DynamicCache()
-        if self.tli_length > self.tli_verified:
-            self.tli.crop(self.tli_verified - self.tli_length)
-        start = self.tli_verified
-        for idx in layers:
-            layer = target_cache.layers[idx]
-            self.tli.update(layer.keys[:, :, start:end], layer.values[:, :, start:end], idx)
-        self.tli_verified = end
+    def end_tli_draft(self) -> None:
+        """Drop the drafter's own TLI keys/values (of drafted positions): the TLI memory alone remains."""
+        M = 0 if self.tli_valid is None else self.tli_valid.shape[1]
+        for layer in self.tli_layers:
+            layer.keys, layer.values = layer.keys[:, :, :M], layer.values[:, :, :M]
 
     def map_slots(self, fn) -> None:
-        """`TreeState.map_slots` for a tree's slot-aligned memory (M == V) as well."""
-        if self.deep:
-            raise ValueError("Re-laying the slots of a sorted drafter's deeper blocks is not supported: use exit 1.")
+        """`TreeState.map_slots` for a tree's slot-aligned memory (M == V) as well: the CA's and TLI's (a drafted
+        TLI position, the root's, stays as it is), and a sorted drafter's deeper blocks once they ran every slot
+        (`MoADrafterModel.tree_settle`)."""
+        if not self.num_nodes and any(block.pending for block in self.deep):  # (tree nodes: `TreeState`'s error)
+            raise ValueError(
+                "The deeper blocks of this sorted drafter's state have slots they did not run yet: call "
+                "`drafter.tree_settle(state)` before re-laying its slots (`tree_compact`, `tree_concat_rows` do)."
+            )
         super().map_slots(fn)
         self.tokens = fn(self.tokens, 1)
         self.ca_keys, self.ca_values, self.ca_valid = fn(self.ca_keys, 2), fn(self.ca_values, 2), fn(self.ca_valid, 1)
         self.contexts = fn(self.contexts, 1)
+        for block in self.deep:
+            if block.kv.keys is not None:
+                block.kv.keys, block.kv.values = fn(block.kv.keys, 2), fn(block.kv.values, 2)
+                block.ca_keys, block.ca_values = fn(block.ca_keys, 2), fn(block.ca_values, 2)
+        if self.tli is not None:
+            M = self.tli_valid.shape[1]
+            for layer in self.tli_layers:  # [memory M | drafted]: the memory re-laid
+                layer.keys = torch.cat([fn(layer.keys[:, :, :M], 2), layer.keys[:, :, M:]], dim=2)
+                layer.values = torch.cat([fn(layer.values[:, :, :M], 2), layer.values[:, :, M:]], dim=2)
+            self.tli_valid = fn(self.tli_valid, 1)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         super().select_rows(rows)
@@ -259,11 +291,13 @@ class MoADraftState(TreeState, RollbackCache):
             if block.ca_keys is not None:
                 block.ca_keys, block.ca_values = block.ca_keys[rows], block.ca_values[rows]
             block.pending = [p.rows(rows) for p in block.pending]
+        for layer in self.tli_layers:
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
 
     @classmethod
     def concat_rows(cls, states: list["MoADraftState"]) -> "MoADraftState":
-        if any(s.tli is not None for s in states):
-            raise ValueError("Cannot join drafting states of a drafter with Target Layer Inference.")
+        if any(block.pending for s in states for block in s.deep):
+            raise ValueError("Settle the deeper blocks first: `drafter.tree_concat_rows(states)` does.")
         for s in states:
             s.node_exits = s.node_exits[:, :0]  # [B, 0]: the exits of the last tree step are not carried over
             if any(other.block_logits is None for other in states):
@@ -272,14 +306,24 @@ class MoADraftState(TreeState, RollbackCache):
 
     @staticmethod
     def _concat_field(name: str, values: list):
-        if name == "deep" and not any(values):
-            return []
-        if name == "tli":
+        if name == "deep":  # settled blocks: each holds every slot
+            return [DeepBlock.concat(blocks) for blocks in zip(*values)]
+        if name in ("tli", "tli_valid") and values[0] is None:
             return None
-        if name == "tli_verified":
-            return 0
+        if name == "tli":
+            return _concat_caches(values)
         if name in ("block_logits", "block_root"):  # absent in every state, or tensors (`TreeState` joins those)
             return None
         if name == "block_fed":
             return []
         return TreeState._concat_field(name, values)
+
+
+def _concat_caches(caches: list[DynamicCache]) -> DynamicCache:
+    """The rows of transformers caches of equal lengths in one (a state's TLI memory and drafted positions)."""
+    out = DynamicCache()
+    for idx, layer in enumerate(caches[0].layers):
+        if layer.is_initialized:
+            keys = torch.cat([c.layers[idx].keys for c in caches], dim=0)
+            out.update(keys, torch.cat([c.layers[idx].values for c in caches], dim=0), idx)
+    return out

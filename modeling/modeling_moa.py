@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import ModelOutput
 
@@ -357,11 +357,28 @@ class MoADrafterModel(MoADraftingRoutes, DrafterMixin, MoAPreTrainedModel, Gener
         dropped = keys.new_zeros(keys.shape[0], lo - start, self.config.hidden_size, dtype=self.dtype)  # no context
         return torch.cat([dropped, *out], dim=1)  # [B, end-start, d]
 
-    def _tli(self, h, positions, tli_cache, mask=None):
-        """Run the target's last N layers (with `tli_cache` holding their keys/values) and final norm on h."""
+    def _tli(self, h, positions, state: MoADraftState, limit, drafted) -> torch.Tensor:
+        """Target Layer Inference on the features h [B, t, d] of the last t of T positions `positions` [(B,) T]: the
+        target's last N layers (borrowed) over the TLI memory of `state` that each query's `limit` [B or 1, T]
+        allows (None: every valid slot) and the drafted positions before it that `drafted` [B or 1, 1, t, D+t]
+        shows it (None: all D and itself), then its final norm. Their keys/values join the state's drafted ones."""
         if self._attachment is None:
             raise RuntimeError("target_layer_inference > 0 runs the target's last layers: attach the drafter first.")
-        return self._attachment.run_tli(h, positions, tli_cache, mask)
+        B, t = h.shape[:2]
+        M = state.tli_valid.shape[1]
+        D = state.tli_layers[0].keys.shape[2] - M if state.tli_layers else 0
+        memory = memory_mask(state.tli_valid, None if limit is None else limit[..., -t:])  # [B, 1 or t, M]
+        if drafted is None:  # a chain: every position drafted so far, then these causally
+            drafted = torch.ones(t, D + t, dtype=torch.bool, device=h.device).tril(D)[None, None]  # [1, 1, t, D+t]
+        mask = None  # None: every key (no mask tensor on a chain's steps)
+        if not (bool(memory.all()) and bool(drafted.all())):
+            visible = torch.cat([memory[:, None].expand(B, 1, t, M), drafted.expand(B, 1, t, D + t)], dim=-1)
+            dtype = self._attachment.tli_dtype
+            mask = torch.zeros(visible.shape, dtype=dtype, device=h.device).masked_fill(
+                ~visible, torch.finfo(dtype).min
+            )
+        positions = positions if positions.ndim == 2 else positions[None]  # [1 or B, T]
+        return self._attachment.run_tli(h, positions[:, -t:], state.tli, mask)
 
     def forward(
         self,
@@ -443,23 +460,17 @@ class MoADrafterModel(MoADraftingRoutes, DrafterMixin, MoAPreTrainedModel, Gener
         state = MoADraftState.empty(self.config, B, self.dtype, device)
         state.layers = [None]  # no SA keys kept: the whole sequence is one forward
         held = torch.ones(B, T, dtype=torch.bool, device=device) if target_kv_held is None else target_kv_held
-        self.extend(state, context, pos, held)
-        needs_causal = sa_mask is not None or self.config.target_layer_inference > 0
-        causal = pos[None, :] <= pos[:, None] if needs_causal else None  # [T, T], built only where a mask reads it
-        mask = None if sa_mask is None else (sa_mask & causal)[:, None]  # None: SDPA's causal kernel, no [T, T] mask
-        tli = None
-        if self.config.target_layer_inference > 0:
+        tli_kv, tli = None, None
+        if self.config.target_layer_inference > 0:  # the target's own keys/values: the TLI memory of every token
             if target_tli_kv is None:
                 raise ValueError("target_layer_inference > 0: pass `target_tli_kv` (the last N layers' keys/values).")
-            tli = DynamicCache()
             first = self.config.target_num_hidden_layers - self.config.target_layer_inference
-            for i, (k, v) in enumerate(target_tli_kv):
-                tli.update(k, v, first + i)
-            # keys: [target j < start(i) | drafted start(i) <= j <= i]
-            verified = pos[None, None, :] < cycle_starts[:, :, None]  # [B, T, T]
-            drafted = causal[None] & ~verified  # [B, T, T]
-            visible = torch.cat([verified, drafted], dim=-1)[:, None]  # [B, 1, T, 2T]
-            tli = (tli, visible)
+            tli_kv = {first + i: kv for i, kv in enumerate(target_tli_kv)}
+            # drafted: start(i) <= j <= i (the memory's j < start(i) is the CA's limit)
+            tli = ((pos[None, None, :] >= cycle_starts[:, :, None]) & (pos[None, :] <= pos[:, None]))[:, None]
+        self.extend(state, context, pos, held, tli_kv, torch.ones_like(held))
+        causal = pos[None, :] <= pos[:, None] if sa_mask is not None else None  # [T, T] only where a mask reads it
+        mask = None if sa_mask is None else (sa_mask & causal)[:, None]  # None: SDPA's causal kernel, no [T, T] mask
         tokens, positions, limit = input_ids, pos, cycle_starts
         if block_anchors is not None:  # k-1 placeholder slots after each anchor, after the sequence
             if mask is None:
@@ -483,7 +494,7 @@ class MoADrafterModel(MoADraftingRoutes, DrafterMixin, MoAPreTrainedModel, Gener
         last: int | None = 1,
         exits: str = "adaptive",
         causal: bool = False,
-        tli: tuple | None = None,
+        tli: torch.Tensor | None = None,
         return_logits: bool = True,
     ) -> MoADrafterOutput:
         """The drafter's one forward: `tokens` [B, T] (`PLACEHOLDER`: a block's slot) at `positions` ([T] or [B, T])
@@ -493,8 +504,8 @@ class MoADrafterModel(MoADraftingRoutes, DrafterMixin, MoAPreTrainedModel, Gener
         [B or 1, T] that hold a context (None: all; `memory_mask`) and, with `ca_latest_context`, the newest of them
         (`newest_context`). `last`: the last `last` positions only (None: all). `exits`: "adaptive" (a sorted
         drafter's token leaves at its first confident exit, `MoASortedExits.adaptive_exits`) or "all"/"last" (every
-        block on every position; "all" returns every exit's logits). `tli`: (cache, bool mask [B, 1, T, S'] or None)
-        for Target Layer Inference on the returned positions."""
+        block on every position; "all" returns every exit's logits). `tli`: Target Layer Inference's mask of the
+        drafted positions the returned ones see (`_tli`; the TLI memory is the CA's, under the same limits)."""
         c = self.config
         if c.block_size > 1:  # placeholder slots read the learned block embedding
             h = self.embed(tokens.clamp(min=0))  # [B, T, d]
@@ -551,17 +562,7 @@ class MoADrafterModel(MoADraftingRoutes, DrafterMixin, MoAPreTrainedModel, Gener
                 ca_mask = None if ca_mask is None else ca_mask[..., -last:, :]
                 latest = latest if latest is None or latest.shape[1] == 1 else latest[:, -last:]
             h = ca(h, cos, sin, state.ca_keys, state.ca_values, mask=ca_mask, latest=latest)
-        final = None
-        if c.target_layer_inference > 0:
-            cache, visible = tli if tli is not None else (None, None)
-            additive = None
-            if visible is not None:
-                dtype = self._attachment.tli_layers[0].parameters().__next__().dtype
-                additive = torch.zeros(visible.shape, dtype=dtype, device=h.device).masked_fill(
-                    ~visible, torch.finfo(dtype).min
-                )
-            tli_positions = positions if positions.ndim == 2 else positions[None]  # [1 or B, T]
-            final = self._tli(h, tli_positions[:, -h.shape[1] :], cache, mask=additive)
+        final = self._tli(h, positions, state, ca_limit, tli) if c.target_layer_inference > 0 else None
         logits = self.head(final if final is not None else h) if return_logits else None
         if return_logits and exits == "all" and outputs is not None:
             exit_logits = (*(self.head(x) for x in outputs[:-1]), logits)

@@ -79,6 +79,13 @@ class DeepBlock:
             k, v = torch.cat([self.ca_keys, k], dim=2), torch.cat([self.ca_values, v], dim=2)
         self.ca_keys, self.ca_values = k, v
 
+    @staticmethod
+    def concat(blocks: list["DeepBlock"]) -> "DeepBlock":
+        """The rows of settled blocks (no pending slots; equal widths) in one."""
+        cat = lambda ts: None if ts[0] is None else torch.cat(ts, dim=0)  # noqa: E731
+        keys, values = cat([b.ca_keys for b in blocks]), cat([b.ca_values for b in blocks])
+        return DeepBlock(LayerKV.concat([b.kv for b in blocks]), keys, values)
+
     def take(self, n: int) -> None:
         """Keep the first n pending slots."""
         kept = []
@@ -195,6 +202,16 @@ class MoASortedExits:
         if k < K:  # the slots block k+1 has not run on
             deep[k - 1].pending.append(x)
         return logits, exit_of
+
+    def settle(self, deep: list[DeepBlock]) -> None:
+        """Run every deeper block on its pending slots (block 2 first: its outputs are block 3's pending ones), so
+        that each holds the keys/values of every slot block 1 ran on: what re-laying a state's slots needs."""
+        layers = self.layers()
+        for k, block in enumerate(deep):
+            if block.pending:
+                x = self._run_pending(block, *layers[k + 1])
+                if k + 1 < len(deep):
+                    deep[k + 1].pending.append(x)
 
     def _run_pending(self, block: DeepBlock, sa: nn.Module, ca: nn.Module) -> PendingSlots:
         """Run a deeper block on all its pending slots (in slot order); returns their outputs with their masks."""

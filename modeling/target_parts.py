@@ -143,10 +143,15 @@ class Attachment:
             )
         return self.features.features[:, start:end]
 
+    @property
+    def tli_dtype(self) -> torch.dtype:
+        """The dtype of the borrowed last layers (their keys/values and masks take it)."""
+        return next(self.tli_layers[0].parameters()).dtype
+
     def run_tli(self, h: torch.Tensor, positions: torch.Tensor, tli_cache, mask=None) -> torch.Tensor:
         """Target Layer Inference: the borrowed last N layers (their keys/values of earlier positions in `tli_cache`)
         and final norm on h [B, T, d] at `positions` [1, T]; `mask`: additive [B, 1, T, S] or None."""
-        x = h.to(self.tli_layers[0].parameters().__next__().dtype)
+        x = h.to(self.tli_dtype)
         position_ids = positions.expand(h.shape[0], -1)  # [B, T]
         cos_sin = self.rotary(x, position_ids)
         for layer in self.tli_layers:

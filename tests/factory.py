@@ -151,6 +151,26 @@ def sorted_drafter(target, num_blocks: int = 3, seed: int = 0, scale: float = 0.
     return drafter.eval()
 
 
+def target_as_drafter(target) -> MoADrafterModel:
+    """A MoA drafter that is its target: Target Layer Inference over all L layers, and SA and CA that add nothing
+    (their output projections zero), so its feature is the token's embedding and TLI runs the whole target on it
+    with the target's keys/values of the verified tokens (its TLI memory) and its own of the drafted ones. Every
+    token it drafts is the target's greedy one exactly where that memory lines up with the target's cache."""
+    import moa_hf
+
+    drafter = moa_hf.build_drafter(target, target_layer_inference=target.config.num_hidden_layers)
+    with torch.no_grad():
+        for linear in (
+            drafter.self_attention.self_attn.o_proj,
+            drafter.self_attention.mlp.down_proj,
+            drafter.cross_attention.attn.o_proj,
+            drafter.cross_attention.mlp.down_proj,
+        ):
+            linear.weight.zero_()
+    drafter.generation_config.assistant_confidence_threshold = 0.0
+    return drafter.eval()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # A character-level chat tokenizer and a matching Llama (vocabulary 100), random data, training arguments
 # ---------------------------------------------------------------------------------------------------------------------

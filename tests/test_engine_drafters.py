@@ -11,7 +11,7 @@ from test_engine import FLAT_COSTS, ModelTreeDrafter, _left_pad, _peaked
 import moa_hf
 from moa_hf import EagleDrafterConfig, EagleDrafterModel
 
-from factory import tiny_target, tiny_tokenizer
+from factory import target_as_drafter, tiny_target, tiny_tokenizer
 
 
 def _moa(target, seed=0, **overrides):
@@ -80,3 +80,28 @@ def test_stop_strings_with_a_tokenizer():
     assert out.tolist() == expected.tolist() and expected.shape[1] < ref.shape[1]
     with pytest.raises(ValueError, match="tokenizer"):
         moa_hf.generate(target, drafter, ids, max_new_tokens=5, stop_strings=["x"], costs=FLAT_COSTS)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_target_layer_inference_on_trees_drafts_the_targets_tokens(family):
+    """A TLI drafter that is its target (`target_as_drafter`: TLI over all layers on the token's own embedding)
+    drafts the target's greedy token wherever its TLI memory (the target's keys/values of verified tokens, read at
+    each tree slot's previous token) and its drafted positions' own keys/values line up with the target's cache: on
+    trees of a left-padded batch (the engine) nearly every drafted greedy path is accepted, as through
+    `assistant_model`; a random drafter's accepted lengths stay near 1."""
+    target = _peaked(family)
+    drafter = target_as_drafter(target)
+    torch.manual_seed(2)
+    prompts = [torch.randint(3, 128, (n,)) for n in (10, 22, 15)]
+    refs = [target.generate(p[None], max_new_tokens=20, do_sample=False)[0, p.shape[0] :] for p in prompts]
+    ids, mask = _left_pad(prompts)
+    settings = dict(tree_depth=4, tree_top_k=2, tree_budget=8, costs=FLAT_COSTS, do_sample=False, max_new_tokens=20)
+    out = moa_hf.generate(target, drafter, ids, attention_mask=mask, return_dict_in_generate=True, **settings)
+    for b, (ref, stats) in enumerate(zip(refs, out.speculation_stats)):
+        assert out.sequences[b, ids.shape[1] :].tolist() == ref.tolist(), f"row {b}"
+        steady = stats.accepted_lengths[1:-1]  # the prefill's and the last (cut at 20 tokens) cycles aside
+        assert min(steady) >= 3 and sum(steady) / len(steady) >= 3.5, stats.accepted_lengths  # the greedy depth: 3
+    with drafter.attached(target):
+        drafter.generation_config.num_assistant_tokens = 5
+        target.generate(prompts[1][None], assistant_model=drafter, max_new_tokens=20, do_sample=False)
+        assert drafter.speculation_stats.accepted_lengths[1:-1] == [6, 6, 6]

@@ -399,11 +399,16 @@ def test_lookup_hybrid_is_exact_and_reads_context_lazily(tli):
     cache = seen[-1][0]
     full = target(out[:, :-1], use_cache=True, past_key_values=DynamicCache(config=target.config)).past_key_values
     with torch.no_grad():
-        eager = moa_hf.MoADrafterCache()
-        states = TargetStates(gather_target_kv(full, 0, cache.context_length))
-        drafter.extend_context(eager, drafter.compute_context(states))
+        eager, M = moa_hf.MoADrafterCache(), cache.context_length
+        states = TargetStates(gather_target_kv(full, 0, M))
+        tli_kv = {i: (full.layers[i].keys[:, :, :M], full.layers[i].values[:, :, :M]) for i in drafter.tli_layer_ids}
+        drafter.extend_context(eager, drafter.compute_context(states), tli_kv=tli_kv or None)
     assert_close(cache.ca_keys, eager.ca_keys)
     assert_close(cache.ca_values, eager.ca_values)
+    assert len(cache.tli_layers) == tli and cache.tli_valid is None if not tli else cache.tli_valid.all()
+    for lazy, once in zip(cache.tli_layers, eager.tli_layers):  # TLI memory: the target's keys/values as read at once
+        assert_close(lazy.keys[:, :, :M], once.keys)
+        assert_close(lazy.values[:, :, :M], once.values)
 
 
 def test_lookup_sampling_follows_target_distribution():

@@ -79,10 +79,9 @@ def test_incremental_equals_parallel(tli, latest):
             s = int(starts[0, i])
             if i == s:  # a new cycle: roll back to the verified length and read the newly verified context
                 cache.crop(s)
-                drafter.extend_context(cache, context[:, cache.context_length : s])
-                if tli:
-                    last = drafter.config.target_num_hidden_layers  # the target's last tli layers' own
-                    cache.sync_tli(tcache, range(last - tli, last), s)
+                a, layers = cache.context_length, tcache.layers  # TLI: the target's own keys/values there
+                tli_kv = {i: (layers[i].keys[:, :, a:s], layers[i].values[:, :, a:s]) for i in drafter.tli_layer_ids}
+                drafter.extend_context(cache, context[:, a:s], tli_kv=tli_kv or None)
             logits = drafter.draft_step(ids[:, cache.get_seq_length() : i + 1], cache)
             assert_close(logits, ref[:, i])
 

@@ -22,7 +22,7 @@ from tolerance import assert_close
 TREE = [[-1, -1], [0, 0, 1], [2, 4]]  # parents per depth: root -> a, b; a -> c, d; b -> e; c -> f; e -> g
 
 
-@pytest.fixture(params=["moa", "moa-hidden", "moa-latest", "moa-sorted-latest", "eagle"])
+@pytest.fixture(params=["moa", "moa-hidden", "moa-latest", "moa-sorted-latest", "moa-tli", "eagle"])
 def setup(request):
     """A tiny target and an attached drafter of each kind with weights large enough that every masked-out entry (a
     sibling, another row's padding, a dropped node) would change the logits."""
@@ -31,8 +31,10 @@ def setup(request):
     if request.param.startswith("moa"):  # hidden: the context reads the final hidden states; latest: the CA's input
         # adds the newest verified context (`context_final_hidden`, `ca_latest_context`)
         hidden, latest = request.param == "moa-hidden", request.param.endswith("latest")
-        sorted_blocks = {"num_blocks": 2, "exit_thresholds": [0.1]} if "sorted" in request.param else {}
-        drafter = moa_hf.build_drafter(target, context_final_hidden=hidden, ca_latest_context=latest, **sorted_blocks)
+        options = {"num_blocks": 2, "exit_thresholds": [0.1]} if "sorted" in request.param else {}
+        if request.param == "moa-tli":  # the target's last layer runs on the drafter's feature
+            options["target_layer_inference"] = 1
+        drafter = moa_hf.build_drafter(target, context_final_hidden=hidden, ca_latest_context=latest, **options)
     else:
         drafter = EagleDrafterModel(EagleDrafterConfig.from_target_config(target.config, num_hidden_layers=2))
     with torch.no_grad():
@@ -268,9 +270,6 @@ def test_flags_and_unsupported_drafters():
     assert EagleDrafterModel.needs_target_hidden and not moa_hf.build_drafter(target).needs_target_hidden
     assert moa_hf.build_drafter(target, context_final_hidden=True).needs_target_hidden  # reads `prev_hidden`
     assert moa_hf.build_drafter(target).tree_unsupported_reason() is None
-    tli = moa_hf.build_drafter(target, target_layer_inference=1).attach(target)
-    assert "target_layer_inference=0" in tli.tree_unsupported_reason()
-    with pytest.raises(ValueError, match="assistant_model"):
-        tli.tree_start(1)
+    assert moa_hf.build_drafter(target, target_layer_inference=1).tree_unsupported_reason() is None
     with pytest.raises(RuntimeError, match="attach"):
         moa_hf.build_drafter(target).tree_start(1)  # the borrowed embedding needs the target

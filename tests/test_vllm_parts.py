@@ -464,12 +464,18 @@ TREE = [[-1, -1], [0, 0, 1]]  # parents per depth: root -> a, b; a -> c, d; b ->
 V = 128
 
 
-@pytest.fixture(scope="module")
-def moa():
+SORTED = {"num_blocks": 3, "exit_thresholds": [0.08, 0.08]}  # tokens leave at each of the 3 exits
+
+
+@pytest.fixture(scope="module", params=["plain", "tli", "sorted"])
+def moa(request):
     """A tiny Llama target and an attached random MoA drafter whose weights are large enough that any masked-out
-    slot (padding, another row's) would change the logits."""
+    slot (padding, another row's) would change the logits: the plain MoA drafter (one block), one with Target Layer
+    Inference (its TLI memory is re-laid with the slots), a sorted one drafting at adaptive exits (its deeper blocks
+    settle first: `tree_settle`)."""
     target = make_target("llama")
-    drafter = sorted_drafter(target, num_blocks=1, seed=0, scale=0.2)  # one block: the plain MoA drafter
+    options = {"plain": {"num_blocks": 1}, "tli": {"num_blocks": 1, "target_layer_inference": 1}, "sorted": SORTED}
+    drafter = sorted_drafter(target, seed=0, scale=0.2, **options[request.param])
     with drafter.attached(target):
         yield target, drafter
 
@@ -549,7 +555,7 @@ def test_concat_rows_equals_each_row_alone(moa):
         for b, s in enumerate((kept, fresh))
     ]
     kept_valid = kept.valid[0].tolist()
-    joined = MoATreeState.concat_rows([kept, fresh])
+    joined = drafter.tree_concat_rows([kept, fresh])
     assert isinstance(joined, MoATreeState) and joined.num_verified == 11
     assert joined.valid[0].tolist() == [False, False] + kept_valid  # padded on the left
     assert joined.valid[1].all() and joined.ca_keys.shape[:3] == (2, drafter.config.num_key_value_heads, 11)
@@ -558,7 +564,7 @@ def test_concat_rows_equals_each_row_alone(moa):
     for b in range(2):
         assert_close(logits[b], alone[b][0], msg=f"row {b}")
     # the same rows in the other order
-    other = MoATreeState.concat_rows([copy.deepcopy(fresh), copy.deepcopy(kept)])
+    other = drafter.tree_concat_rows([copy.deepcopy(fresh), copy.deepcopy(kept)])
     swapped = _tree(drafter, other, root_pos.flip(0), [t.flip(0) for t in nodes])
     assert_close(swapped.flip(0), logits)
 
@@ -572,6 +578,7 @@ def test_pad_left_keeps_the_logits(moa):
     _feed(drafter, state, cache, seqs, [(0, 6)], lambda b, pos: pos, g)
     nodes = _node_tokens(1, g)
     want = _tree(drafter, copy.deepcopy(state), torch.tensor([5]), nodes)
+    drafter.tree_settle(state)  # a sorted drafter's deeper blocks run the slots they skipped
     state.pad_left(3)  # already wider: nothing
     assert state.num_verified == 6 and state.valid.all()
     state.pad_left(10)
@@ -602,7 +609,7 @@ def test_compact_keeps_the_logits(moa):
     nodes = _node_tokens(2, g)
     root_pos = torch.tensor([8, 9])
     want = _tree(drafter, reference, root_pos, nodes)
-    state.compact()
+    drafter.tree_compact(state)
     assert state.num_verified == 10
     assert state.valid.tolist() == [[False] + [True] * 9, [True] * 10]
     assert state.ca_valid.shape == (2, 10) and state.ca_keys.shape[2] == 10 and state.layers[0].keys.shape[2] == 10
@@ -626,13 +633,27 @@ def test_compact_keeps_the_logits(moa):
     assert state.num_verified < reference.num_verified
 
 
-def test_compact_refuses_a_sorted_drafter():
+def test_sorted_states_settle_before_their_slots_are_re_laid():
+    """A sorted drafter's deeper blocks skip the slots that left at an earlier exit (they run them when a later slot
+    goes deeper); re-laying slots needs every block to hold every slot: refused before `tree_settle`, not after."""
     target = make_target("llama")
-    drafter = sorted_drafter(target, num_blocks=2)
+    drafter = sorted_drafter(target, seed=0, scale=0.2, **SORTED)
+    seqs = _seqs((9,), seed=8)
+    cache, _ = _target_cache(target, seqs)
     with drafter.attached(target):
         state = drafter.tree_start(1)
-    with pytest.raises(ValueError, match="exit 1"):
+        _feed(drafter, state, cache, seqs, [(0, 9)], lambda b, pos: pos, torch.Generator().manual_seed(8))
+        exits = _tree(drafter, copy.deepcopy(state), torch.tensor([8]), _node_tokens(1, torch.Generator()))
+        assert any(block.pending for block in state.deep)
+        with pytest.raises(ValueError, match="tree_settle"):
+            state.compact()
+        with pytest.raises(ValueError, match="tree_concat_rows"):
+            MoATreeState.concat_rows([copy.deepcopy(state), copy.deepcopy(state)])
+        drafter.tree_settle(state)
+        assert not any(block.pending for block in state.deep)
+        assert [block.length for block in state.deep] == [9, 9] == [state.num_verified] * 2
         state.compact()
+        assert_close(_tree(drafter, state, torch.tensor([8]), _node_tokens(1, torch.Generator())), exits)
 
 
 def test_catch_up_with_a_reader_function(moa):
@@ -841,7 +862,7 @@ def test_only_kinds_registered_for_vllm_draft_there():
     reason = unsupported_drafter_reason(make_independent())
     assert "'independent'" in reason and "moa" in reason and "transformers" in reason
     tli = sorted_drafter(target, num_blocks=1, target_layer_inference=1)
-    assert "Target Layer Inference (N=1)" in unsupported_drafter_reason(tli)
+    assert unsupported_drafter_reason(tli) is None  # it runs the target's last layer on a copy of its weights
     hidden = sorted_drafter(target, num_blocks=1, context_final_hidden=True, ca_latest_context=True)
     assert unsupported_drafter_reason(hidden) is None  # its final hidden states come from the step tap
 

@@ -76,19 +76,13 @@ def unsupported_reason(vllm_config, options: MoAVllmOptions) -> str | None:
 
 def unsupported_drafter_reason(drafter) -> str | None:
     """Why moa_hf.vllm cannot draft with this drafter (a sentence), or None: its kind in the drafter-type registry
-    must declare `vllm_support`, and it must not infer the target's last layers (TLI)."""
+    must declare `vllm_support`."""
     record = drafter_type(drafter)
     if not record.vllm_support:
         served = ", ".join(t.kind for t in drafter_types() if t.vllm_support)
         return (
             f"it is a {record.label} (kind {record.kind!r}), which moa_hf.vllm does not serve (it serves: {served}). "
             "Serve it with transformers (`moa_hf.generate` or `assistant_model=`)."
-        )
-    if getattr(drafter.config, "target_layer_inference", 0) > 0:
-        return (
-            f"it uses Target Layer Inference (N={drafter.config.target_layer_inference}): it runs the target's last "
-            "layers on every drafted token, which inside vLLM would need the target's own layers and paged cache for "
-            "drafted positions. Use a drafter with target_layer_inference=0 in vLLM."
         )
     return None
 
@@ -142,17 +136,13 @@ class MoAProposer:
         reason = unsupported_drafter_reason(drafter)
         if reason is not None:
             raise ValueError(f"The drafter {self.options.drafter!r} cannot draft in vLLM: {reason}")
-        view = TargetView(target_model, model_config.hf_config, model_config.model)
+        tli = getattr(drafter.config, "target_layer_inference", 0)
+        view = TargetView(target_model, model_config.hf_config, model_config.model, tli_layers=tli)
         drafter.attach(view, allow_other_target=self.options.allow_other_target)
-        if drafter.config.num_blocks > 1:
+        if getattr(drafter.config, "num_blocks", 1) > 1:  # a sorted drafter: each token leaves at its exit
             thresholds = drafter.exit_thresholds_for(drafter.active_target)
-            if thresholds is None or thresholds[0] > 0:
-                raise ValueError(
-                    f"This sorted drafter drafts adaptively across exits (thresholds {thresholds}); vLLM's proposer "
-                    "drafts at exit 1 only. Set the thresholds to exit 1 (`drafter.set_exit_thresholds("
-                    "fixed_exit_thresholds(1, num_blocks))`, then save it) to serve it in vLLM."
-                )
-            drafter.keep_first_block()  # every token leaves at exit 1: block 1 alone drafts the same tokens
+            if thresholds is not None and thresholds[0] <= 0.0:
+                drafter.keep_first_block()  # every token leaves at exit 1: block 1 alone drafts the same tokens
         self.drafter = drafter.to(device=view.device).eval()
         self.tap.record_hidden = bool(drafter.needs_target_hidden)  # context_final_hidden: states by cache slot
         self._hooks.enter_context(self.tap.installed(target_model))
@@ -311,13 +301,13 @@ class MoAProposer:
             parts.append(state)
             order.append(p)
         self._steady = not fresh and lag <= self.max_tokens + 1  # this step's time is a per-step drafting cost
-        self.state = parts[0] if len(parts) == 1 else type(parts[0]).concat_rows(parts)
+        self.state = parts[0] if len(parts) == 1 else drafter.tree_concat_rows(parts)
         perm = torch.tensor(np.argsort(order))  # back to vLLM's row order
         self.state.select_rows(perm)
         logits = torch.cat(root_logits)[perm]  # [B, V]
         self.rows = [_Row(fed=histories[j]) for j in active]
         if self.state.num_verified > 2 * int(self.state.valid.sum(1).max()) + 64:
-            self.state.compact()  # padding and short catch-ups of some rows left many unused slots
+            drafter.tree_compact(self.state)  # padding and short catch-ups of some rows left many unused slots
         positions = torch.tensor([len(histories[j]) for j in active])  # [B] position of the first drafted token
         # a greedy chain of up to k tokens per row, one `tree_step` per position for all rows
         chains = self.drafter.tree_chain(self.state, logits, positions, k, eos=self.eos, threshold=self.threshold)

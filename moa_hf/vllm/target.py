@@ -53,9 +53,14 @@ class TargetView(nn.Module):
     checkpoint's where vLLM keeps none) and `model.layers`, of which the layers the weights fingerprint samples
     (first, middle, last) hold their checkpoint weights under transformers' names and order (vLLM fuses and, on a
     CPU, repacks them). The drafter borrows the embedding and head and checks the target's signature and weights
-    fingerprint as with a transformers target. Never run as a model."""
+    fingerprint as with a transformers target. Never run as a model.
 
-    def __init__(self, vllm_model: nn.Module, hf_config, checkpoint: str):
+    For a drafter with Target Layer Inference (`tli_layers` N > 0) the last N layers, the final norm and the RoPE
+    are transformers' modules with the checkpoint's weights, on vLLM's device and in its dtype: the drafter runs
+    them on its drafted positions (a copy of N layers' weights; vLLM's own layers need its paged cache and
+    metadata)."""
+
+    def __init__(self, vllm_model: nn.Module, hf_config, checkpoint: str, tli_layers: int = 0):
         super().__init__()
         from transformers import AutoModelForCausalLM
 
@@ -79,22 +84,22 @@ class TargetView(nn.Module):
             head = ckpt.get("lm_head.weight")
         self.lm_head = nn.Linear(embed.shape[1], vocab, bias=False, device="meta")
         self.lm_head.weight = nn.Parameter(head[:vocab] if head is not None else embed, requires_grad=False)
-        layers = skeleton.get_decoder().layers
+        decoder = skeleton.get_decoder()
+        layers = decoder.layers
         sampled = {0, len(layers) // 2, len(layers) - 1}  # what `target_fingerprint` reads
+        run = set(range(len(layers) - tli_layers, len(layers)))  # Target Layer Inference's
         kept = nn.ModuleList()
         for i, layer in enumerate(layers):
-            if i not in sampled:
+            if i not in sampled | run:
                 kept.append(nn.Module())
                 continue
-            for name, _ in list(layer.named_parameters()):
-                tensor = ckpt.get(f"model.layers.{i}.{name}")
-                if tensor is None:  # not in the checkpoint: left on "meta", so no fingerprint (the name is checked)
-                    continue
-                module_name, _, attr = name.rpartition(".")
-                setattr(layer.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
-            kept.append(layer)
+            _load(layer, ckpt, f"model.layers.{i}.", strict=i in run)
+            kept.append(layer.to(device=embed.device, dtype=embed.dtype) if i in run else layer)
         self.model = nn.Module()
         self.model.layers = kept
+        if tli_layers > 0:
+            self.model.norm = _load(decoder.norm, ckpt, "model.norm.", strict=True).to(embed.device, embed.dtype)
+            self.model.rotary_emb = type(decoder.rotary_emb)(config=cfg, device=embed.device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -112,6 +117,25 @@ class TargetView(nn.Module):
 
     def get_decoder(self) -> nn.Module:
         return self.model
+
+
+def _load(module: nn.Module, ckpt: _Checkpoint, prefix: str, strict: bool) -> nn.Module:
+    """Set `module`'s parameters (transformers' names) to the checkpoint's tensors under `prefix`. A parameter not in
+    the checkpoint stays on "meta" (so the fingerprint, which checks names, finds none), or with `strict` (a module
+    that runs) raises."""
+    for name, _ in list(module.named_parameters()):
+        tensor = ckpt.get(prefix + name)
+        if tensor is None:
+            if strict:
+                raise ValueError(
+                    f"The target's checkpoint has no tensor {prefix + name!r}: Target Layer Inference runs the "
+                    "target's last layers with its checkpoint's weights. Serve a drafter with target_layer_inference=0"
+                    " instead."
+                )
+            continue
+        module_name, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
+    return module
 
 
 class StepTap:
