@@ -119,6 +119,7 @@ class MoADraftState(TreeState, RollbackCache):
         c = config
         kv = torch.zeros(batch_size, c.num_key_value_heads, 0, c.head_dim, dtype=dtype, device=device)
         width = c.hidden_size if c.ca_latest_context else 0  # context vectors are kept for `ca_latest_context` only
+        tli = c.target_layer_inference > 0
         return cls(
             **TreeState.empty_fields(batch_size, 1, device),
             ca_keys=kv,  # [B, Hkv, 0, hd]
@@ -130,10 +131,8 @@ class MoADraftState(TreeState, RollbackCache):
             root_exits=torch.ones(batch_size, dtype=torch.long, device=device),  # [B]
             node_exits=torch.ones(batch_size, 0, dtype=torch.long, device=device),  # [B, 0]
             deep=[DeepBlock() for _ in range(c.num_blocks - 1)],
-            tli=DynamicCache() if c.target_layer_inference > 0 else None,
-            tli_valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
-            if c.target_layer_inference
-            else None,
+            tli=DynamicCache() if tli else None,
+            tli_valid=torch.zeros(batch_size, 0, dtype=torch.bool, device=device) if tli else None,  # [B, 0]
         )
 
     def ready(self, config, batch_size: int, dtype, device) -> "MoADraftState":

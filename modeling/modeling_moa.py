@@ -422,64 +422,45 @@ class MoADrafterModel(MoADraftingRoutes, DrafterMixin, MoAPreTrainedModel, Gener
                 none; each a cycle start): k-1 placeholder slots follow each, appended after the sequence
                 (`block_layout`); the outputs then cover T + A*(k-1) slots, the sequence's first.
         """
+        # every drafting cycle of whole sequences at once: `step` over an empty state whose memory is every token's
+        # context, under the staircase masks (position i reads the context of j < start(i))
         with self.using_target(target_name):
-            args = (context, target_kv_held, cycle_starts, sa_mask, target_tli_kv, return_logits, exits)
-            return self._forward(
-                input_ids, target_kv, *args, attention_mask=attention_mask, target_hidden=target_hidden,
-                block_anchors=block_anchors,
+            B, T = input_ids.shape
+            device = input_ids.device
+            pos = torch.arange(T, device=device)
+            if cycle_starts is None:
+                cycle_starts = pos.expand(B, T)
+            if context is None:
+                if target_kv is None:
+                    raise ValueError("forward needs `target_kv` (the target's per-layer keys/values) or `context`.")
+                read = None if attention_mask is None else attention_mask.bool()  # [B, T]: tokens the CA may read
+                states = TargetStates(target_kv, final_hidden=target_hidden, held=target_kv_held)
+                context = self.compute_context(states, where=read, positions=pos)
+            state = MoADraftState.empty(self.config, B, self.dtype, device)
+            state.layers = [None]  # no SA keys kept: the whole sequence is one forward
+            held = torch.ones(B, T, dtype=torch.bool, device=device) if target_kv_held is None else target_kv_held
+            tli_kv, tli = None, None
+            if self.config.target_layer_inference > 0:  # the target's own keys/values: the TLI memory of every token
+                if target_tli_kv is None:
+                    raise ValueError("target_layer_inference > 0: pass `target_tli_kv` (the last N layers' K/V).")
+                first = self.config.target_num_hidden_layers - self.config.target_layer_inference
+                tli_kv = {first + i: kv for i, kv in enumerate(target_tli_kv)}
+                # drafted: start(i) <= j <= i (the memory's j < start(i) is the CA's limit)
+                tli = ((pos[None, None, :] >= cycle_starts[:, :, None]) & (pos[None, :] <= pos[:, None]))[:, None]
+            self.extend(state, context, pos, held, tli_kv, torch.ones_like(held))
+            causal = pos[None, :] <= pos[:, None] if sa_mask is not None else None  # [T, T] only where read
+            mask = None if sa_mask is None else (sa_mask & causal)[:, None]  # None: SDPA's causal kernel, no [T, T]
+            tokens, positions, limit = input_ids, pos, cycle_starts
+            if block_anchors is not None:  # k-1 placeholder slots after each anchor, after the sequence
+                if mask is None:
+                    mask = (pos[None, :] <= pos[:, None])[None, None]  # [1, 1, T, T]
+                tokens, positions, mask, limit = block_layout(
+                    input_ids, cycle_starts, mask, block_anchors, self.config
+                )
+            return self.step(
+                state, tokens, positions, mask, limit, last=None, exits=exits, causal=mask is None, tli=tli,
+                return_logits=return_logits,
             )  # fmt: skip
-
-    def _forward(
-        self,
-        input_ids,
-        target_kv,
-        context,
-        target_kv_held,
-        cycle_starts,
-        sa_mask,
-        target_tli_kv,
-        return_logits,
-        exits,
-        attention_mask=None,
-        target_hidden=None,
-        block_anchors=None,
-    ) -> MoADrafterOutput:
-        """Training's forward: every drafting cycle of whole sequences at once, as `step` over an empty state whose
-        memory is every token's context, under the staircase masks (position i reads the context of j < start(i))."""
-        B, T = input_ids.shape
-        device = input_ids.device
-        pos = torch.arange(T, device=device)
-        if cycle_starts is None:
-            cycle_starts = pos.expand(B, T)
-        if context is None:
-            if target_kv is None:
-                raise ValueError("forward needs `target_kv` (the target's per-layer keys/values) or `context`.")
-            read = None if attention_mask is None else attention_mask.bool()  # [B, T]: tokens the CA may read
-            states = TargetStates(target_kv, final_hidden=target_hidden, held=target_kv_held)
-            context = self.compute_context(states, where=read, positions=pos)
-        state = MoADraftState.empty(self.config, B, self.dtype, device)
-        state.layers = [None]  # no SA keys kept: the whole sequence is one forward
-        held = torch.ones(B, T, dtype=torch.bool, device=device) if target_kv_held is None else target_kv_held
-        tli_kv, tli = None, None
-        if self.config.target_layer_inference > 0:  # the target's own keys/values: the TLI memory of every token
-            if target_tli_kv is None:
-                raise ValueError("target_layer_inference > 0: pass `target_tli_kv` (the last N layers' keys/values).")
-            first = self.config.target_num_hidden_layers - self.config.target_layer_inference
-            tli_kv = {first + i: kv for i, kv in enumerate(target_tli_kv)}
-            # drafted: start(i) <= j <= i (the memory's j < start(i) is the CA's limit)
-            tli = ((pos[None, None, :] >= cycle_starts[:, :, None]) & (pos[None, :] <= pos[:, None]))[:, None]
-        self.extend(state, context, pos, held, tli_kv, torch.ones_like(held))
-        causal = pos[None, :] <= pos[:, None] if sa_mask is not None else None  # [T, T] only where a mask reads it
-        mask = None if sa_mask is None else (sa_mask & causal)[:, None]  # None: SDPA's causal kernel, no [T, T] mask
-        tokens, positions, limit = input_ids, pos, cycle_starts
-        if block_anchors is not None:  # k-1 placeholder slots after each anchor, after the sequence
-            if mask is None:
-                mask = (pos[None, :] <= pos[:, None])[None, None]  # [1, 1, T, T]
-            tokens, positions, mask, limit = block_layout(input_ids, cycle_starts, mask, block_anchors, self.config)
-        return self.step(
-            state, tokens, positions, mask, limit, last=None, exits=exits, causal=mask is None, tli=tli,
-            return_logits=return_logits,
-        )  # fmt: skip
 
     # ----------------------------------------------------------------------------------------------------------------
     # The one forward: training, chains and trees all run it, under their own masks

@@ -113,6 +113,45 @@ def test_drafts_are_accepted(batched):
 
 
 @pytest.fixture(scope="module")
+def served(target, batched, tmp_path_factory) -> dict:
+    """The drafters whose combinations the proposer once refused, served as `batched` serves the default one
+    (batches of 1 and 4; rows join as one batched state, `tree_concat_rows`): Target Layer Inference over all 30
+    layers that is the target itself (`target_as_drafter`: it drafts the target's greedy tokens exactly when its TLI
+    memory, read from vLLM's paged cache, lines up), and a random sorted drafter whose tokens leave at adaptive
+    exits (its deeper blocks settle before rows are re-laid)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from factory import sorted_drafter, target_as_drafter
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    folder = tmp_path_factory.mktemp("drafters")
+    drafters = {
+        "tli": target_as_drafter(model),
+        "sorted": sorted_drafter(model, num_blocks=3, scale=0.02, exit_thresholds=[0.2, 0.2]),
+    }
+    spec = {"batches": [1, 4], "prompts": QUESTIONS, "engine": {"max_num_batched_tokens": 256}, "draft_length": 3}
+    runs = {}
+    for name, drafter in drafters.items():
+        drafter.save_pretrained(folder / name)
+        runs[name] = _run(target, "moa", tmp_path_factory, drafter=str(folder / name), **spec)
+    return runs
+
+
+@pytest.mark.parametrize("name", ["tli", "sorted"])
+def test_tli_and_adaptive_exits_are_lossless_in_vllm(served, batched, name):
+    for alone, moa in zip(batched["vllm"]["rows"], served[name]["rows"]):
+        assert alone["batch"] == moa["batch"]
+        assert moa["outputs"] == alone["outputs"], f"{name}, batch {moa['batch']}"
+        assert moa["drafts"] > 0
+
+
+def test_tli_drafter_that_is_the_target_drafts_what_vllm_accepts(served):
+    for row in served["tli"]["rows"]:  # 3 drafted tokens per step, nearly all accepted (float32 kernels differ)
+        assert row["tokens_per_verify_step"] > 3.5, row
+
+
+@pytest.fixture(scope="module")
 def inproc(target):
     """One MoA engine in this process (no engine subprocess), to reach its proposer."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -99,7 +99,7 @@ class TargetView(nn.Module):
         self.model.layers = kept
         if tli_layers > 0:
             self.model.norm = _load(decoder.norm, ckpt, "model.norm.", strict=True).to(embed.device, embed.dtype)
-            self.model.rotary_emb = type(decoder.rotary_emb)(config=cfg, device=embed.device)
+            self.model.rotary_emb = type(decoder.rotary_emb)(config=cfg).to(embed.device)
 
     @property
     def dtype(self) -> torch.dtype:
