@@ -255,6 +255,7 @@ class MoADraftingRoutes:
             limit = (M - n + 1 + torch.arange(n, device=tokens.device))[None]
             return self.block_forward(state, tokens, sa_mask, limit, positions)[:, 0]
         out = self.step(state, tokens, positions, sa_mask, limit, last=1)
+        state.tli_root = 1 if state.tli is not None else 0  # the root's TLI keys/values stay for every tree step
         state.root_exits = torch.ones_like(tokens[:, -1]) if out.exits is None else out.exits[:, -1]  # [B]
         return out.logits[:, -1]  # [B, V]
 

@@ -14,9 +14,9 @@ Terms, defined once:
 - **cycle start**: a query reads the context of verified tokens only: memory slots its CA mask shows.
 - **TLI memory** (Target Layer Inference, N > 0): per target layer the drafter runs (its last N), the target's own
   keys/values of the tokens whose contexts the memory holds (`tli` [B, Hkv, M, hd] per layer, `tli_valid` [B, M]),
-  then the drafter's own keys/values of the positions it drafted since (the target has none for them yet), which
-  `end_tree` drops. A query reads the TLI memory its CA mask's limit allows, and the drafted positions its route
-  shows it (`MoADrafterModel.step`'s `tli`).
+  then the drafter's own keys/values of the positions it drafted since (the target has none for them yet): a tree's
+  root first (`tli_root` of them, kept until the next catch-up), then the nodes, which `end_tree` drops. A query
+  reads the TLI memory its CA mask's limit allows, and the drafted positions its route shows it (`step`'s `tli`).
 
 This file ships inside every Hub repo as remote code (a sibling of modeling_moa.py): it imports only torch,
 transformers and its sibling files.
@@ -109,6 +109,7 @@ class MoADraftState(TreeState, RollbackCache):
     deep: list[DeepBlock] = field(default_factory=list)
     tli: DynamicCache | None = None
     tli_valid: torch.Tensor | None = None  # [B, M] TLI memory slots holding the target's keys/values
+    tli_root: int = 0  # drafted TLI positions of verified slots (a tree's root), which `end_tree` keeps
     block_logits: torch.Tensor | None = None  # [B, k-1, V] a block's placeholder slots' logits, not yet drafted
     block_root: torch.Tensor | None = None  # [B] the position of the block's first slot (the last verified token)
     block_fed: list = field(default_factory=list)  # [B, 1] tokens drafted from the block, not yet in the SA cache
@@ -185,7 +186,7 @@ class MoADraftState(TreeState, RollbackCache):
                     "This drafter runs the target's last layers (target_layer_inference > 0): its memory needs their "
                     "keys/values of the same tokens as the contexts (`tli_kv`)."
                 )
-            self.end_tli_draft()
+            self.end_tli_draft(keep=0)
             for idx, (k, v) in tli_kv.items():
                 self.tli.update(k, v, idx)
             self.tli_valid = torch.cat([self.tli_valid, valid if tli_valid is None else tli_valid], dim=1)
@@ -220,7 +221,7 @@ class MoADraftState(TreeState, RollbackCache):
                 self.latest = newest_context(self.contexts, self.ca_valid, None)[:, 0].to(self.latest.dtype)
         if self.tli_valid is not None and self.tli_valid.shape[1] > length:
             self.tli_valid = self.tli_valid[:, :length]
-            self.end_tli_draft()
+            self.end_tli_draft(keep=0)
 
     def crop_self(self, length: int) -> None:
         """Keep slots < `length` only; the memory (verified context) stays."""
@@ -228,6 +229,7 @@ class MoADraftState(TreeState, RollbackCache):
             return
         self.clear_block()
         self.end_tree()
+        self.end_tli_draft(keep=0)  # a chain's drafted positions, the first one's too
         self.layers[0].crop(length)
         self.valid, self.tokens = self.valid[:, :length], self.tokens[:, :length]
         crop_deep(self.deep, self.num_verified, length)
@@ -250,13 +252,14 @@ class MoADraftState(TreeState, RollbackCache):
     def end_tree(self) -> None:
         super().end_tree()
         crop_deep(self.deep, self.num_verified, self.num_verified)
-        self.end_tli_draft()
+        self.end_tli_draft(keep=self.tli_root)
 
-    def end_tli_draft(self) -> None:
-        """Drop the drafter's own TLI keys/values (of drafted positions): the TLI memory alone remains."""
+    def end_tli_draft(self, keep: int) -> None:
+        """Drop the drafter's own TLI keys/values (of drafted positions) but the first `keep`."""
+        self.tli_root = min(self.tli_root, keep)
         M = 0 if self.tli_valid is None else self.tli_valid.shape[1]
         for layer in self.tli_layers:
-            layer.keys, layer.values = layer.keys[:, :, :M], layer.values[:, :, :M]
+            layer.keys, layer.values = layer.keys[:, :, : M + keep], layer.values[:, :, : M + keep]
 
     def map_slots(self, fn) -> None:
         """`TreeState.map_slots` for a tree's slot-aligned memory (M == V) as well: the CA's and TLI's (a drafted
@@ -309,6 +312,10 @@ class MoADraftState(TreeState, RollbackCache):
             return [DeepBlock.concat(blocks) for blocks in zip(*values)]
         if name in ("tli", "tli_valid") and values[0] is None:
             return None
+        if name == "tli_root":  # the same for every state caught up on its rows
+            if len(set(values)) > 1:
+                raise ValueError("Cannot join drafting states with and without a tree root's TLI keys/values.")
+            return values[0]
         if name == "tli":
             return _concat_caches(values)
         if name in ("block_logits", "block_root"):  # absent in every state, or tensors (`TreeState` joins those)

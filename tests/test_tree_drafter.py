@@ -156,7 +156,8 @@ def _parents(depth: int, batch: int) -> torch.Tensor:
 @pytest.mark.parametrize("lengths", [(8,), (6, 11, 3)])
 def test_catch_up_and_tree_nodes_equal_the_chain(setup, lengths):
     """(1) the catch-up's logits after prompt + first token, (2) every node of a tree, (3) per row of a left-padded
-    batch: the chain's logits after the same verified tokens and the node's path."""
+    batch: the chain's logits after the same verified tokens and the node's path, also after tree steps that were
+    forgotten (`tree_end`: the engine times the drafter's steps on the caught-up state first)."""
     target, drafter = setup
     g = torch.Generator().manual_seed(len(lengths))
     seqs = _prompts(lengths, seed=len(lengths))
@@ -164,6 +165,11 @@ def test_catch_up_and_tree_nodes_equal_the_chain(setup, lengths):
     logits = _catch_up(target, drafter, state, seqs, [0] * len(seqs), g)
     for b, seq in enumerate(seqs):
         assert_close(logits[b], _chain(target, drafter, seq))
+    root_pos = torch.tensor([len(s) - 1 for s in seqs])[:, None]
+    for width in (1, 3):  # timing probes: nodes at depth 1, dropped again
+        probe = torch.randint(3, 128, (len(seqs), width), generator=g)
+        drafter.tree_step(state, probe, (root_pos + 1).expand_as(probe), torch.full_like(probe, -1))
+        drafter.tree_end(state)
     tree = _Tree(drafter, state, torch.tensor([len(s) - 1 for s in seqs]), g)
     for depth in range(len(TREE)):
         tree.step(_parents(depth, len(seqs)))
