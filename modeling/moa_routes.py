@@ -275,8 +275,10 @@ class MoADraftingRoutes:
                 f"{self.config.block_size} only (`draft_depth_limit`); cap the tree's depth there."
             )
         sa_mask = state.add_nodes(parents)  # [B, 1, k, V+K+k]
-        root = sa_mask.new_ones(*sa_mask.shape[:3], 1)  # TLI: the drafted positions are the root's, then the nodes'
-        tli = torch.cat([root, sa_mask[..., state.num_verified :]], dim=-1)  # [B, 1, k, 1+K+k]
+        tli = None  # TLI: the drafted positions are the root's, then the nodes' (ancestors and itself)
+        if state.tli is not None:
+            root = sa_mask.new_ones(*sa_mask.shape[:3], state.tli_root)  # [B, 1, k, 1]
+            tli = torch.cat([root, sa_mask[..., state.num_verified :]], dim=-1)  # [B, 1, k, 1+K+k]
         out = self.step(state, tokens, positions, sa_mask, None, last=tokens.shape[1], tli=tli)
         state.node_exits = torch.ones_like(tokens) if out.exits is None else out.exits  # [B, k]
         return out.logits  # [B, k, V]
