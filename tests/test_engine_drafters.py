@@ -25,14 +25,19 @@ def _eagle(target, seed=0):
     return EagleDrafterModel(EagleDrafterConfig.from_target_config(target.config, num_hidden_layers=1)).eval()
 
 
-@pytest.mark.parametrize("kind", ["moa", "moa-hidden", "moa-latest", "eagle"])
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3-sliding", "mistral-sliding"])
+FAMILIES = ["llama", "qwen3", "gemma3-sliding", "mistral-sliding"]
+CASES = [(f, k) for f in FAMILIES for k in ("moa", "moa-hidden", "moa-latest", "eagle")]
+CASES += [(f, "moa-tli") for f in FAMILIES if f != "mistral-sliding"]  # TLI: a full-attention last layer
+
+
+@pytest.mark.parametrize("family,kind", CASES)
 def test_real_drafters_lossless_batch1_and_batch3(family, kind):
     target = _peaked(family)
     if kind == "eagle":
         drafter = _eagle(target)
-    else:  # the context reads the target's final hidden states too; the CA's input adds the newest context
-        drafter = _moa(target, context_final_hidden=kind == "moa-hidden", ca_latest_context=kind == "moa-latest")
+    else:  # the context reads the target's final hidden states too; the CA's input adds the newest context; TLI
+        options = {"context_final_hidden": kind == "moa-hidden", "ca_latest_context": kind == "moa-latest"}
+        drafter = _moa(target, target_layer_inference=int(kind == "moa-tli"), **options)
     torch.manual_seed(2)
     seed = torch.randint(3, 128, (4,))
     loop = target.generate(seed[None], max_new_tokens=24, do_sample=False)[0]  # a peaked target repeats itself

@@ -13,7 +13,7 @@ keys/values into the paged cache. One step, for all rows at once:
 3. **Lookup**: the drafter's prompt lookup proposes per row; when every row has a proposal no network runs.
 4. **Catch-up**: the newly verified tokens of every row, context read from vLLM's paged cache at each token's
    previous position (`PagedKVReader`), in one `tree_catch_up` for the continuing rows and one per new row (read
-   from its last `catch_up_window` tokens), joined into one batched state (`MoATreeState.concat_rows`).
+   from its last `catch_up_window` tokens), joined into one batched state (`tree_concat_rows`).
 5. **Draft**: a chain of k tokens per row, one drafter forward per position for all rows (`tree_chain`: the library's
    one chain-drafting loop on `tree_step`), greedy, stopping a row at EOS or below the drafter's confidence threshold.
 
