@@ -234,8 +234,9 @@ class MoADraftingRoutes:
         at position-1; -1: none), read by a `SlotReader`: keys/values of `target_cache` (a transformers cache, or a
         function reading another engine's cache: slots [B, m] -> [B, m, L, 2*Hkv*hd], as `moa_hf.vllm` reads
         vLLM's), with RoPE at position-1; `prev_hidden` [B, n, D]: the target's final hidden states at `prev_slots`
-        (read by a drafter with `context_final_hidden` only). Returns float32 logits [B, V] of the token after each
-        row's last one (the tree root's children), from the exit each row's root leaves at."""
+        (read by a drafter with `context_final_hidden` only). With TLI, the same read gives the TLI memory (the
+        target's last N layers' keys/values there). Returns float32 logits [B, V] of the token after each row's last
+        one (the tree root's children), from the exit each row's root leaves at."""
         if self.config.context_final_hidden and prev_hidden is None:
             raise ValueError(
                 "tree_catch_up of a MoA drafter with context_final_hidden=True (`needs_target_hidden`) needs "
@@ -262,8 +263,9 @@ class MoADraftingRoutes:
     @torch.no_grad()
     def tree_step(self, state, tokens, positions, parents) -> torch.Tensor:
         """Feed one depth of tree nodes: `tokens`, `positions`, `parents` [B, k] (`TreeState.add_nodes`). Each node
-        sees in SA the row's verified tokens, its ancestors and itself; in CA the verified context. Returns float32
-        logits [B, k, V] of each node's next token (a sorted drafter's nodes each from their own exit)."""
+        sees in SA the row's verified tokens, its ancestors and itself; in CA the verified context; with TLI the TLI
+        memory, the root's and its ancestors' positions and itself. Returns float32 logits [B, k, V] of each node's
+        next token (a sorted drafter's nodes each from their own exit)."""
         block = state.block_row(positions)  # a block drafter's logits after these positions: no forward
         if block is not None:
             state.node_exits = torch.ones_like(tokens)  # [B, k]
