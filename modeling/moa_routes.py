@@ -109,7 +109,7 @@ class MoADraftingRoutes:
         start = cache.context_length
         positions = torch.arange(start, start + T, device=context.device)
         valid = torch.ones(T, dtype=torch.bool) if valid is None else valid
-        everywhere = torch.ones(B, T, dtype=torch.bool, device=context.device)
+        everywhere = None if tli_kv is None else torch.ones(B, T, dtype=torch.bool, device=context.device)
         self.extend(cache, context, positions, valid.to(context.device)[None].expand(B, T), tli_kv, everywhere)
 
     def draft_step(self, new_ids: torch.Tensor, cache: MoADraftState) -> torch.Tensor:

@@ -365,8 +365,8 @@ class MoADrafterModel(MoADraftingRoutes, DrafterMixin, MoAPreTrainedModel, Gener
         if self._attachment is None:
             raise RuntimeError("target_layer_inference > 0 runs the target's last layers: attach the drafter first.")
         B, t = h.shape[:2]
-        M = state.tli_valid.shape[1]
-        D = state.tli_layers[0].keys.shape[2] - M if state.tli_layers else 0
+        M, layers = state.tli_valid.shape[1], state.tli_layers
+        D = layers[0].keys.shape[2] - M if layers else 0  # drafted positions held
         memory = memory_mask(state.tli_valid, None if limit is None else limit[..., -t:])  # [B, 1 or t, M]
         if drafted is None:  # a chain: every position drafted so far, then these causally
             drafted = torch.ones(t, D + t, dtype=torch.bool, device=h.device).tril(D)[None, None]  # [1, 1, t, D+t]
@@ -443,8 +443,7 @@ class MoADrafterModel(MoADraftingRoutes, DrafterMixin, MoAPreTrainedModel, Gener
             if self.config.target_layer_inference > 0:  # the target's own keys/values: the TLI memory of every token
                 if target_tli_kv is None:
                     raise ValueError("target_layer_inference > 0: pass `target_tli_kv` (the last N layers' K/V).")
-                first = self.config.target_num_hidden_layers - self.config.target_layer_inference
-                tli_kv = {first + i: kv for i, kv in enumerate(target_tli_kv)}
+                tli_kv = dict(zip(self.tli_layer_ids, target_tli_kv))
                 # drafted: start(i) <= j <= i (the memory's j < start(i) is the CA's limit)
                 tli = ((pos[None, None, :] >= cycle_starts[:, :, None]) & (pos[None, :] <= pos[:, None]))[:, None]
             self.extend(state, context, pos, held, tli_kv, torch.ones_like(held))

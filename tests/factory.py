@@ -151,14 +151,16 @@ def sorted_drafter(target, num_blocks: int = 3, seed: int = 0, scale: float = 0.
     return drafter.eval()
 
 
-def target_as_drafter(target) -> MoADrafterModel:
+def target_as_drafter(target, noise: float = 0.0) -> MoADrafterModel:
     """A MoA drafter that is its target: Target Layer Inference over all L layers, and SA and CA that add nothing
     (their output projections zero), so its feature is the token's embedding and TLI runs the whole target on it
     with the target's keys/values of the verified tokens (its TLI memory) and its own of the drafted ones. Every
-    token it drafts is the target's greedy one exactly where that memory lines up with the target's cache."""
+    token it drafts is the target's greedy one exactly where that memory lines up with the target's cache.
+    `noise` > 0 draws those projections with that std instead (seed 0): a drafter that is often, not always, right."""
     import moa_hf
 
     drafter = moa_hf.build_drafter(target, target_layer_inference=target.config.num_hidden_layers)
+    g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for linear in (
             drafter.self_attention.self_attn.o_proj,
@@ -166,7 +168,7 @@ def target_as_drafter(target) -> MoADrafterModel:
             drafter.cross_attention.attn.o_proj,
             drafter.cross_attention.mlp.down_proj,
         ):
-            linear.weight.zero_()
+            linear.weight.copy_(torch.randn(linear.weight.shape, generator=g) * noise)
     drafter.generation_config.assistant_confidence_threshold = 0.0
     return drafter.eval()
 

@@ -405,7 +405,8 @@ def test_lookup_hybrid_is_exact_and_reads_context_lazily(tli):
         drafter.extend_context(eager, drafter.compute_context(states), tli_kv=tli_kv or None)
     assert_close(cache.ca_keys, eager.ca_keys)
     assert_close(cache.ca_values, eager.ca_values)
-    assert len(cache.tli_layers) == tli and cache.tli_valid is None if not tli else cache.tli_valid.all()
+    assert len(cache.tli_layers) == tli
+    assert cache.tli_valid is None if not tli else bool(cache.tli_valid.all())
     for lazy, once in zip(cache.tli_layers, eager.tli_layers):  # TLI memory: the target's keys/values as read at once
         assert_close(lazy.keys[:, :, :M], once.keys)
         assert_close(lazy.values[:, :, :M], once.values)

@@ -11,13 +11,17 @@ chain (depth 4). Writes {question: {route: [tokens, calls(, drafted)]}}.
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 
 import moa_hf
 
-SPEC_BENCH = Path(__file__).resolve().parents[4] / "shared" / "data" / "spec_bench" / "question.jsonl"
+ROOT = Path(__file__).resolve().parents[3]
+SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+sys.path.insert(0, str(ROOT / "tests"))
+from factory import target_as_drafter  # noqa: E402  the tests' constructor of a drafter that is its target
 
 
 def main() -> None:
@@ -30,18 +34,7 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     target, tok = moa_hf.load_target("default", dtype=torch.float32)
-    drafter = moa_hf.build_drafter(target, target_layer_inference=target.config.num_hidden_layers)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for linear in (
-            drafter.self_attention.self_attn.o_proj,
-            drafter.self_attention.mlp.down_proj,
-            drafter.cross_attention.attn.o_proj,
-            drafter.cross_attention.mlp.down_proj,
-        ):
-            linear.weight.copy_(torch.randn(linear.weight.shape, generator=g) * args.noise)
-    drafter = drafter.float().eval()
-    drafter.generation_config.assistant_confidence_threshold = 0.0
+    drafter = target_as_drafter(target, noise=args.noise).float()
     drafter.generation_config.num_assistant_tokens = 4
     drafter.config.lookup_num_tokens = 0
     questions = [json.loads(line) for line in open(args.questions)][::10][:4]
